@@ -1,0 +1,35 @@
+# One command sets up and tests from a clean clone: `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
+DATA ?= ../shared/data/commonsense
+
+.PHONY: test install lint format demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix src tests bench
+
+test: lint
+	FEDLORA_DATA=$(DATA) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	FEDLORA_DATA=$(DATA) $(BIN)/fedlora run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

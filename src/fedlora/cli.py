@@ -1,0 +1,47 @@
+"""The `fedlora` command line. Each subcommand lives in `fedlora.commands.<name>` and exposes
+``register(subparsers)``; this file only wires them and turns bad input into exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from fedlora import __version__
+from fedlora.errors import FedloraError
+
+# Order is the order of `fedlora --help`.
+COMMANDS = ("config",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedlora",
+        description="Federated LoRA fine-tuning over heterogeneous wireless networks.",
+    )
+    parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"fedlora.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except FedloraError as e:
+        print(f"fedlora {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fedlora {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

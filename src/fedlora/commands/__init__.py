@@ -1,0 +1,1 @@
+"""One module per `fedlora` subcommand; each exposes ``register(subparsers)``."""

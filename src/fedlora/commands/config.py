@@ -1,0 +1,21 @@
+"""`fedlora config show [--config F] [key=value ...]`: print the fully resolved TOML."""
+
+from __future__ import annotations
+
+import argparse
+
+from fedlora.config import dump_toml, load_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="show the fully resolved configuration")
+    csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = csub.add_parser("show", help="print the resolved config as TOML")
+    show.add_argument("--config", "-c", help="TOML file to start from (defaults otherwise)")
+    show.add_argument("overrides", nargs="*", metavar="section.key=value")
+    show.set_defaults(func=run_show)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    print(dump_toml(load_config(args.config, args.overrides)), end="")
+    return 0

@@ -1,0 +1,495 @@
+"""Experiment configuration: frozen dataclasses, defaults in one place, TOML in and out.
+
+A whole experiment is an `ExperimentConfig` of eight sections (model, lora, data, network,
+training, method, planner, output). Every field is validated in its section's
+``__post_init__``; a bad value raises `ConfigError` naming ``section.field``, the value and
+what is allowed. Unknown keys are errors with a suggestion of the closest valid key.
+
+    cfg = load_config("configs/demo.toml", ["training.rounds=5", "method.q=[0.5, 0.5]"])
+    print(dump_toml(cfg))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from fedlora.errors import ConfigError, bad_value
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise bad_value(name, value, f"allowed: {', '.join(choices)}")
+
+
+def _check_number(
+    name: str,
+    value: float,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise bad_value(name, value, "must be a number")
+    if math.isinf(value):
+        raise bad_value(name, value, "must be finite")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        sym = ">" if lo_open else ">="
+        raise bad_value(name, value, f"must be {sym} {lo}")
+    if hi is not None and (value > hi or (hi_open and value == hi)):
+        sym = "<" if hi_open else "<="
+        raise bad_value(name, value, f"must be {sym} {hi}")
+
+
+def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_value(name, value, "must be an integer")
+    _check_number(name, value, lo=lo, hi=hi)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The frozen base model. `name`: a hub id, a local directory, `smollm2-135m`, or
+    `tiny-llama` / `tiny-qwen2` (random-init test models)."""
+
+    name: str = "smollm2-135m"
+    dtype: str = "bf16"  # compute precision of the frozen base: fp32 | bf16
+    threads: int = 0  # torch threads; 0 = torch's default
+    cache_dir: str = ""  # where converted models are kept; "" = ~/.cache/fedlora
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise bad_value("model.name", self.name, "a non-empty model spec")
+        _check_choice("model.dtype", self.dtype, ("fp32", "bf16"))
+        _check_int("model.threads", self.threads, lo=0)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The global adapter: rank γ on `target_modules` of all layers or the top K."""
+
+    rank: int = 16  # γ
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    layers: Union[str, int] = "all"  # "all" or K (the top K layers)  # noqa: UP007
+
+    def __post_init__(self) -> None:
+        _check_int("lora.rank", self.rank, lo=1)
+        _check_number("lora.alpha", self.alpha, lo=0, lo_open=True)
+        _check_number("lora.dropout", self.dropout, lo=0, hi=1, hi_open=True)
+        if not self.target_modules or not all(
+            isinstance(m, str) and m for m in self.target_modules
+        ):
+            raise bad_value("lora.target_modules", self.target_modules, "a non-empty list of names")
+        if isinstance(self.layers, str):
+            if self.layers != "all":
+                raise bad_value("lora.layers", self.layers, '"all" or a positive integer K')
+        else:
+            _check_int("lora.layers", self.layers, lo=1)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Tasks, the federated partition and the evaluation subset."""
+
+    data_dir: str = ""  # LLM-Adapters layout; "" = $FEDLORA_DATA, else the hub
+    tasks: tuple[str, ...] = ("arc-e", "arc-c", "obqa", "boolq")  # training mix
+    task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
+    eval_tasks: tuple[str, ...] = ("arc-e",)
+    eval_limit: int = 200  # examples per eval task (seeded subset); 0 = whole test set
+    train_limit: int = 0  # examples per training task (seeded subset); 0 = all
+    max_seq_len: int = 128
+    n_clients: int = 20  # N
+    partition_key: str = "task"  # task | label
+    dirichlet_alpha: float = 0.1
+    min_client_examples: int = 8
+
+    def __post_init__(self) -> None:
+        if not self.tasks and not self.task_files:
+            raise bad_value("data.tasks", self.tasks, "at least one task or task file")
+        _check_int("data.eval_limit", self.eval_limit, lo=0)
+        _check_int("data.train_limit", self.train_limit, lo=0)
+        _check_int("data.max_seq_len", self.max_seq_len, lo=16)
+        _check_int("data.n_clients", self.n_clients, lo=1)
+        _check_choice("data.partition_key", self.partition_key, ("task", "label"))
+        _check_number("data.dirichlet_alpha", self.dirichlet_alpha, lo=0, lo_open=True)
+        _check_int("data.min_client_examples", self.min_client_examples, lo=1)
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Client compute and wireless channel (paper §IV), and the cost models (PAPER_NOTES #4–6).
+
+    Profiles come from `profiles_file` (CSV or JSON, one row per client with `tau_full_s`,
+    `t_full`) or are generated: lognormal per-step compute times and a path-loss channel.
+    """
+
+    profiles_file: str = ""
+    f_tot_hz: float = 20e6  # total uplink band shared by the sampled clients
+    step_time_median_s: float = 0.2  # local SGD step at k = γ, median over clients
+    step_time_sigma: float = 0.5  # lognormal σ of the per-client step time
+    distance_min_m: float = 20.0
+    distance_max_m: float = 200.0
+    path_loss_exponent: float = 3.5
+    path_loss_ref_db: float = 38.0  # path loss at 1 m
+    tx_power_dbm: float = 20.0
+    noise_psd_dbm_hz: float = -174.0
+    fading: str = "none"  # none | rayleigh (block fading, redrawn every round)
+    bits_per_param: int = 16  # what one uploaded parameter costs on the air
+    comm_cost: str = "exact"  # exact (bits actually sent) | linear | quadratic (paper)
+    comp_cost: str = "affine"  # affine | linear | quadratic (paper)
+    rho: float = 0.9  # affine compute: share of the step that does not shrink with k
+    downlink_rate_bps: float = 0.0  # broadcast rate; 0 = downlink is free (paper)
+
+    def __post_init__(self) -> None:
+        _check_number("network.f_tot_hz", self.f_tot_hz, lo=0, lo_open=True)
+        _check_number("network.step_time_median_s", self.step_time_median_s, lo=0, lo_open=True)
+        _check_number("network.step_time_sigma", self.step_time_sigma, lo=0)
+        _check_number("network.distance_min_m", self.distance_min_m, lo=0, lo_open=True)
+        _check_number("network.distance_max_m", self.distance_max_m, lo=self.distance_min_m)
+        _check_number("network.path_loss_exponent", self.path_loss_exponent, lo=0)
+        _check_number("network.path_loss_ref_db", self.path_loss_ref_db)
+        _check_number("network.tx_power_dbm", self.tx_power_dbm)
+        _check_number("network.noise_psd_dbm_hz", self.noise_psd_dbm_hz)
+        _check_choice("network.fading", self.fading, ("none", "rayleigh"))
+        _check_int("network.bits_per_param", self.bits_per_param, lo=1, hi=64)
+        _check_choice("network.comm_cost", self.comm_cost, ("exact", "linear", "quadratic"))
+        _check_choice("network.comp_cost", self.comp_cost, ("affine", "linear", "quadratic"))
+        _check_number("network.rho", self.rho, lo=0, hi=1)
+        _check_number("network.downlink_rate_bps", self.downlink_rate_bps, lo=0)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The round loop: local SGD, evaluation, stopping and checkpoints."""
+
+    rounds: int = 30  # maximum rounds
+    local_steps: int = 10  # H
+    batch_size: int = 4  # b
+    lr: float = 0.05  # η (plain SGD, as in the paper's analysis)
+    slots: int = 5  # clients trained together in one forward/backward
+    eval_every: int = 5  # E
+    seed: int = 0
+    target_accuracy: float = 0.0  # stop when reached; 0 = off
+    time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
+    checkpoint_every: int = 5
+
+    def __post_init__(self) -> None:
+        _check_int("training.rounds", self.rounds, lo=1)
+        _check_int("training.local_steps", self.local_steps, lo=1)
+        _check_int("training.batch_size", self.batch_size, lo=1)
+        _check_number("training.lr", self.lr, lo=0, lo_open=True)
+        _check_int("training.slots", self.slots, lo=1)
+        _check_int("training.eval_every", self.eval_every, lo=1)
+        _check_int("training.seed", self.seed, lo=0)
+        _check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
+        _check_number("training.time_budget_s", self.time_budget_s, lo=0)
+        _check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
+
+
+METHODS = ("sketched", "fedavg", "proposed", "fslora", "heterolora", "fedstacklora", "flexlora")
+Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
+K_STRATEGIES = ("full", "normal", "uniform")
+
+
+def _check_vector_or_strategy(
+    name: str, value: Any, strategies: tuple[str, ...], *, integer: bool
+) -> None:
+    """A per-client field: a strategy name, a file path (.json/.csv), or an explicit list."""
+    if isinstance(value, str):
+        if value in strategies or value.endswith((".json", ".csv")):
+            return
+        raise bad_value(
+            name, value, f"a strategy ({', '.join(strategies)}), a .json/.csv file, or a list"
+        )
+    if not isinstance(value, tuple) or not value:
+        raise bad_value(name, value, "a strategy name, a file, or a non-empty list")
+    for i, v in enumerate(value):
+        if integer:
+            _check_int(f"{name}[{i}]", v, lo=1)
+        else:
+            _check_number(f"{name}[{i}]", v, lo=0, hi=1, lo_open=True)
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """The federated method and its per-client sampling probabilities q and sketch sizes k."""
+
+    name: str = "sketched"
+    q: Union[str, tuple[float, ...]] = "fixed"  # noqa: UP007
+    q_fixed: float = 0.2  # the value of the "fixed" strategy
+    k: Union[str, tuple[int, ...]] = "uniform"  # noqa: UP007
+    clients_per_round: int = 0  # uniform sampling without replacement (fedavg/fslora); 0 = all
+
+    def __post_init__(self) -> None:
+        _check_choice("method.name", self.name, METHODS)
+        _check_vector_or_strategy("method.q", self.q, Q_STRATEGIES, integer=False)
+        _check_number("method.q_fixed", self.q_fixed, lo=0, hi=1, lo_open=True)
+        _check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
+        _check_int("method.clients_per_round", self.clients_per_round, lo=0)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Algorithm 2 options (PAPER_NOTES #1–#11)."""
+
+    solver: str = "exact"  # exact | cvxpy
+    estimation_matrix: str = "fixed"  # fixed | paper (keeps the 1/R1 typo in row 2)
+    q_lower_bound: str = "per_client"  # per_client | paper | none
+    m_search: str = "exact"  # exact | grid
+    m_range: str = "feasible"  # feasible | paper
+    grid_eps: float = 0.0  # grid step for m_search = grid; 0 = (range)/200
+    max_iterations: int = 50
+    calibration_loss: float = 0.0  # F_s for the `proposed` calibration runs; 0 = auto
+
+    def __post_init__(self) -> None:
+        _check_choice("planner.solver", self.solver, ("exact", "cvxpy"))
+        _check_choice("planner.estimation_matrix", self.estimation_matrix, ("fixed", "paper"))
+        _check_choice("planner.q_lower_bound", self.q_lower_bound, ("per_client", "paper", "none"))
+        _check_choice("planner.m_search", self.m_search, ("exact", "grid"))
+        _check_choice("planner.m_range", self.m_range, ("feasible", "paper"))
+        _check_number("planner.grid_eps", self.grid_eps, lo=0)
+        _check_int("planner.max_iterations", self.max_iterations, lo=1)
+        _check_number("planner.calibration_loss", self.calibration_loss, lo=0)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where a run writes: ``<dir>/<name>/``."""
+
+    dir: str = "runs"
+    name: str = ""  # "" = "<method>-seed<seed>"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            raise bad_value("output.dir", self.dir, "a non-empty path")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        n = self.data.n_clients
+        for name in ("q", "k"):
+            value = getattr(self.method, name)
+            if isinstance(value, tuple) and len(value) != n:
+                raise bad_value(
+                    f"method.{name}",
+                    value,
+                    f"one entry per client: data.n_clients = {n}, got {len(value)}",
+                )
+        if isinstance(self.method.k, tuple) and max(self.method.k) > self.lora.rank:
+            raise bad_value(
+                "method.k", self.method.k, f"every k_n must be in 1..lora.rank = {self.lora.rank}"
+            )
+        if self.method.clients_per_round > n:
+            raise bad_value(
+                "method.clients_per_round",
+                self.method.clients_per_round,
+                f"at most data.n_clients = {n}",
+            )
+
+    def replace(self, **sections: Any) -> ExperimentConfig:
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            f.name: {k: _to_plain(v) for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
+            for f in dataclasses.fields(self)
+        }
+
+
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(ExperimentConfig)[f.name]
+    for f in dataclasses.fields(ExperimentConfig)
+}
+
+
+def _to_plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else f" (valid: {', '.join(valid)})"
+
+
+def _coerce(qualname: str, hint: Any, value: Any) -> Any:
+    """Convert a TOML value to the field's declared type; no silent clamping."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        # a string for a union field stays a string (a strategy, a path, "all")
+        if isinstance(value, str) and str in options:
+            return value
+        errors = []
+        for option in options:
+            if option is str:
+                continue
+            try:
+                return _coerce(qualname, option, value)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise bad_value(qualname, value, "; ".join(errors) or "wrong type")
+    if origin is tuple:
+        (item,) = typing.get_args(hint)[:1]
+        if isinstance(value, str) and item is str:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise bad_value(qualname, value, "a list")
+        return tuple(_coerce(f"{qualname}[{i}]", item, v) for i, v in enumerate(value))
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_value(qualname, value, "a number")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                raise bad_value(qualname, value, "an integer (write it without a decimal point)")
+            raise bad_value(qualname, value, "an integer")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad_value(qualname, value, "true or false")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad_value(qualname, value, "a string")
+        return value
+    return value
+
+
+def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> ExperimentConfig:
+    """Build and validate an `ExperimentConfig` from nested ``{section: {key: value}}``."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a table of sections, got {type(raw).__name__}")
+    sections: dict[str, Any] = {}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown section [{section}]{_suggest(section, list(SECTIONS))}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table, got {values!r}")
+        cls = SECTIONS[section]
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in hints:
+                valid = [f.name for f in dataclasses.fields(cls)]
+                raise ConfigError(f"{source}: unknown key {section}.{key}{_suggest(key, valid)}")
+            kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+        sections[section] = cls(**kwargs)
+    return ExperimentConfig(**sections)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse ``section.key=value``; the value is read as TOML, else taken as a bare string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is invalid: expected section.key=value")
+    path, raw_value = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override {text!r} is invalid: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw_value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw_value.strip()
+    return parts[0], parts[1], value
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a TOML file; unreadable or malformed files raise `ConfigError` with the position."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: typing.Sequence[str] = ()
+) -> ExperimentConfig:
+    """Defaults, then the TOML file at `path` (if any), then ``section.key=value`` overrides."""
+    raw: dict[str, Any] = read_toml(path) if path else {}
+    source = str(path) if path else "config"
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        table[key] = value
+    return config_from_dict(raw, source=source)
+
+
+# ----------------------------------------------------------------------------- TOML out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        return f'"{escaped}"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_toml(config: ExperimentConfig) -> str:
+    """The fully resolved config as TOML; `load_config` reads it back to an equal config."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def diff_configs(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:
+    """The ``section.key`` names whose values differ between two configs."""
+    da, db = a.to_dict(), b.to_dict()
+    return [f"{s}.{k}" for s in da for k in da[s] if da[s][k] != db[s][k]]

@@ -1,0 +1,168 @@
+"""Sketching, independent client sampling and unbiased aggregation (paper §II, Eq. 3–6).
+
+Pure numpy; every random draw takes an explicit `numpy.random.Generator`.
+
+A sketch of size k out of rank γ is a uniformly random index set Γ ⊆ {0..γ-1}, |Γ| = k,
+with scale γ/k, so that S = (γ/k) Σ_{j∈Γ} e_j e_jᵀ has E[S] = I (each index is included
+with probability k/γ).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from fedlora.errors import ConfigError, bad_value
+
+__all__ = [
+    "check_q",
+    "check_k",
+    "sketch_indices",
+    "sketch_masks",
+    "sketch_scale_vectors",
+    "truncation_scale_vectors",
+    "sample_participants",
+    "aggregation_weights",
+    "unbiased_aggregate",
+    "algorithm1_literal_aggregate",
+]
+
+
+def check_q(q: Sequence[float] | np.ndarray, name: str = "q") -> np.ndarray:
+    """Validate sampling probabilities: every q_n in (0, 1], finite. Never clamps."""
+    q = np.asarray(q, dtype=float)
+    if q.ndim != 1 or q.size == 0:
+        raise bad_value(name, q.tolist(), "a non-empty 1-D vector")
+    bad = np.flatnonzero(~(np.isfinite(q) & (q > 0) & (q <= 1)))
+    if bad.size:
+        i = int(bad[0])
+        raise bad_value(f"{name}[{i}]", float(q[i]), "each q_n must lie in (0, 1]")
+    return q
+
+
+def check_k(k: Sequence[int] | np.ndarray, gamma: int, name: str = "k") -> np.ndarray:
+    """Validate sketch sizes: integers in 1..γ (PAPER_NOTES #12: k_n = 0 is not allowed)."""
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
+        raise bad_value("gamma", gamma, "the LoRA rank γ must be an integer >= 1")
+    arr = np.asarray(k)
+    if arr.ndim != 1 or arr.size == 0:
+        raise bad_value(name, arr.tolist(), "a non-empty 1-D vector")
+    if not np.issubdtype(arr.dtype, np.integer):
+        as_float = arr.astype(float)
+        if not np.all(np.isfinite(as_float)) or not np.all(as_float == np.round(as_float)):
+            raise bad_value(name, arr.tolist(), "integers in 1..γ")
+    arr = arr.astype(np.int64)
+    bad = np.flatnonzero((arr < 1) | (arr > gamma))
+    if bad.size:
+        i = int(bad[0])
+        raise bad_value(f"{name}[{i}]", int(arr[i]), f"each k_n must be in 1..γ = 1..{gamma}")
+    return arr
+
+
+def sketch_indices(gamma: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Eq. (3): a uniformly random k-subset of {0..γ-1}, sorted. Scale is γ/k.
+
+    Edge cases: k = γ gives every index (the full adapter); k = 1 a single index.
+    """
+    check_k([k], gamma)
+    return np.sort(rng.choice(gamma, size=int(k), replace=False))
+
+
+def sketch_masks(gamma: int, k: Sequence[int] | np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """0/1 masks for many clients at once: (C, γ) with exactly k_c ones in row c.
+
+    Vectorised: one uniform key per (client, index); the k_c smallest keys of a row form a
+    uniformly random k_c-subset (all orderings of i.i.d. keys are equally likely).
+    """
+    k = check_k(k, gamma)
+    keys = rng.random((k.size, gamma))  # (C, γ)
+    ranks = np.argsort(np.argsort(keys, axis=1), axis=1)  # (C, γ): rank of each key in its row
+    return (ranks < k[:, None]).astype(np.float64)
+
+
+def sketch_scale_vectors(
+    gamma: int, k: Sequence[int] | np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """The diagonals of S_n (C, γ): γ/k_n on the sketched indices, 0 elsewhere. E = ones."""
+    k = check_k(k, gamma)
+    return sketch_masks(gamma, k, rng) * (gamma / k)[:, None]
+
+
+def truncation_scale_vectors(gamma: int, ranks: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Rank truncation (HeteroLoRA-style) as a scale vector (C, γ): 1 on the first r_n, unscaled."""
+    r = check_k(ranks, gamma, name="rank")
+    return (np.arange(gamma)[None, :] < r[:, None]).astype(np.float64)
+
+
+def sample_participants(q: Sequence[float] | np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Independent Bernoulli participation 𝕀_n ~ Bernoulli(q_n): sorted participant indices.
+
+    The result can be empty (PAPER_NOTES #13): the caller records a round with no update.
+    """
+    q = check_q(q)
+    return np.flatnonzero(rng.random(q.size) < q)
+
+
+def aggregation_weights(
+    a: Sequence[float] | np.ndarray, q: Sequence[float] | np.ndarray, participants: np.ndarray
+) -> np.ndarray:
+    """a_n / q_n for each participant (the unbiased weights of Eq. 6)."""
+    a = np.asarray(a, dtype=float)
+    q = check_q(q)
+    if a.shape != q.shape:
+        raise ConfigError(f"a and q must have one entry per client: got {a.size} and {q.size}")
+    participants = np.asarray(participants, dtype=np.int64)
+    return a[participants] / q[participants]
+
+
+def unbiased_aggregate(
+    global_params: Mapping[str, np.ndarray],
+    client_params: Sequence[Mapping[str, np.ndarray]],
+    weights: Sequence[float] | np.ndarray,
+) -> dict[str, np.ndarray]:
+    """Eq. (6) as PAPER_NOTES #7: X ← X − Σ_{n∈K} (a_n/q_n)(X − X_n^H).
+
+    `weights` are a_n/q_n of the participants, in the order of `client_params`. With no
+    participant the global parameters are returned unchanged (copied). Taking expectation
+    over 𝕀_n ~ Bernoulli(q_n) gives E[X⁺] = X − Σ_n a_n (X − X_n) = Σ_n a_n X_n when Σ a_n = 1.
+    """
+    weights = np.asarray(weights, dtype=float)
+    if len(client_params) != weights.size:
+        raise ConfigError(
+            f"one weight per participant: got {weights.size} weights for {len(client_params)} clients"
+        )
+    out = {}
+    for name, x in global_params.items():
+        x = np.asarray(x)
+        delta = np.zeros_like(x, dtype=np.result_type(x.dtype, np.float64))
+        for w, client in zip(weights, client_params):
+            delta += w * (x - np.asarray(client[name]))
+        out[name] = (x - delta).astype(x.dtype, copy=False)
+    return out
+
+
+def algorithm1_literal_aggregate(
+    global_params: Mapping[str, np.ndarray],
+    client_params: Sequence[Mapping[str, np.ndarray]],
+    a: np.ndarray,
+    q: np.ndarray,
+    participants: np.ndarray,
+    lr: float,
+) -> dict[str, np.ndarray]:
+    """Algorithm 1, lines 13 and 16–17, taken literally (biased; kept to show PAPER_NOTES #7).
+
+    Clients send ΔX/q_n with ΔX = X − X_n^H (already containing η); the server applies
+    X ← X − η Σ a_n 𝕀_n (1/q_n) · (ΔX/q_n): one η and one 1/q too many.
+    """
+    a = np.asarray(a, dtype=float)
+    q = np.asarray(q, dtype=float)
+    out = {}
+    for name, x in global_params.items():
+        x = np.asarray(x, dtype=float)
+        total = np.zeros_like(x)
+        for n, client in zip(participants, client_params):
+            sent = (x - np.asarray(client[name], dtype=float)) / q[n]
+            total += a[n] / q[n] * sent
+        out[name] = x - lr * total
+    return out
