@@ -1,0 +1,637 @@
+"""The federated round engine: Algorithm 1 end to end with a simulated wireless clock.
+
+One run, top to bottom:
+
+    setup      config → run directory, model + LoRA slots, data partition, client profiles, method
+    per round  plan (who, which sketch) → local training (client-batched, `slots` at a time)
+               → aggregate → round time from the exact bits sent → evaluate every E rounds
+               → append one line to metrics.jsonl → checkpoint every C rounds
+    finish     final adapter (PEFT format), summary.json
+
+Randomness: every draw of round r comes from a generator derived from (seed, stream, r, ...)
+(`derive_rng`), so a resumed run replays exactly the draws of an uninterrupted one and a
+Flower client can rebuild its own batches. Streams: partition, profiles, strategy, sampling,
+sketch, data, fading, torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.config import ExperimentConfig, diff_configs, dump_toml, load_config
+from fedlora.errors import ConfigError, FedloraError
+from fedlora.methods import Method, RoundPlan, make_method
+from fedlora.network import (
+    ClientProfiles,
+    allocate_bandwidth,
+    comm_factor,
+    comp_factor,
+    generate_profiles,
+    load_profiles,
+    profiles_to_rows,
+    rayleigh_gains,
+    spectral_efficiency,
+)
+
+STREAMS = {
+    "partition": 1,
+    "profiles": 2,
+    "strategy": 3,
+    "sampling": 4,
+    "sketch": 5,
+    "data": 6,
+    "fading": 7,
+    "torch": 8,
+    "init": 9,
+}
+
+
+class TrainingDiverged(FedloraError):
+    """A non-finite training loss: the run stops and keeps its last good checkpoint."""
+
+
+def derive_rng(seed: int, stream: str, *ids: int) -> np.random.Generator:
+    """An independent generator for (seed, stream, ids...), e.g. ('sampling', round)."""
+    return np.random.default_rng([seed, STREAMS[stream], *ids])
+
+
+def derive_seed(seed: int, stream: str, *ids: int) -> int:
+    return int(derive_rng(seed, stream, *ids).integers(2**62))
+
+
+# ----------------------------------------------------------------------------- run directory
+
+
+def run_dir_for(cfg: ExperimentConfig, out: str | None = None) -> Path:
+    if out:
+        return Path(out)
+    name = cfg.output.name or f"{cfg.method.name}-seed{cfg.training.seed}"
+    return Path(cfg.output.dir) / name
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
+    """Create a fresh run directory; refuse an existing one unless `overwrite`."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise ConfigError(
+                f"output directory {str(run_dir)!r} exists: use --resume {run_dir} to continue it "
+                "or --overwrite to replace it"
+            )
+        if not (run_dir / "config.toml").exists():
+            raise ConfigError(
+                f"refusing to overwrite {str(run_dir)!r}: it is not a fedlora run directory "
+                "(no config.toml)"
+            )
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
+
+
+def load_run_config(
+    run_dir: Path, given: ExperimentConfig | None = None, *, force: bool = False
+) -> ExperimentConfig:
+    """The config a run was started with; with `given`, refuse differences unless `force`."""
+    path = run_dir / "config.toml"
+    if not path.exists():
+        raise ConfigError(f"--resume {str(run_dir)!r}: no config.toml there (not a fedlora run)")
+    saved = load_config(path)
+    if given is not None:
+        differing = diff_configs(saved, given)
+        if differing and not force:
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: the config differs from the run's in "
+                f"{', '.join(differing)}; use --force to resume with the new values"
+            )
+        if differing:
+            _atomic_write(path, dump_toml(given).encode())
+            return given
+    return saved
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_paths(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "checkpoints").glob("round-*.pt"), reverse=True)
+
+
+def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
+    import torch
+
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(exist_ok=True)
+    path = ckpt_dir / f"round-{state['round']:06d}.pt"
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    for old in _checkpoint_paths(run_dir)[keep:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
+    """The newest readable checkpoint; a damaged one is named and skipped."""
+    import torch
+
+    for path in _checkpoint_paths(run_dir):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            if not isinstance(state, dict) or "round" not in state or "global" not in state:
+                raise ValueError("missing fields")
+            return state
+        except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
+            warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
+    return None
+
+
+# ----------------------------------------------------------------------------- network
+
+
+@dataclass
+class RoundCost:
+    round_time_s: float
+    uplink_bits: int
+    downlink_bits: int
+    bandwidth_hz: list[float]
+
+
+def round_cost(
+    cfg: ExperimentConfig,
+    profiles: ClientProfiles,
+    plan: RoundPlan,
+    method: Method,
+    shapes: dict[str, tuple[int, int]],
+    round_index: int,
+) -> RoundCost:
+    """Round time from the exact payload of every participant (PAPER_NOTES #4–#6, #15).
+
+    τ_n = tau_full_s · comp_factor(k_n). t_n = t_full · (payload bits / full-adapter bits)
+    for comm_cost = exact (scaled by the faded spectral efficiency with Rayleigh fading), or
+    t_full · comm_factor(k_n) for the paper's `quadratic` / the `linear` model.
+    """
+    net, gamma = cfg.network, cfg.lora.rank
+    if not plan.tasks:
+        return RoundCost(0.0, 0, 0, [])
+    clients = np.array(plan.participants)
+    ranks = np.array([t.rank_used for t in plan.tasks])
+    payloads = [method.payload(t, shapes, plan) for t in plan.tasks]
+    up_bits = np.array([p.uplink_params for p in payloads], dtype=float) * net.bits_per_param
+    down_bits = np.array([p.downlink_params for p in payloads], dtype=float) * net.bits_per_param
+    full_bits = gamma * sum(o + i for o, i in shapes.values()) * net.bits_per_param
+    tau = profiles.tau_full_s[clients] * comp_factor(ranks, gamma, net.comp_cost, net.rho)
+    if net.comm_cost == "exact":
+        t = profiles.t_full[clients] * up_bits / full_bits
+    else:
+        t = profiles.t_full[clients] * comm_factor(ranks, gamma, net.comm_cost)
+    if net.fading == "rayleigh" and profiles.has_channel:
+        gains = rayleigh_gains(profiles.n, derive_rng(cfg.training.seed, "fading", round_index))
+        faded = spectral_efficiency(profiles.snr_db, gains)[clients]
+        t = t * profiles.spectral_efficiency[clients] / faded
+    round_time_s, f = allocate_bandwidth(tau, t, net.f_tot_hz)
+    if net.downlink_rate_bps > 0:  # a broadcast before local training: the largest download
+        round_time_s += float(down_bits.max()) / net.downlink_rate_bps
+    return RoundCost(round_time_s, int(up_bits.sum()), int(down_bits.sum()), f.tolist())
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+@dataclass
+class Run:
+    """Everything a run holds in memory between rounds."""
+
+    cfg: ExperimentConfig
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    lora: Any
+    fed: Any
+    profiles: ClientProfiles
+    method: Method
+    shapes: dict[str, tuple[int, int]]
+    base_delta: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def build_profiles(cfg: ExperimentConfig, full_payload_bits: float) -> ClientProfiles:
+    net, n = cfg.network, cfg.data.n_clients
+    if net.profiles_file:
+        profiles = load_profiles(net.profiles_file)
+        if profiles.n != n:
+            raise ConfigError(
+                f"network.profiles_file = {net.profiles_file!r} has {profiles.n} clients, "
+                f"but data.n_clients = {n}"
+            )
+        return profiles
+    return generate_profiles(
+        n,
+        full_payload_bits=full_payload_bits,
+        local_steps=cfg.training.local_steps,
+        f_tot_hz=net.f_tot_hz,
+        step_time_median_s=net.step_time_median_s,
+        step_time_sigma=net.step_time_sigma,
+        distance_min_m=net.distance_min_m,
+        distance_max_m=net.distance_max_m,
+        path_loss_exponent=net.path_loss_exponent,
+        path_loss_ref_db=net.path_loss_ref_db,
+        tx_power_dbm=net.tx_power_dbm,
+        noise_psd_dbm_hz=net.noise_psd_dbm_hz,
+        rng=derive_rng(cfg.training.seed, "profiles"),
+    )
+
+
+def write_clients_csv(run_dir: Path, fed: Any, profiles: ClientProfiles) -> None:
+    rows = profiles_to_rows(profiles)
+    header = ["client", "n_examples", "a", *rows[0].keys()]
+    lines = [",".join(header)]
+    for i, row in enumerate(rows):
+        values = [i, len(fed.client_indices[i]), repr(float(fed.a[i])), *map(repr, row.values())]
+        lines.append(",".join(str(v) for v in values))
+    _atomic_write(run_dir / "clients.csv", ("\n".join(lines) + "\n").encode())
+
+
+def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
+    """Model, LoRA slots, federated data, client profiles and the method of one run."""
+    import torch
+
+    from fedlora.data import build_federated_data
+    from fedlora.lora import inject_lora
+    from fedlora.models import load_model
+
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    model, tokenizer = load_model(
+        cfg.model.name, dtype=cfg.model.dtype, cache_dir=cfg.model.cache_dir or None
+    )
+    lora = inject_lora(
+        model, cfg.lora, slots=cfg.training.slots, seed=derive_seed(cfg.training.seed, "init")
+    )
+    shapes = lora.layer_shapes()
+    fed = build_federated_data(cfg.data, tokenizer, seed=cfg.training.seed)
+    full_bits = cfg.lora.rank * sum(o + i for o, i in shapes.values()) * cfg.network.bits_per_param
+    profiles = build_profiles(cfg, full_bits)
+    method = make_method(cfg, fed.a, derive_rng(cfg.training.seed, "strategy"))
+    return Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+
+
+# ----------------------------------------------------------------------------- one round
+
+
+def _to_numpy(state: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def _to_torch(state: dict[str, np.ndarray]) -> dict[str, Any]:
+    import torch
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
+
+
+def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
+    """Local training of every participant, `slots` clients per forward/backward.
+
+    Returns each participant's final adapter (in plan order) and its mean loss over H steps.
+    """
+    import torch
+
+    from fedlora.data import client_batches
+    from fedlora.train import local_train
+
+    cfg, seed, r = run.cfg, run.cfg.training.seed, plan.round
+    pad_id = run.tokenizer.pad_token_id
+    states: list[dict[str, np.ndarray]] = []
+    losses: list[float] = []
+    tasks = list(plan.tasks)
+    for start in range(0, len(tasks), cfg.training.slots):
+        chunk = tasks[start : start + cfg.training.slots]
+        scales = torch.tensor(np.stack([t.scale for t in chunk]), dtype=torch.float32)  # (c, γ)
+        run.lora.set_clients(scales)
+        batches = [
+            client_batches(
+                run.fed,
+                t.client,
+                cfg.training.local_steps,
+                cfg.training.batch_size,
+                derive_rng(seed, "data", r, t.client),
+                pad_id,
+            )
+            for t in chunk
+        ]
+        torch.manual_seed(derive_seed(seed, "torch", r, start))
+        chunk_losses = local_train(
+            run.model,
+            run.lora,
+            batches,
+            cfg.training.lr,
+            autocast_bf16=cfg.model.dtype == "bf16",
+        )  # (c, H)
+        if not np.all(np.isfinite(chunk_losses)):
+            bad = [chunk[i].client for i in np.flatnonzero(~np.isfinite(chunk_losses).all(1))]
+            raise TrainingDiverged(
+                f"round {r + 1}: non-finite training loss on client(s) {bad}; "
+                f"lower training.lr (now {cfg.training.lr})"
+            )
+        for i in range(len(chunk)):
+            states.append(_to_numpy(run.lora.slot_state(i)))
+        losses.extend(np.asarray(chunk_losses).mean(axis=1).tolist())
+    return states, np.array(losses)
+
+
+def evaluate_global(run: Run) -> dict[str, float]:
+    """Accuracy of the current global adapter on every eval task's fixed subset."""
+    import torch
+
+    from fedlora.evaluation import evaluate
+
+    run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
+    return {
+        task: evaluate(run.model, run.tokenizer, examples, task=task).accuracy
+        for task, examples in run.fed.eval_sets.items()
+    }
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class Progress:
+    """What the loop carries from round to round (and saves in checkpoints)."""
+
+    round: int = 0  # rounds completed
+    sim_time_s: float = 0.0
+    metrics_lines: int = 0
+    initial_accuracy: float | None = None
+    last_accuracy: float | None = None
+    best_accuracy: float | None = None
+    time_to_target_s: float | None = None
+    uplink_bits: int = 0
+    downlink_bits: int = 0
+    empty_rounds: int = 0
+    compute_s: float = 0.0
+
+
+def _mean(values: dict[str, float]) -> float:
+    return float(np.mean(list(values.values())))
+
+
+class _Reporter:
+    """A progress bar, or plain log lines with --quiet."""
+
+    def __init__(self, total: int, initial: int, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bar = None
+        if not quiet:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, initial=initial, desc="rounds", unit="round", file=sys.stderr
+            )
+
+    def update(self, line: dict[str, Any], progress: Progress) -> None:
+        acc = progress.last_accuracy
+        text = {
+            "clock": f"{progress.sim_time_s:.0f}s",
+            "loss": "-" if line["train_loss"] is None else f"{line['train_loss']:.3f}",
+            "acc": "-" if acc is None else f"{acc:.3f}",
+        }
+        if self.bar is not None:
+            self.bar.set_postfix(text, refresh=False)
+            self.bar.update(1)
+        elif "eval_accuracy" in line or line["round"] == 1:
+            print(
+                f"round {line['round']}: n={line['n_participants']} "
+                + " ".join(f"{k}={v}" for k, v in text.items()),
+                file=sys.stderr,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _append_metrics(path: Path, line: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _truncate_metrics(path: Path, lines: int) -> None:
+    if not path.exists():
+        return
+    kept = path.read_text(encoding="utf-8").splitlines()[:lines]
+    _atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def _checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
+    return {
+        "round": progress.round,
+        "progress": progress.__dict__.copy(),
+        "global": run.lora.global_state(),
+        "base_delta": run.base_delta,
+        "method": run.method.state_dict(),
+        "seed": run.cfg.training.seed,
+        "rng": "derived from (seed, stream, round): see fedlora.engine.derive_rng",
+    }
+
+
+def run_experiment(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    log=None,
+) -> dict[str, Any]:
+    """Run (or resume) one federated experiment in `run_dir`; returns the summary."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    wall_start = time.perf_counter()
+    run = build_run(cfg, run_dir, log=log)
+    metrics_path = run_dir / "metrics.jsonl"
+    progress = Progress()
+
+    if resume:
+        state = load_checkpoint(run_dir, warn=log)
+        if state is not None:
+            progress = Progress(**state["progress"])
+            run.lora.load_global(state["global"])
+            run.base_delta = state.get("base_delta") or {}
+            if run.base_delta:
+                run.lora.add_to_base(_to_torch(run.base_delta))
+            run.method.load_state_dict(state.get("method", {}))
+            log(f"resuming {run_dir} after round {progress.round}")
+        else:
+            log(f"no usable checkpoint in {run_dir}: starting from round 0")
+        _truncate_metrics(metrics_path, progress.metrics_lines)
+    else:
+        metrics_path.unlink(missing_ok=True)
+    write_clients_csv(run_dir, run.fed, run.profiles)
+
+    if progress.metrics_lines == 0:  # round 0: the untrained adapter, before any time passes
+        accs = evaluate_global(run)
+        progress.initial_accuracy = progress.last_accuracy = _mean(accs)
+        progress.best_accuracy = progress.initial_accuracy
+        line0 = {
+            "round": 0,
+            "participants": [],
+            "n_participants": 0,
+            "k": [],
+            "round_time_s": 0.0,
+            "sim_time_s": 0.0,
+            "uplink_bits": 0,
+            "downlink_bits": 0,
+            "train_loss": None,
+            "eval_accuracy": progress.initial_accuracy,
+            "eval": accs,
+            "compute_s": 0.0,
+        }
+        _append_metrics(metrics_path, line0)
+        progress.metrics_lines = 1
+
+    tcfg = cfg.training
+    stop_reason = "max_rounds"
+    reporter = _Reporter(tcfg.rounds, progress.round, quiet)
+    try:
+        while progress.round < tcfg.rounds:
+            if _target_reached(cfg, progress):
+                stop_reason = "target_accuracy"
+                break
+            if tcfg.time_budget_s and progress.sim_time_s >= tcfg.time_budget_s:
+                stop_reason = "time_budget"
+                break
+            r = progress.round
+            plan = run.method.plan_round(
+                r, derive_rng(tcfg.seed, "sampling", r), derive_rng(tcfg.seed, "sketch", r)
+            )
+            t0 = time.perf_counter()
+            line = _one_round(run, plan, progress)
+            line["compute_s"] = time.perf_counter() - t0
+            progress.compute_s += line["compute_s"]
+            _append_metrics(metrics_path, line)
+            progress.metrics_lines += 1
+            progress.round += 1
+            reporter.update(line, progress)
+            if progress.round % tcfg.checkpoint_every == 0:
+                save_checkpoint(run_dir, _checkpoint_state(run, progress))
+        else:
+            if _target_reached(cfg, progress):
+                stop_reason = "target_accuracy"
+    except TrainingDiverged as e:
+        reporter.close()
+        raise TrainingDiverged(
+            f"{e}. The run stopped; its last good checkpoint is kept in {run_dir / 'checkpoints'}"
+        ) from None
+    reporter.close()
+    save_checkpoint(run_dir, _checkpoint_state(run, progress))
+    run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
+    summary = {
+        "stop_reason": stop_reason,
+        "rounds": progress.round,
+        "sim_time_s": progress.sim_time_s,
+        "initial_accuracy": progress.initial_accuracy,
+        "final_accuracy": progress.last_accuracy,
+        "best_accuracy": progress.best_accuracy,
+        "target_accuracy": tcfg.target_accuracy or None,
+        "time_to_target_s": progress.time_to_target_s,
+        "total_uplink_bits": progress.uplink_bits,
+        "total_downlink_bits": progress.downlink_bits,
+        "empty_rounds": progress.empty_rounds,
+        "compute_s": progress.compute_s,
+        "wall_s": time.perf_counter() - wall_start,
+        "method": cfg.method.name,
+        "seed": tcfg.seed,
+    }
+    _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    return summary
+
+
+def _target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
+    target = cfg.training.target_accuracy
+    return bool(target) and progress.last_accuracy is not None and progress.last_accuracy >= target
+
+
+def _one_round(run: Run, plan: RoundPlan, progress: Progress) -> dict[str, Any]:
+    cfg, r = run.cfg, plan.round
+    line: dict[str, Any] = {
+        "round": r + 1,
+        "participants": plan.participants,
+        "n_participants": len(plan.tasks),
+        "k": [t.rank_used for t in plan.tasks],
+    }
+    if plan.tasks:
+        states, losses = train_participants(run, plan)
+        global_state = _to_numpy(run.lora.global_state())
+        agg = run.method.aggregate(global_state, plan, states)
+        run.lora.load_global(_to_torch(agg.global_state))
+        if agg.base_delta:
+            run.lora.add_to_base(_to_torch(agg.base_delta))
+            for name, delta in agg.base_delta.items():
+                run.base_delta[name] = run.base_delta.get(name, 0) + delta
+        train_loss: float | None = float(losses.mean())
+    else:
+        progress.empty_rounds += 1
+        train_loss = None
+    cost = round_cost(cfg, run.profiles, plan, run.method, run.shapes, r)
+    progress.sim_time_s += cost.round_time_s
+    progress.uplink_bits += cost.uplink_bits
+    progress.downlink_bits += cost.downlink_bits
+    line.update(
+        round_time_s=cost.round_time_s,
+        sim_time_s=progress.sim_time_s,
+        uplink_bits=cost.uplink_bits,
+        downlink_bits=cost.downlink_bits,
+        train_loss=train_loss,
+    )
+    last = r + 1 == cfg.training.rounds
+    if (r + 1) % cfg.training.eval_every == 0 or last:
+        accs = evaluate_global(run)
+        acc = _mean(accs)
+        line.update(eval_accuracy=acc, eval=accs)
+        progress.last_accuracy = acc
+        progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
+        target = cfg.training.target_accuracy
+        if target and acc >= target and progress.time_to_target_s is None:
+            progress.time_to_target_s = progress.sim_time_s
+    return line
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+    lines = [
+        f"rounds: {summary['rounds']} ({summary['stop_reason']}), "
+        f"simulated wall-clock: {summary['sim_time_s']:.1f} s, compute: {summary['compute_s']:.0f} s",
+        f"accuracy: {pct(summary['initial_accuracy'])} before -> {pct(summary['final_accuracy'])} "
+        f"final (best {pct(summary['best_accuracy'])})",
+        f"uplink: {summary['total_uplink_bits'] / 8e6:.1f} MB, empty rounds: {summary['empty_rounds']}",
+    ]
+    if summary.get("target_accuracy"):
+        ttt = summary["time_to_target_s"]
+        lines.append(
+            f"time to {pct(summary['target_accuracy'])}: "
+            + ("not reached" if ttt is None else f"{ttt:.1f} s")
+        )
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""The verbs every federated method shares (DESIGN.md): `plan_round`, `aggregate`, `payload`.
+
+A method decides who trains on what and how updates combine. It sees adapters as dicts of
+numpy arrays (``"<module>.lora_A"`` of shape (r, in), ``"<module>.lora_B"`` of shape (out, r))
+and never touches the model or the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Adapter = dict[str, np.ndarray]
+LayerShapes = dict[str, tuple[int, int]]  # module name -> (out_features, in_features)
+
+
+@dataclass(frozen=True)
+class ClientTask:
+    """What one participant does in a round.
+
+    `scale` is the (γ,) rank scale vector of its slot: γ/k on a sketch's k indices (Eq. 3),
+    or 1 on the first r_n components for a rank truncation; 0 elsewhere. `rank_used` is the
+    number of non-zero entries (k_n or r_n): what the client computes on and uploads.
+    """
+
+    client: int
+    scale: np.ndarray
+    rank_used: int
+    weight: float  # the aggregation weight of this participant (a_n/q_n for unbiased sampling)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    round: int
+    tasks: tuple[ClientTask, ...]
+
+    @property
+    def participants(self) -> list[int]:
+        return [t.client for t in self.tasks]
+
+
+@dataclass(frozen=True)
+class Payload:
+    """Parameters sent per participant in one round (exact counts, not approximations)."""
+
+    uplink_params: int
+    downlink_params: int
+
+
+@dataclass
+class Aggregation:
+    """A method's aggregate: the next global adapter, and optionally a change to the frozen
+    base weights (FedStackLoRA merges into the base: module name -> (out, in))."""
+
+    global_state: Adapter
+    base_delta: dict[str, np.ndarray] | None = None
+    info: dict = field(default_factory=dict)
+
+
+def active_indices(scale: np.ndarray) -> np.ndarray:
+    """The rank components a task touches (non-zero entries of its scale vector)."""
+    return np.flatnonzero(np.asarray(scale) != 0)
+
+
+def sketch_payload_params(rank_used: int, shapes: LayerShapes) -> int:
+    """Parameters of k rank components: k columns of every B (out) plus k rows of every A (in).
+
+    The server chose the indices, so no index list is sent. k = γ gives the whole adapter.
+    """
+    return int(rank_used) * sum(out + inp for out, inp in shapes.values())
+
+
+class Method:
+    """Base class: subclasses implement `plan_round` and `aggregate`; `payload` defaults to
+    the sketched accounting (a participant downloads and uploads its active components)."""
+
+    name = "base"
+
+    def plan_round(self, round_index: int, rng_sampling: np.random.Generator,
+                   rng_sketch: np.random.Generator) -> RoundPlan:  # fmt: skip
+        raise NotImplementedError
+
+    def aggregate(
+        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
+    ) -> Aggregation:
+        raise NotImplementedError
+
+    def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
+        params = sketch_payload_params(task.rank_used, shapes)
+        return Payload(uplink_params=params, downlink_params=params)
+
+    def state_dict(self) -> dict:
+        """Anything the method must carry across a checkpoint (most methods: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        del state

@@ -1,0 +1,52 @@
+"""`fedavg`: homogeneous LoRA of rank γ, all clients or m sampled uniformly per round.
+
+Aggregation is FedAvg's normalised data-weighted mean over the participants,
+X ← Σ_{n∈K} a_n X_n / Σ_{n∈K} a_n (with all clients this is exactly Σ a_n X_n).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+
+
+def uniform_subset(n: int, m: int, rng: np.random.Generator) -> np.ndarray:
+    """m of n clients uniformly without replacement, sorted; m = 0 means all n."""
+    if m == 0 or m >= n:
+        return np.arange(n)
+    return np.sort(rng.choice(n, size=m, replace=False))
+
+
+def weighted_mean(client_states: list[Adapter], weights: np.ndarray) -> Adapter:
+    """Σ w_i X_i / Σ w_i, key by key (float64 accumulation, cast back)."""
+    w = np.asarray(weights, dtype=float) / np.sum(weights)
+    out = {}
+    for name in client_states[0]:
+        acc = sum(wi * states[name].astype(np.float64) for wi, states in zip(w, client_states))
+        out[name] = acc.astype(client_states[0][name].dtype)
+    return out
+
+
+class FedAvg(Method):
+    name = "fedavg"
+
+    def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
+        self.a = np.asarray(a, dtype=float)
+        self.gamma = gamma
+        self.clients_per_round = clients_per_round
+
+    def plan_round(
+        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
+    ) -> RoundPlan:
+        chosen = uniform_subset(self.a.size, self.clients_per_round, rng_sampling)
+        ones = np.ones(self.gamma)
+        tasks = tuple(ClientTask(int(n), ones, self.gamma, float(self.a[n])) for n in chosen)
+        return RoundPlan(round_index, tasks)
+
+    def aggregate(
+        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
+    ) -> Aggregation:
+        if not client_states:
+            return Aggregation(dict(global_state))
+        return Aggregation(weighted_mean(client_states, np.array([t.weight for t in plan.tasks])))

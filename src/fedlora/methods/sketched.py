@@ -1,0 +1,50 @@
+"""`sketched`: the paper's Algorithm 1 — independent sampling, per-client sketches, Eq. (6).
+
+Each round client n joins with probability q_n (Bernoulli, independent), trains a fresh
+uniformly random k_n-of-γ sketch scaled by γ/k_n, and the server applies the unbiased rule
+X ← X − Σ_{n∈K} (a_n/q_n)(X − X_n^H) (PAPER_NOTES #7). A round may have no participant.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+from fedlora.sketch import (
+    aggregation_weights,
+    check_k,
+    check_q,
+    sample_participants,
+    sketch_scale_vectors,
+    unbiased_aggregate,
+)
+
+
+class Sketched(Method):
+    name = "sketched"
+
+    def __init__(self, *, a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> None:
+        self.a = np.asarray(a, dtype=float)
+        self.q = check_q(q, name="method.q")
+        self.k = check_k(k, gamma, name="method.k")
+        self.gamma = gamma
+
+    def plan_round(
+        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
+    ) -> RoundPlan:
+        participants = sample_participants(self.q, rng_sampling)
+        if participants.size == 0:
+            return RoundPlan(round_index, ())
+        scales = sketch_scale_vectors(self.gamma, self.k[participants], rng_sketch)  # (K, γ)
+        weights = aggregation_weights(self.a, self.q, participants)
+        tasks = tuple(
+            ClientTask(int(n), scales[i], int(self.k[n]), float(weights[i]))
+            for i, n in enumerate(participants)
+        )
+        return RoundPlan(round_index, tasks)
+
+    def aggregate(
+        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
+    ) -> Aggregation:
+        weights = [t.weight for t in plan.tasks]
+        return Aggregation(unbiased_aggregate(global_state, client_states, weights))
