@@ -285,11 +285,13 @@ def load_profiles(path: str | Path) -> ClientProfiles:
     """Read per-client profiles from a CSV (header row) or JSON (a list of objects)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # -sig: spreadsheets prepend a BOM
     except OSError as e:
         raise ConfigError(
             f"network.profiles_file = {str(p)!r}: cannot read: {e.strerror or e}"
         ) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"network.profiles_file = {str(p)!r}: not UTF-8 text") from None
     if p.suffix.lower() == ".json":
         try:
             rows = json.loads(text)
