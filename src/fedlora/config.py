@@ -363,6 +363,8 @@ def _coerce(qualname: str, hint: Any, value: Any) -> Any:
                 return _coerce(qualname, option, value)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # already "field = value is invalid: ..." (no doubled prefix)
+            raise ConfigError(errors[0])
         raise bad_value(qualname, value, "; ".join(errors) or "wrong type")
     if origin is tuple:
         (item,) = typing.get_args(hint)[:1]
