@@ -1,0 +1,318 @@
+"""Client-batched LoRA: C client slots per adapted layer, one forward/backward for all of them.
+
+Every adapted linear layer W0 (out × in) gets, besides the frozen base, per slot c:
+A_c (r × in), B_c (out × r) and a rank scale vector s_c (r,). The input batch is grouped by
+slot: rows ``[c*b:(c+1)*b]`` belong to slot c. The layer computes (paper Eq. 3 with the
+sketch S_c = diag(s_c))
+
+    y = W0 x + (α/r) · B_c diag(s_c) A_c x         for the rows of slot c,
+
+with one batched matmul over the active slots. A sketch of k-of-γ indices is
+s_c = γ/k on the sketched indices and 0 elsewhere (`fedlora.sketch.sketch_scale_vectors`);
+a rank truncation is 1 on the first r_n indices (`truncation_scale_vectors`). Rank components
+with s_c[j] = 0 receive exactly zero gradient, so a client trains only its sketch.
+
+The *global* adapter (A: r × in, B: out × r per layer, fp32 on the CPU) lives outside the
+slots: `set_clients` copies it into the first c slots, local training updates the slots, and
+`slot_state` reads each slot back. The LoRA computation is attached with forward hooks, so
+the base model's module names and state dict stay unchanged.
+
+    lora = inject_lora(model, cfg.lora, slots=5, seed=0)
+    lora.set_clients(torch.ones(1, lora.rank))   # slot 0 = the global adapter
+    lora.export_peft("out/adapter", base_model_name_or_path="smollm2-135m")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedlora.config import LoraConfig
+from fedlora.errors import ConfigError, bad_value
+
+__all__ = ["SlotLoraLayer", "SlotLora", "inject_lora", "find_targets"]
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+class SlotLoraLayer(nn.Module):
+    """The LoRA part of one adapted linear layer, with `slots` client slots.
+
+    Parameters: ``lora_A`` (C, r, in), ``lora_B`` (C, out, r), fp32; buffer ``scale`` (C, r).
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, slots: int, rank: int, scaling: float, p: float
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.rank, self.scaling, self.dropout_p = rank, scaling, p
+        self.lora_A = nn.Parameter(torch.zeros(slots, rank, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(slots, out_features, rank))
+        self.register_buffer("scale", torch.ones(slots, rank))
+        self.active = 1  # slots 0..active-1 are used by the forward pass
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """(α/r) · B_c diag(s_c) A_c x for the rows of each active slot; x: (c*b, ..., in)."""
+        c = self.active
+        n = x.shape[0]
+        if n % c:
+            raise ConfigError(
+                f"batch of {n} rows cannot be split over {c} active LoRA slots "
+                "(the batch must hold the same number of rows per client)"
+            )
+        a, b = self.lora_A[:c], self.lora_B[:c]
+        if not torch.is_autocast_enabled("cpu") and x.dtype != a.dtype:
+            x = x.to(a.dtype)  # e.g. a bf16 base without autocast: LoRA in fp32
+        xs = x.reshape(c, -1, self.in_features)  # (c, b*T, in)
+        if self.dropout_p > 0 and self.training:
+            xs = F.dropout(xs, p=self.dropout_p, training=True)
+        h = torch.bmm(xs, a.transpose(1, 2))  # (c, b*T, r)
+        h = h * (self.scale[:c] * self.scaling).unsqueeze(1).to(h.dtype)  # × diag(s_c)·α/r
+        d = torch.bmm(h, b.transpose(1, 2))  # (c, b*T, out)
+        return d.reshape(*x.shape[:-1], self.out_features)  # (c*b, ..., out)
+
+    def hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output + self.delta(args[0]).to(output.dtype)
+
+
+def find_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Module paths of the linear layers that get LoRA (PEFT-style suffix match).
+
+    A target name matches a module whose path equals it or ends with ``"." + name``.
+    ``cfg.layers = K`` keeps only modules in the top K decoder layers.
+    """
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    targets = set(cfg.target_modules)
+    names = [n for n in linear if any(n == t or n.endswith("." + t) for t in targets)]
+    if not names:
+        existing = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        raise bad_value(
+            "lora.target_modules",
+            list(cfg.target_modules),
+            f"matches no linear module; the model has: {', '.join(existing)}",
+        )
+    if cfg.layers != "all":
+        n_layers = _num_layers(model, names)
+        lowest = n_layers - int(cfg.layers)
+        if lowest < 0:
+            raise bad_value("lora.layers", cfg.layers, f"at most the {n_layers} model layers")
+        names = [n for n in names if (i := _layer_index(n)) is not None and i >= lowest]
+    return names
+
+
+def _layer_index(name: str) -> int | None:
+    m = _LAYER_INDEX.search("." + name + ".")
+    return int(m.group(1)) if m else None
+
+
+def _num_layers(model: nn.Module, names: list[str]) -> int:
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if isinstance(n, int):
+        return n
+    idx = [i for i in map(_layer_index, names) if i is not None]
+    return max(idx) + 1 if idx else 0
+
+
+class SlotLora:
+    """The adapter of a model with `slots` client slots (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: list[str],
+        cfg: LoraConfig,
+        slots: int,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.names = list(names)
+        self.rank = cfg.rank
+        self.scaling = float(cfg.alpha) / cfg.rank  # PEFT's default (not rsLoRA)
+        self.slots = slots
+        self.cfg = cfg
+        self.modules: dict[str, nn.Linear] = {n: model.get_submodule(n) for n in self.names}
+        self.layers: dict[str, SlotLoraLayer] = {}
+        self._handles = []
+        for n, lin in self.modules.items():
+            layer = SlotLoraLayer(
+                lin.in_features, lin.out_features, slots, cfg.rank, self.scaling, cfg.dropout
+            )
+            layer.train(False)  # dropout only inside local training (`SlotLora.train`)
+            self.layers[n] = layer
+            self._handles.append(lin.register_forward_hook(layer.hook))
+        # Global init like PEFT: A ~ kaiming_uniform(a=√5) (seeded), B = 0.
+        gen = torch.Generator().manual_seed(int(seed))
+        self._global: dict[str, torch.Tensor] = {}
+        for n, (out_f, in_f) in self.layer_shapes().items():
+            a = torch.empty(cfg.rank, in_f)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            self._global[f"{n}.lora_A"] = a
+            self._global[f"{n}.lora_B"] = torch.zeros(out_f, cfg.rank)
+        self.set_clients(torch.ones(1, self.rank))
+
+    # ------------------------------------------------------------------ state
+
+    def layer_shapes(self) -> dict[str, tuple[int, int]]:
+        """name -> (out_features, in_features) of each adapted layer."""
+        return {n: (m.out_features, m.in_features) for n, m in self.modules.items()}
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """fp32 CPU copies of the global adapter: ``{name}.lora_A`` (r, in), ``.lora_B`` (out, r)."""
+        return {k: v.clone() for k, v in self._global.items()}
+
+    def _check_state(self, state: dict[str, torch.Tensor], what: str) -> None:
+        missing = sorted(set(self._global) - set(state))
+        extra = sorted(set(state) - set(self._global))
+        if missing or extra:
+            raise ConfigError(
+                f"{what}: keys do not match the adapter (missing {missing[:3]}, "
+                f"unexpected {extra[:3]})"
+            )
+        for k, v in state.items():
+            if tuple(v.shape) != tuple(self._global[k].shape):
+                raise ConfigError(
+                    f"{what}[{k!r}] has shape {tuple(v.shape)}, expected "
+                    f"{tuple(self._global[k].shape)}"
+                )
+
+    def load_global(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the global adapter (copied, as fp32). Slots change only at `set_clients`."""
+        self._check_state(state, "global adapter")
+        self._global = {
+            k: torch.as_tensor(v).detach().float().cpu().clone() for k, v in state.items()
+        }
+
+    def set_clients(self, scales: torch.Tensor) -> None:
+        """Copy the global adapter into slots 0..c-1, set their rank scales, activate c slots.
+
+        `scales` is (c, r): s_c = γ/k on a sketch and 0 elsewhere, or 1 on the first r_n.
+        """
+        scales = torch.as_tensor(scales, dtype=torch.float32)
+        if (
+            scales.ndim != 2
+            or scales.shape[1] != self.rank
+            or not 1 <= scales.shape[0] <= self.slots
+        ):
+            raise ConfigError(
+                f"scales has shape {tuple(scales.shape)}: expected (c, {self.rank}) with "
+                f"1 <= c <= slots = {self.slots}"
+            )
+        if not torch.isfinite(scales).all() or (scales < 0).any():
+            raise ConfigError("scales must be finite and >= 0")
+        c = scales.shape[0]
+        with torch.no_grad():
+            for n, layer in self.layers.items():
+                layer.lora_A[:c].copy_(self._global[f"{n}.lora_A"].unsqueeze(0))
+                layer.lora_B[:c].copy_(self._global[f"{n}.lora_B"].unsqueeze(0))
+                layer.scale[:c].copy_(scales)
+                layer.active = c
+                layer.lora_A.grad = layer.lora_B.grad = None
+
+    @property
+    def active(self) -> int:
+        """The number of active slots (clients trained together)."""
+        return next(iter(self.layers.values())).active
+
+    def slot_state(self, c: int) -> dict[str, torch.Tensor]:
+        """Slot c's adapter (same keys and shapes as `global_state`), fp32 CPU copies."""
+        if not 0 <= c < self.active:
+            raise ConfigError(f"slot {c} is not active: 0 <= c < {self.active}")
+        out = {}
+        for n, layer in self.layers.items():
+            out[f"{n}.lora_A"] = layer.lora_A[c].detach().float().cpu().clone()
+            out[f"{n}.lora_B"] = layer.lora_B[c].detach().float().cpu().clone()
+        return out
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable slot tensors: per layer A (C, r, in) then B (C, out, r)."""
+        return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
+
+    def train(self, mode: bool = True) -> None:
+        """Dropout on/off for the LoRA inputs (independent of the base model's mode)."""
+        for layer in self.layers.values():
+            layer.train(mode)
+
+    def add_to_base(self, deltas: dict[str, torch.Tensor]) -> None:
+        """W0[name] += delta (out, in), in the base weight's dtype (FedStackLoRA merges)."""
+        unknown = sorted(set(deltas) - set(self.modules))
+        if unknown:
+            raise ConfigError(
+                f"add_to_base: unknown layers {unknown[:3]}; adapted: {self.names[:3]}..."
+            )
+        with torch.no_grad():
+            for n, d in deltas.items():
+                w = self.modules[n].weight
+                d = torch.as_tensor(d)
+                if tuple(d.shape) != tuple(w.shape):
+                    raise ConfigError(
+                        f"add_to_base[{n!r}] has shape {tuple(d.shape)}, expected {tuple(w.shape)}"
+                    )
+                w.add_(d.to(device=w.device, dtype=w.dtype))
+
+    def remove(self) -> None:
+        """Detach the LoRA hooks: the model computes the base alone again."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ PEFT export
+
+    def export_peft(
+        self,
+        out_dir: str | Path,
+        base_model_name_or_path: str,
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Write `state` (default: the global adapter) as a PEFT LoRA adapter directory.
+
+        ``PeftModel.from_pretrained(base, out_dir)`` then reproduces this model's logits with
+        all scales 1 (slot 0 = the global adapter).
+        """
+        from peft import LoraConfig as PeftLoraConfig
+        from safetensors.torch import save_file
+
+        state = self._global if state is None else state
+        self._check_state(state, "export state")
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        config = PeftLoraConfig(
+            r=self.rank,
+            lora_alpha=self.cfg.alpha,
+            lora_dropout=self.cfg.dropout,
+            target_modules=list(self.names),  # full module paths: exact matches
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=base_model_name_or_path,
+        )
+        config.save_pretrained(str(out))
+        tensors = {}
+        for n in self.names:
+            for part in ("lora_A", "lora_B"):
+                t = torch.as_tensor(state[f"{n}.{part}"]).detach().float().cpu().contiguous()
+                tensors[f"base_model.model.{n}.{part}.weight"] = t
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        meta: dict[str, Any] = {"rank": self.rank, "alpha": self.cfg.alpha, "layers": self.names}
+        (out / "fedlora_adapter.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def inject_lora(model: nn.Module, cfg: LoraConfig, slots: int, *, seed: int = 0) -> SlotLora:
+    """Attach LoRA with `slots` client slots to the target modules of `model` (frozen base).
+
+    Global init as PEFT: A kaiming-uniform(a=√5) from `seed`, B = 0; slot 0 holds it and is
+    the only active slot until `set_clients`. Target modules that match nothing raise
+    `ConfigError` listing the model's linear module names.
+    """
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise bad_value("training.slots", slots, "an integer >= 1")
+    names = find_targets(model, cfg)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return SlotLora(model, names, cfg, slots, seed=seed)
