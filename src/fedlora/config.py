@@ -211,6 +211,7 @@ class TrainingConfig:
 METHODS = ("sketched", "fedavg", "proposed", "fslora", "heterolora", "fedstacklora", "flexlora")
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
+RANK_STRATEGIES = ("capability", *K_STRATEGIES)  # method.ranks (fedlora.methods.ranks)
 
 
 def _check_vector_or_strategy(
@@ -240,7 +241,10 @@ class MethodConfig:
     q: Union[str, tuple[float, ...]] = "fixed"  # noqa: UP007
     q_fixed: float = 0.2  # the value of the "fixed" strategy
     k: Union[str, tuple[int, ...]] = "uniform"  # noqa: UP007
-    clients_per_round: int = 0  # uniform sampling without replacement (fedavg/fslora); 0 = all
+    clients_per_round: int = 0  # uniform sampling without replacement (fedavg/baselines); 0 = all
+    # rank budgets r_n of fslora (its k_n), heterolora, fedstacklora, flexlora: "capability"
+    # (from each device's compute time), a k strategy, a .json/.csv file, or a list
+    ranks: Union[str, tuple[int, ...]] = "capability"  # noqa: UP007
 
     def __post_init__(self) -> None:
         _check_choice("method.name", self.name, METHODS)
@@ -248,6 +252,7 @@ class MethodConfig:
         _check_number("method.q_fixed", self.q_fixed, lo=0, hi=1, lo_open=True)
         _check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
         _check_int("method.clients_per_round", self.clients_per_round, lo=0)
+        _check_vector_or_strategy("method.ranks", self.ranks, RANK_STRATEGIES, integer=True)
 
 
 @dataclass(frozen=True)
@@ -300,7 +305,7 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         n = self.data.n_clients
-        for name in ("q", "k"):
+        for name in ("q", "k", "ranks"):
             value = getattr(self.method, name)
             if isinstance(value, tuple) and len(value) != n:
                 raise bad_value(
@@ -311,6 +316,12 @@ class ExperimentConfig:
         if isinstance(self.method.k, tuple) and max(self.method.k) > self.lora.rank:
             raise bad_value(
                 "method.k", self.method.k, f"every k_n must be in 1..lora.rank = {self.lora.rank}"
+            )
+        if isinstance(self.method.ranks, tuple) and max(self.method.ranks) > self.lora.rank:
+            raise bad_value(
+                "method.ranks",
+                self.method.ranks,
+                f"every r_n must be in 1..lora.rank = {self.lora.rank}",
             )
         if self.method.clients_per_round > n:
             raise bad_value(

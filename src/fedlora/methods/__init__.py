@@ -11,18 +11,50 @@ from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError
 from fedlora.methods.base import Aggregation, ClientTask, Method, Payload, RoundPlan
 from fedlora.methods.fedavg import FedAvg
+from fedlora.methods.fedstacklora import FedStackLoRA
+from fedlora.methods.flexlora import FlexLoRA
+from fedlora.methods.fslora import FSLoRA
+from fedlora.methods.heterolora import HeteroLoRA
+from fedlora.methods.ranks import resolve_ranks
 from fedlora.methods.sketched import Sketched
 from fedlora.methods.strategies import resolve_k, resolve_q
 
 __all__ = ["Aggregation", "ClientTask", "Method", "Payload", "RoundPlan", "make_method"]
 
 
-def make_method(cfg: ExperimentConfig, a: np.ndarray, rng: np.random.Generator) -> Method:
+def make_method(
+    cfg: ExperimentConfig,
+    a: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    tau_full_s: np.ndarray | None = None,
+) -> Method:
     """The method of ``cfg.method.name`` for clients with data weights `a`.
 
     `rng` draws strategy-based k vectors (seeded by the run, so they are reproducible).
+    `tau_full_s` (the clients' profiles) gives ``method.ranks = "capability"``; without it the
+    profiles are rebuilt from the config (their compute times do not depend on the model).
     """
     m, gamma = cfg.method, cfg.lora.rank
+    if m.name in BASELINES:
+        if tau_full_s is None and m.ranks == "capability":
+            tau_full_s = _profile_tau(cfg)
+        ranks = resolve_ranks(m.ranks, n=a.size, gamma=gamma, rng=rng, tau_full_s=tau_full_s)
+        per_round = m.clients_per_round
+        if m.name == "fslora":
+            return FSLoRA(k=ranks, gamma=gamma, clients_per_round=per_round)
+        if m.name == "heterolora":
+            return HeteroLoRA(a=a, ranks=ranks, gamma=gamma, clients_per_round=per_round)
+        if m.name == "flexlora":
+            return FlexLoRA(a=a, ranks=ranks, gamma=gamma, clients_per_round=per_round)
+        return FedStackLoRA(
+            a=a,
+            ranks=ranks,
+            gamma=gamma,
+            scaling=cfg.lora.alpha / gamma,
+            seed=cfg.training.seed,
+            clients_per_round=per_round,
+        )
     if m.name == "sketched":
         q = resolve_q(m.q, a=a, q_fixed=m.q_fixed)
         k = resolve_k(m.k, n=a.size, gamma=gamma, rng=rng)
@@ -30,3 +62,13 @@ def make_method(cfg: ExperimentConfig, a: np.ndarray, rng: np.random.Generator) 
     if m.name == "fedavg":
         return FedAvg(a=a, gamma=gamma, clients_per_round=m.clients_per_round)
     raise ConfigError(f"method.name = {m.name!r} is not available yet in this build")
+
+
+BASELINES = ("fslora", "heterolora", "fedstacklora", "flexlora")
+
+
+def _profile_tau(cfg: ExperimentConfig) -> np.ndarray:
+    """The clients' compute times τ_n as the engine builds them (independent of payload bits)."""
+    from fedlora.engine import build_profiles  # the engine imports this package
+
+    return build_profiles(cfg, full_payload_bits=1.0).tau_full_s

@@ -1,0 +1,122 @@
+"""`fedstacklora`: stacking heterogeneous LoRA adapters into the base (FLoRA, Wang et al. 2024).
+
+Each round participant n (m sampled uniformly, ``method.clients_per_round``; 0 = all) trains a
+FRESH adapter of its own rank r_n (``method.ranks``): B = 0, A ~ U(−1/√in, 1/√in) (PEFT's
+kaiming-uniform(a=√5) init), drawn from a generator derived from (seed, round), so every
+client can rebuild it and a resumed run draws the same. The server stacks the uploads,
+
+    B_stack = [p_1 B_1, …, p_m B_m] (out, Σ r_n),   A_stack = [A_1; …; A_m] (Σ r_n, in),
+
+with p_n = a_n / Σ_{K} a_n, and every participant downloads the stacked adapter and merges
+it into its frozen base weights: W ← W + scaling · B_stack A_stack = W + Σ p_n scaling B_n A_n.
+Here the engine does the merge once (`Aggregation.base_delta`); scaling = lora.alpha /
+lora.rank is the factor of the forward pass ΔW = scaling · B diag(s) A, and s_n (1 on the
+first r_n components) selects the client's r_n components. The next round starts again from
+a fresh adapter.
+
+Payload per participant and LoRA module: up r_n(out + in); down the stacked adapter of the
+round, Σ_{j∈K} r_j (out + in), which grows with the number of participants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedlora.methods.base import (
+    Adapter,
+    Aggregation,
+    ClientTask,
+    LayerShapes,
+    Method,
+    Payload,
+    RoundPlan,
+    sketch_payload_params,
+)
+from fedlora.methods.fedavg import uniform_subset
+from fedlora.methods.heterolora import lora_modules
+from fedlora.sketch import check_k, truncation_scale_vectors
+
+INIT_STREAM = 0x5743  # keeps the fresh-init draws apart from the engine's streams
+
+
+def fresh_adapter(template: Adapter, seed: int, round_index: int) -> Adapter:
+    """B = 0 and A ~ U(−1/√in, 1/√in) (kaiming-uniform, a = √5) with the shapes of `template`.
+
+    Deterministic in (seed, round_index): the adapter every client starts round r+1 from.
+    """
+    rng = np.random.default_rng([seed, INIT_STREAM, round_index])
+    out: Adapter = {}
+    for name in sorted(template):
+        x = template[name]
+        if name.endswith(".lora_A"):
+            bound = 1.0 / np.sqrt(x.shape[1])  # x: (γ, in)
+            out[name] = rng.uniform(-bound, bound, size=x.shape).astype(x.dtype)
+        else:
+            out[name] = np.zeros_like(x)
+    return out
+
+
+class FedStackLoRA(Method):
+    name = "fedstacklora"
+
+    def __init__(
+        self,
+        *,
+        a: np.ndarray,
+        ranks: np.ndarray,
+        gamma: int,
+        scaling: float,
+        seed: int = 0,
+        clients_per_round: int = 0,
+    ) -> None:
+        self.a = np.asarray(a, dtype=float)
+        self.ranks = check_k(ranks, gamma, name="method.ranks")
+        self.gamma = gamma
+        self.scaling = float(scaling)
+        self.seed = seed
+        self.clients_per_round = clients_per_round
+
+    def plan_round(
+        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
+    ) -> RoundPlan:
+        chosen = uniform_subset(self.a.size, self.clients_per_round, rng_sampling)
+        scales = truncation_scale_vectors(self.gamma, self.ranks[chosen])  # (m, γ)
+        tasks = tuple(
+            ClientTask(int(n), scales[i], int(self.ranks[n]), float(self.a[n]))
+            for i, n in enumerate(chosen)
+        )
+        return RoundPlan(round_index, tasks)
+
+    def aggregate(
+        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
+    ) -> Aggregation:
+        if not client_states:
+            return Aggregation(dict(global_state))
+        p = np.array([t.weight for t in plan.tasks], dtype=float)
+        p = p / p.sum()
+        base_delta: dict[str, np.ndarray] = {}
+        for mod in lora_modules(global_state):
+            ka, kb = f"{mod}.lora_A", f"{mod}.lora_B"
+            # the stack: B_stack (out, Σr) = [p_n B_n[:, :r_n]], A_stack (Σr, in) = [A_n[:r_n]]
+            b_stack = np.concatenate(
+                [
+                    p[i] * s[kb][:, t.scale != 0].astype(np.float64) * t.scale[t.scale != 0]
+                    for i, (t, s) in enumerate(zip(plan.tasks, client_states))
+                ],
+                axis=1,
+            )
+            a_stack = np.concatenate(
+                [s[ka][t.scale != 0].astype(np.float64) for t, s in zip(plan.tasks, client_states)],
+                axis=0,
+            )
+            base_delta[mod] = (self.scaling * b_stack @ a_stack).astype(global_state[kb].dtype)
+        fresh = fresh_adapter(global_state, self.seed, plan.round + 1)
+        info = {"stacked_rank": int(sum(t.rank_used for t in plan.tasks))}
+        return Aggregation(fresh, base_delta=base_delta, info=info)
+
+    def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
+        stacked = sum(t.rank_used for t in plan.tasks)
+        return Payload(
+            uplink_params=sketch_payload_params(task.rank_used, shapes),
+            downlink_params=sketch_payload_params(stacked, shapes),
+        )
