@@ -1,0 +1,170 @@
+"""`fedlora eval --model SPEC (--task NAME | --task-file FILE) [...]`: zero-shot or adapter
+multiple-choice accuracy with a 95% Wilson interval.
+
+The `--limit` subset is drawn from the same seeded stream as the engine's evaluation sets
+(`data.eval_limit`, `training.seed`), so ``--limit 200 --seed 0`` scores the very examples a
+run with ``eval_limit = 200`` and ``seed = 0`` reports on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from fedlora.errors import ConfigError, bad_value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="multiple-choice accuracy of a model (and optional LoRA adapter) on a task",
+        description="Accuracy by the log-likelihood of each allowed answer after the "
+        "LLM-Adapters prompt (no free generation), with a 95%% Wilson interval.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="SPEC",
+        help="tiny-llama, tiny-qwen2, smollm2-135m, a local model directory or a hub id",
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--task",
+        metavar="NAME",
+        help="arc-e, arc-c, obqa, siqa, boolq, piqa, winogrande, hellaswag (its test split)",
+    )
+    which.add_argument("--task-file", metavar="FILE", help="any LLM-Adapters JSON file")
+    p.add_argument(
+        "--data-dir",
+        default="",
+        metavar="DIR",
+        help="LLM-Adapters directory (default: $FEDLORA_DATA, else the hub)",
+    )
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory to apply")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a seeded subset of N examples (0 = all, the default)",
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the subset")
+    p.add_argument(
+        "--scoring",
+        default="label",
+        metavar="label|option",
+        help="score the answer labels (default) or the option texts",
+    )
+    p.add_argument("--dtype", default="fp32", metavar="fp32|bf16", help="model precision")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        metavar="B",
+        help="examples (with all their candidates) per forward pass",
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, metavar="T", help="torch threads (0 = torch's default)"
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="where converted models are kept (default: ~/.cache/fedlora)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_eval)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.limit < 0:
+        raise bad_value("--limit", args.limit, "must be >= 0 (0 = the whole test set)")
+    if args.seed < 0:
+        raise bad_value("--seed", args.seed, "must be >= 0")
+    if args.batch_size < 1:
+        raise bad_value("--batch-size", args.batch_size, "must be >= 1")
+    if args.threads < 0:
+        raise bad_value("--threads", args.threads, "must be >= 0 (0 = torch's default)")
+    if args.scoring not in ("label", "option"):
+        raise bad_value("--scoring", args.scoring, "allowed: label, option")
+    if args.dtype not in ("fp32", "bf16"):
+        raise bad_value("--dtype", args.dtype, "allowed: fp32, bf16")
+    if args.adapter is not None:
+        path = Path(args.adapter)
+        if not (path / "adapter_config.json").is_file():
+            what = "has no adapter_config.json" if path.is_dir() else "does not exist"
+            raise bad_value("--adapter", args.adapter, f"a PEFT adapter directory; this one {what}")
+
+
+def _apply_adapter(model, adapter: str):
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, adapter, is_trainable=False)
+    except (ValueError, KeyError, RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        raise ConfigError(f"--adapter = {adapter!r} does not fit the model: {first}") from None
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from fedlora.data import (
+        load_task,
+        load_task_file,
+        resolve_data_dir,
+        seeded_subset,
+        stream_rng,
+    )
+
+    _check_args(args)
+    # data first: bad data fails before the (slow) model load
+    if args.task is not None:
+        examples = load_task(args.task, resolve_data_dir(args.data_dir), "test")
+        task = args.task
+    else:
+        examples = load_task_file(args.task_file)
+        task = examples[0].task
+    examples = seeded_subset(examples, args.limit, stream_rng(args.seed, "eval", task))
+
+    import torch
+
+    from fedlora.evaluation import evaluate
+    from fedlora.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(
+        args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=True
+    )
+    if args.adapter is not None:
+        model = _apply_adapter(model, args.adapter)
+    result = evaluate(
+        model, tokenizer, examples, batch_size=args.batch_size, scoring=args.scoring, task=task
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "accuracy": result.accuracy,
+                    "n": result.n,
+                    "ci95": list(result.ci95),
+                    "task": result.task,
+                    "model": args.model,
+                    "adapter": args.adapter,
+                    "scoring": args.scoring,
+                    "dtype": args.dtype,
+                    "seed": args.seed,
+                    "seconds": round(result.seconds, 3),
+                }
+            )
+        )
+    else:
+        lo, hi = result.ci95
+        adapter = f" + {args.adapter}" if args.adapter else ""
+        print(
+            f"{result.task}: accuracy {result.accuracy:.4f} (95% CI {lo:.4f}-{hi:.4f}), "
+            f"n = {result.n}, {result.seconds:.1f} s "
+            f"[{args.model}{adapter}, {args.dtype}, scoring {args.scoring}, "
+            f"threads {torch.get_num_threads()}]"
+        )
+    return 0
