@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -462,13 +463,23 @@ def run_experiment(
     resume: bool = False,
     quiet: bool = False,
     log=None,
+    stop: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume) one federated experiment in `run_dir`; returns the summary."""
+    """Run (or resume) one federated experiment in `run_dir`; returns the summary.
+
+    `stop(line)` is called after every round's metrics line is written; True ends the run
+    (stop_reason "stop_condition"; `proposed` uses it to end calibration runs at F_s).
+    """
     log = log or (lambda msg: print(msg, file=sys.stderr))
     wall_start = time.perf_counter()
+    calibration_s = 0.0
+    if cfg.method.name == "proposed":  # Algorithm 2: calibration runs and the plan come first
+        from fedlora.methods.proposed import prepare_proposed
+
+        cfg, calibration_s = prepare_proposed(cfg, run_dir, resume=resume, quiet=quiet, log=log)
     run = build_run(cfg, run_dir, log=log)
     metrics_path = run_dir / "metrics.jsonl"
-    progress = Progress()
+    progress = Progress(sim_time_s=calibration_s)  # the calibration's clock counts
 
     if resume:
         state = load_checkpoint(run_dir, warn=log)
@@ -497,7 +508,8 @@ def run_experiment(
             "n_participants": 0,
             "k": [],
             "round_time_s": 0.0,
-            "sim_time_s": 0.0,
+            "sim_time_s": progress.sim_time_s,
+            "calibration_sim_time_s": calibration_s,
             "uplink_bits": 0,
             "downlink_bits": 0,
             "train_loss": None,
@@ -531,6 +543,9 @@ def run_experiment(
             progress.metrics_lines += 1
             progress.round += 1
             reporter.update(line, progress)
+            if stop is not None and stop(line):
+                stop_reason = "stop_condition"
+                break
             if progress.round % tcfg.checkpoint_every == 0:
                 save_checkpoint(run_dir, _checkpoint_state(run, progress))
         else:
@@ -560,6 +575,7 @@ def run_experiment(
         "wall_s": time.perf_counter() - wall_start,
         "method": cfg.method.name,
         "seed": tcfg.seed,
+        "calibration_sim_time_s": calibration_s,
     }
     _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
