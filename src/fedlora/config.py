@@ -267,6 +267,11 @@ class PlannerConfig:
     grid_eps: float = 0.0  # grid step for m_search = grid; 0 = (range)/200
     max_iterations: int = 50
     calibration_loss: float = 0.0  # F_s for the `proposed` calibration runs; 0 = auto
+    # `proposed`: at most this many rounds per calibration run (fedlora.methods.proposed)
+    calibration_rounds: int = 30
+    # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
+    # with q from method.q ("k", Figure 3)
+    optimize: str = "qk"
 
     def __post_init__(self) -> None:
         _check_choice("planner.solver", self.solver, ("exact", "cvxpy"))
@@ -277,6 +282,8 @@ class PlannerConfig:
         _check_number("planner.grid_eps", self.grid_eps, lo=0)
         _check_int("planner.max_iterations", self.max_iterations, lo=1)
         _check_number("planner.calibration_loss", self.calibration_loss, lo=0)
+        _check_int("planner.calibration_rounds", self.calibration_rounds, lo=2)
+        _check_choice("planner.optimize", self.optimize, ("qk", "q", "k"))
 
 
 @dataclass(frozen=True)
