@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -75,7 +77,7 @@ def test_toml_round_trip_with_lists_union_fields_and_awkward_values(tmp_path):
         data=DataConfig(n_clients=3, tasks=("boolq",), task_files=("/x/a.json",), eval_tasks=()),
         network=NetworkConfig(f_tot_hz=1e20, noise_psd_dbm_hz=-174.5, fading="rayleigh"),
         training=TrainingConfig(lr=1e-05, seed=7, target_accuracy=0.55),
-        method=MethodConfig(name="proposed", q=(1.0, 0.25, 1e-05), k=(1, 8, 3)),
+        method=MethodConfig(name="proposed", q=(1.0, 0.25, 1e-05), k=(1, 8, 3), ranks=(8, 2, 1)),
     )
     # Execute
     text = dump_toml(cfg)
@@ -226,6 +228,9 @@ BAD_VALUES = [
     (["method.q=[0.5, 0.5]"], "method.q = (0.5, 0.5) is invalid: one entry per client"),
     (["data.n_clients=3", "method.k=[1, 2, 3, 4]"], "method.k = (1, 2, 3, 4) is invalid"),
     (["data.n_clients=4", "method.clients_per_round=5"], "method.clients_per_round = 5"),
+    (["data.n_clients=2", "method.ranks=[4, 4, 4]"], "method.ranks = (4, 4, 4) is invalid"),
+    (["data.n_clients=2", "method.ranks=[4, 17]"], "method.ranks = (4, 17) is invalid"),
+    (["method.ranks=biggest"], "method.ranks = 'biggest' is invalid"),
     # other ranges and choices
     (["model.dtype=fp16"], "model.dtype = 'fp16' is invalid: allowed: fp32, bf16"),
     (["model.name=''"], "model.name = '' is invalid"),
@@ -315,3 +320,19 @@ def test_unreadable_config_files(tmp_path):
 def test_errors_are_value_errors_for_library_callers():
     with pytest.raises(ValueError):
         load_config(None, ["lora.rank=0"])
+
+
+# ----------------------------------------------------------------------------- docs
+
+
+def test_docs_config_md_documents_every_section_and_key():
+    # docs/config.md is written by hand; this keeps it in step with the dataclasses.
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text(encoding="utf-8")
+    parts = re.split(r"^### `\[(\w+)\]`", doc, flags=re.M)  # [intro, name, body, name, body...]
+    bodies = dict(zip(parts[1::2], parts[2::2]))
+    assert list(bodies) == list(SECTIONS), "docs/config.md: one '### `[section]`' per section"
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f"| `{f.name}` |" in bodies[section], (
+                f"docs/config.md: add a row for {section}.{f.name} under [{section}]"
+            )
