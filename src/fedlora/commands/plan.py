@@ -1,0 +1,61 @@
+"""`fedlora plan PROBLEM.json [--solver exact|cvxpy] [-o PLAN.json]`: Algorithm 2 on a problem
+file (schema: docs/planner.md); prints the plan as JSON, or writes it and prints a summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fedlora.errors import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="choose q and k (Algorithm 2) for a PROBLEM.json",
+        description=(
+            "Estimate A-D from calibration runs if given, then choose each client's sampling "
+            "probability q_n and sketch size k_n minimising the wall-clock bound P2. "
+            "Schema of PROBLEM.json and of the output: docs/planner.md."
+        ),
+    )
+    p.add_argument("problem", metavar="PROBLEM.json", help="the planning problem")
+    p.add_argument(
+        "--solver", choices=("exact", "cvxpy"), help="q-step solver (overrides options.solver)"
+    )
+    p.add_argument("--output", "-o", metavar="PLAN.json", help="write the plan here")
+    p.add_argument(
+        "--normalize-a",
+        action="store_true",
+        help="rescale the clients' a to sum to 1 instead of refusing them",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fedlora.planner import load_problem, plan
+
+    overrides: dict[str, object] = {}
+    if args.solver:
+        overrides["solver"] = args.solver
+    if args.normalize_a:
+        overrides["normalize_a"] = True
+    problem, options = load_problem(args.problem, overrides)
+    result = plan(problem, options)
+    text = json.dumps(result.to_dict(), indent=2) + "\n"
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.output)
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"--output = {str(out)!r}: cannot write: {e.strerror or e}") from None
+    print(
+        f"plan: N = {problem.n}, P2 = {result.objective:.6g} s "
+        f"(E[T] = {result.expected_round_time_s:.6g} s x R = {result.expected_rounds:.6g}), "
+        f"{result.iterations} iterations ({result.stop_reason}), solver {result.solver} -> {out}"
+    )
+    return 0
