@@ -1,0 +1,423 @@
+"""The baselines (FSLoRA, HeteroLoRA, FedStackLoRA, FlexLoRA) and the rank budgets.
+
+Aggregations are checked on tiny tensors against values computed by hand (in the comments),
+FlexLoRA against numpy's SVD, payloads against their formulas. No torch needed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedlora.config import load_config
+from fedlora.errors import ConfigError
+from fedlora.methods import make_method
+from fedlora.methods.base import ClientTask, RoundPlan, sketch_payload_params
+from fedlora.methods.fedstacklora import FedStackLoRA, fresh_adapter
+from fedlora.methods.flexlora import FlexLoRA, truncated_svd_factors
+from fedlora.methods.fslora import FSLoRA
+from fedlora.methods.heterolora import HeteroLoRA, lora_modules, product_fro_norm
+from fedlora.methods.ranks import capability_ranks, resolve_ranks
+
+SMOL_SHAPES = {  # SmolLM2-135M, q and v on 30 layers: q (576→576), v (576→192)
+    **{f"layers.{i}.q_proj": (576, 576) for i in range(30)},
+    **{f"layers.{i}.v_proj": (192, 576) for i in range(30)},
+}
+
+
+def _rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _state(a: list, b: list, name: str = "m") -> dict[str, np.ndarray]:
+    return {f"{name}.lora_A": np.array(a, dtype=float), f"{name}.lora_B": np.array(b, dtype=float)}
+
+
+def _task(client: int, scale: list, weight: float) -> ClientTask:
+    s = np.array(scale, dtype=float)
+    return ClientTask(client, s, int(np.count_nonzero(s)), weight)
+
+
+# ----------------------------------------------------------------------------- rank budgets
+
+
+def test_capability_ranks_are_proportional_to_speed():
+    # Prepare: τ_min = 0.5 → ratios 0.5, 0.25, 0.125, 1 of γ = 8
+    tau = [1.0, 2.0, 4.0, 0.5]
+    # Execute
+    ranks = capability_ranks(tau, 8)
+    # Assert
+    assert ranks.tolist() == [4, 2, 1, 8]
+
+
+def test_capability_ranks_round_up_and_stay_in_1_to_gamma():
+    # ⌈4·1/3⌉ = 2, ⌈4·1/100⌉ = 1 (never 0), τ = 0 is the fastest possible device → γ
+    assert capability_ranks([1.0, 3.0, 100.0, 0.0], 4).tolist() == [4, 2, 1, 4]
+    assert capability_ranks([0.0, 0.0], 5).tolist() == [5, 5]
+    assert capability_ranks([2.0, 2.0, 2.0], 16).tolist() == [16, 16, 16]
+
+
+@pytest.mark.parametrize("tau", [[1.0, -1.0], [np.nan, 1.0], [np.inf]])
+def test_capability_ranks_reject_bad_times(tau):
+    with pytest.raises(ConfigError, match=r"tau_full_s\[\d\].*finite and >= 0"):
+        capability_ranks(tau, 4)
+
+
+def test_resolve_ranks_capability_needs_the_profiles():
+    with pytest.raises(ConfigError, match="method.ranks.*capability needs the client profiles"):
+        resolve_ranks("capability", n=3, gamma=4, rng=_rng())
+    with pytest.raises(ConfigError, match="method.ranks.*profiles have 2 clients.*= 3"):
+        resolve_ranks("capability", n=3, gamma=4, rng=_rng(), tau_full_s=np.ones(2))
+
+
+def test_resolve_ranks_strategies_lists_and_errors():
+    assert resolve_ranks("full", n=3, gamma=4, rng=_rng()).tolist() == [4, 4, 4]
+    assert resolve_ranks([1, 2, 4], n=3, gamma=4, rng=_rng()).tolist() == [1, 2, 4]
+    drawn = resolve_ranks("uniform", n=50, gamma=4, rng=_rng(1))
+    assert drawn.min() >= 1 and drawn.max() <= 4
+    with pytest.raises(ConfigError, match=r"method.ranks\[1\] = 5.*1\.\.γ = 1\.\.4"):
+        resolve_ranks([1, 5, 2], n=3, gamma=4, rng=_rng())
+    with pytest.raises(ConfigError, match="method.ranks.*one value per client"):
+        resolve_ranks([1, 2], n=3, gamma=4, rng=_rng())
+    with pytest.raises(ConfigError, match="method.ranks = 'fast'.*capability"):
+        resolve_ranks("fast", n=3, gamma=4, rng=_rng())
+
+
+def test_resolve_ranks_reads_a_json_file(tmp_path):
+    path = tmp_path / "ranks.json"
+    path.write_text('{"k": [2, 3]}')
+    assert resolve_ranks(str(path), n=2, gamma=4, rng=_rng()).tolist() == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ('method.ranks="fast"', r"method.ranks = 'fast' is invalid.*capability"),
+        ("method.ranks=[1, 0, 2]", r"method.ranks\[1\] = 0 is invalid.*>= 1"),
+        ("method.ranks=[1, 2]", r"method.ranks.*one entry per client: data.n_clients = 3, got 2"),
+        ("method.ranks=[1, 2, 17]", r"method.ranks.*every r_n must be in 1..lora.rank = 16"),
+    ],
+)
+def test_config_rejects_bad_ranks(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, ["data.n_clients=3", override])
+
+
+def test_config_ranks_default_and_list_round_trip():
+    assert load_config().method.ranks == "capability"
+    assert load_config(None, ["data.n_clients=2", "method.ranks=[3, 5]"]).method.ranks == (3, 5)
+
+
+# ----------------------------------------------------------------------------- FSLoRA
+
+
+def test_fslora_plan_samples_m_clients_with_scaled_sketches():
+    # Prepare: N = 5 clients, m = 2 per round, k = budgets, γ = 4
+    method = FSLoRA(k=np.array([1, 2, 4, 2, 1]), gamma=4, clients_per_round=2)
+    # Execute
+    plan = method.plan_round(0, _rng(3), _rng(4))
+    # Assert: 2 distinct sorted clients, weight 1/m, k_n non-zeros of value γ/k_n
+    assert len(plan.tasks) == 2 and plan.participants == sorted(set(plan.participants))
+    for t in plan.tasks:
+        k = method.k[t.client]
+        assert t.weight == 0.5 and t.rank_used == k
+        assert np.count_nonzero(t.scale) == k
+        assert np.allclose(t.scale[t.scale != 0], 4 / k)
+
+
+def test_fslora_samples_every_client_equally_often():
+    # uniform without replacement: each client is in a round with probability m/N = 2/5
+    method = FSLoRA(k=np.full(5, 2), gamma=4, clients_per_round=2)
+    counts = np.zeros(5)
+    rounds = 4000
+    for r in range(rounds):
+        counts[method.plan_round(r, _rng(r), _rng(r + 10**6)).participants] += 1
+    se = np.sqrt(rounds * 0.4 * 0.6)
+    assert np.all(np.abs(counts - rounds * 0.4) < 4 * se)
+
+
+def test_fslora_averages_updates_over_all_participants():
+    # Prepare: γ = 2, A rows [1, 1], [2, 2]; client 0 sketched index 0 and moved A row 0 to
+    # [3, 3]; client 1 sketched index 1 and moved A row 1 to [4, 4] (B likewise for columns).
+    method = FSLoRA(k=np.array([1, 1]), gamma=2)
+    global_state = _state([[1, 1], [2, 2]], [[1, 2]])
+    c0 = _state([[3, 3], [2, 2]], [[5, 2]])
+    c1 = _state([[1, 1], [4, 4]], [[1, 0]])
+    plan = RoundPlan(0, (_task(0, [2, 0], 0.5), _task(1, [0, 2], 0.5)))
+    # Execute
+    out = method.aggregate(global_state, plan, [c0, c1]).global_state
+    # Assert: X + (1/2)Σ(X_n − X): row 0 = 1 + (2 + 0)/2 = 2, row 1 = 2 + (0 + 2)/2 = 3
+    # (dividing by the number of clients that touched a component would give 3 and 4)
+    assert np.allclose(out["m.lora_A"], [[2, 2], [3, 3]])
+    # B: column 0 = 1 + (4 + 0)/2 = 3, column 1 = 2 + (0 − 2)/2 = 1
+    assert np.allclose(out["m.lora_B"], [[3, 1]])
+
+
+def test_fslora_payload_is_k_components_up_and_down():
+    method = FSLoRA(k=np.array([3]), gamma=8)
+    plan = method.plan_round(0, _rng(), _rng())
+    p = method.payload(plan.tasks[0], {"q": (576, 576), "v": (192, 576)}, plan)
+    assert p.uplink_params == p.downlink_params == 3 * (1152 + 768)
+
+
+# ----------------------------------------------------------------------------- HeteroLoRA
+
+
+def test_heterolora_plan_truncates_to_the_rank_budget():
+    method = HeteroLoRA(a=np.array([0.2, 0.8]), ranks=np.array([1, 3]), gamma=3)
+    plan = method.plan_round(0, _rng(), _rng())
+    assert plan.participants == [0, 1]
+    assert plan.tasks[0].scale.tolist() == [1, 0, 0] and plan.tasks[0].rank_used == 1
+    assert plan.tasks[1].scale.tolist() == [1, 1, 1] and plan.tasks[1].weight == 0.8
+
+
+def test_heterolora_zero_pads_and_averages_with_data_weights():
+    # Prepare: γ = 3, client 0 has rank 1 (its rows/columns 1, 2 are the untouched global
+    # values 1), client 1 rank 3; data weights 1 and 3 → p = 0.25, 0.75.
+    method = HeteroLoRA(a=np.array([1.0, 3.0]), ranks=np.array([1, 3]), gamma=3, weighting="data")
+    global_state = _state([[1, 1], [1, 1], [1, 1]], [[1, 1, 1]])
+    c0 = _state([[2, 2], [1, 1], [1, 1]], [[2, 1, 1]])
+    c1 = _state([[4, 4], [5, 5], [6, 6]], [[4, 5, 6]])
+    plan = method.plan_round(0, _rng(), _rng())
+    # Execute
+    agg = method.aggregate(global_state, plan, [c0, c1])
+    # Assert: row 0 = .25·2 + .75·4 = 3.5; rows 1, 2 = .25·0 (padding) + .75·5 / .75·6
+    assert np.allclose(agg.global_state["m.lora_A"], [[3.5, 3.5], [3.75, 3.75], [4.5, 4.5]])
+    assert np.allclose(agg.global_state["m.lora_B"], [[3.5, 3.75, 4.5]])
+    assert agg.info["weights"]["m"] == [0.25, 0.75]
+
+
+def test_heterolora_sparsity_weights_are_frobenius_norms_of_padded_products():
+    # Prepare: out = in = 1, γ = 3. Client 0 (rank 1): B = [3, 9, 9], A = [1, 9, 9] → padded
+    # product 3·1 = 3. Client 1 (rank 2): B = [1, 1, 9], A = [1, 1, 9] → 1 + 1 = 2.
+    # The 9s are untouched global components: padding must drop them. p = 3/5, 2/5.
+    method = HeteroLoRA(a=np.array([0.5, 0.5]), ranks=np.array([1, 2]), gamma=3)
+    global_state = _state([[9], [9], [9]], [[9, 9, 9]])
+    c0 = _state([[1], [9], [9]], [[3, 9, 9]])
+    c1 = _state([[1], [1], [9]], [[1, 1, 9]])
+    plan = method.plan_round(0, _rng(), _rng())
+    # Execute
+    agg = method.aggregate(global_state, plan, [c0, c1])
+    # Assert: B = .6·[3, 0, 0] + .4·[1, 1, 0]; A = .6·[1, 0, 0] + .4·[1, 1, 0]
+    assert np.allclose(agg.info["weights"]["m"], [0.6, 0.4])
+    assert np.allclose(agg.global_state["m.lora_B"], [[2.2, 0.4, 0.0]])
+    assert np.allclose(agg.global_state["m.lora_A"], [[1.0], [0.4], [0.0]])
+
+
+def test_heterolora_sparsity_falls_back_to_data_weights_when_all_products_vanish():
+    method = HeteroLoRA(a=np.array([1.0, 3.0]), ranks=np.array([1, 1]), gamma=1)
+    zero_b = _state([[1.0]], [[0.0]])
+    agg = method.aggregate(zero_b, method.plan_round(0, _rng(), _rng()), [zero_b, zero_b])
+    assert agg.info["weights"]["m"] == [0.25, 0.75]
+
+
+def test_product_fro_norm_matches_the_dense_product():
+    rng = _rng(5)
+    b, a = rng.normal(size=(7, 3)), rng.normal(size=(3, 5))
+    assert product_fro_norm(b, a) == pytest.approx(np.linalg.norm(b @ a), rel=1e-12)
+
+
+def test_heterolora_rejects_unknown_weighting():
+    with pytest.raises(ConfigError, match="weighting = 'mean'.*sparsity, data"):
+        HeteroLoRA(a=np.ones(1), ranks=np.ones(1, dtype=int), gamma=1, weighting="mean")
+
+
+def test_lora_modules_pairs_a_and_b():
+    state = {"x.lora_A": 0, "x.lora_B": 0, "y.lora_A": 0, "z.lora_B": 0}
+    assert lora_modules(state) == ["x"]
+
+
+# ----------------------------------------------------------------------------- FedStackLoRA
+
+
+def test_fedstacklora_merges_the_weighted_stacked_product_into_the_base():
+    # Prepare: γ = 2, scaling 2, ranks 1 and 2, data weights 1 and 3 → p = .25, .75.
+    # Client 0 trained component 0 only: B_0 diag(1, 0) A_0 = [1, 2]ᵀ[1, 0] = [[1, 0], [2, 0]]
+    # (its component 1, the untouched global values 7, must not count).
+    # Client 1: B_1 A_1 = [[1, 1], [0, 1]] · I = [[1, 1], [0, 1]].
+    method = FedStackLoRA(
+        a=np.array([1.0, 3.0]), ranks=np.array([1, 2]), gamma=2, scaling=2.0, seed=0
+    )
+    global_state = _state([[0, 0], [7, 7]], [[0, 7], [0, 7]])
+    c0 = _state([[1, 0], [7, 7]], [[1, 7], [2, 7]])
+    c1 = _state([[1, 0], [0, 1]], [[1, 1], [0, 1]])
+    plan = method.plan_round(0, _rng(), _rng())
+    # Execute
+    agg = method.aggregate(global_state, plan, [c0, c1])
+    # Assert: Δ = 2·(.25·[[1, 0], [2, 0]] + .75·[[1, 1], [0, 1]]) = [[2, 1.5], [1, 1.5]]
+    assert set(agg.base_delta) == {"m"}
+    assert np.allclose(agg.base_delta["m"], [[2.0, 1.5], [1.0, 1.5]])
+    assert agg.info["stacked_rank"] == 3
+    w0 = np.array([[10.0, 0.0], [0.0, 10.0]])
+    assert np.allclose(w0 + agg.base_delta["m"], [[12.0, 1.5], [1.0, 11.5]])
+
+
+def test_fedstacklora_base_delta_equals_sum_of_client_products_on_random_data():
+    rng = _rng(11)
+    gamma, ranks, a = 4, np.array([1, 3, 4]), np.array([0.2, 0.5, 0.3])
+    method = FedStackLoRA(a=a, ranks=ranks, gamma=gamma, scaling=0.5, seed=1)
+    global_state = {"l.lora_A": rng.normal(size=(gamma, 6)), "l.lora_B": np.zeros((5, gamma))}
+    states = [
+        {"l.lora_A": rng.normal(size=(gamma, 6)), "l.lora_B": rng.normal(size=(5, gamma))}
+        for _ in ranks
+    ]
+    plan = method.plan_round(0, _rng(), _rng())
+    delta = method.aggregate(global_state, plan, states).base_delta["l"]
+    expected = sum(
+        0.5 * p * s["l.lora_B"][:, :r] @ s["l.lora_A"][:r] for p, r, s in zip(a, ranks, states)
+    )
+    assert np.allclose(delta, expected, atol=1e-12)
+
+
+def test_fedstacklora_returns_a_fresh_seeded_adapter():
+    method = FedStackLoRA(a=np.ones(2), ranks=np.array([1, 2]), gamma=2, scaling=1.0, seed=3)
+    global_state = {
+        "l.lora_A": np.ones((2, 4), np.float32),
+        "l.lora_B": np.ones((3, 2), np.float32),
+    }
+    plan = method.plan_round(4, _rng(), _rng())
+    fresh = method.aggregate(global_state, plan, [global_state, global_state]).global_state
+    # B = 0, A ~ U(−1/√in, 1/√in) = U(−0.5, 0.5), dtype kept, rebuilt from (seed, round + 1)
+    assert np.all(fresh["l.lora_B"] == 0) and fresh["l.lora_B"].dtype == np.float32
+    assert np.all(np.abs(fresh["l.lora_A"]) <= 0.5) and fresh["l.lora_A"].dtype == np.float32
+    assert np.array_equal(fresh["l.lora_A"], fresh_adapter(global_state, 3, 5)["l.lora_A"])
+    assert not np.array_equal(fresh["l.lora_A"], fresh_adapter(global_state, 3, 6)["l.lora_A"])
+
+
+def test_fresh_adapter_a_is_kaiming_uniform():
+    big = {"l.lora_A": np.zeros((64, 100)), "l.lora_B": np.zeros((8, 64))}
+    a = fresh_adapter(big, 0, 1)["l.lora_A"]
+    # U(−0.1, 0.1): support, mean 0, variance bound²/3
+    assert np.abs(a).max() <= 0.1 and np.abs(a).max() > 0.099
+    assert abs(a.mean()) < 4 * 0.1 / np.sqrt(3 * a.size)
+    assert a.var() == pytest.approx(0.01 / 3, rel=0.05)
+
+
+def test_fedstacklora_downlink_is_the_stacked_adapter():
+    # Prepare: ranks 4 and 8 in one round; Σ(out + in) = 1152 + 768 = 1920 per component
+    method = FedStackLoRA(a=np.ones(2), ranks=np.array([4, 8]), gamma=8, scaling=1.0)
+    plan = method.plan_round(0, _rng(), _rng())
+    shapes = {"q": (576, 576), "v": (192, 576)}
+    # Execute
+    payloads = [method.payload(t, shapes, plan) for t in plan.tasks]
+    # Assert: up r_n·1920, down (4 + 8)·1920 for both
+    assert [p.uplink_params for p in payloads] == [4 * 1920, 8 * 1920]
+    assert [p.downlink_params for p in payloads] == [12 * 1920, 12 * 1920]
+
+
+# ----------------------------------------------------------------------------- FlexLoRA
+
+
+def test_flexlora_hand_computed_svd_redistribution():
+    # Prepare: γ = 2, two rank-1 clients, equal weights. Products [[2, 0], [0, 0]] and
+    # [[0, 0], [0, 1]] → W = [[1, 0], [0, .5]]: singular values 1 and .5.
+    method = FlexLoRA(a=np.array([1.0, 1.0]), ranks=np.array([1, 1]), gamma=2)
+    global_state = _state([[0, 0], [0, 0]], [[0, 0], [0, 0]])
+    c0 = _state([[1, 0], [0, 0]], [[2, 0], [0, 0]])
+    c1 = _state([[0, 1], [0, 0]], [[0, 0], [1, 0]])
+    plan = method.plan_round(0, _rng(), _rng())
+    # Execute
+    agg = method.aggregate(global_state, plan, [c0, c1])
+    b, a = agg.global_state["m.lora_B"], agg.global_state["m.lora_A"]
+    # Assert: B A = W; the rank-1 client gets the best rank-1 part [[1, 0], [0, 0]];
+    # B = U√Σ has squared column norms σ = 1, .5 and so has A = √ΣVᵀ (rows)
+    assert np.allclose(b @ a, [[1, 0], [0, 0.5]])
+    assert np.allclose(b[:, :1] @ a[:1], [[1, 0], [0, 0]])
+    assert np.allclose(np.sum(b**2, axis=0), [1, 0.5])
+    assert np.allclose(np.sum(a**2, axis=1), [1, 0.5])
+    assert np.allclose(agg.info["singular_values"]["m"], [1, 0.5])
+
+
+def test_flexlora_gives_each_client_the_best_rank_r_approximation():
+    # Prepare: γ = 4, ranks 2, 3, 4 → W has rank ≥ 4 generically; compare with numpy's SVD
+    rng = _rng(7)
+    gamma, ranks, a = 4, np.array([2, 3, 4]), np.array([0.5, 0.3, 0.2])
+    method = FlexLoRA(a=a, ranks=ranks, gamma=gamma)
+    global_state = {
+        "l.lora_A": rng.normal(size=(gamma, 9)),
+        "l.lora_B": rng.normal(size=(6, gamma)),
+    }
+    states = [
+        {"l.lora_A": rng.normal(size=(gamma, 9)), "l.lora_B": rng.normal(size=(6, gamma))}
+        for _ in ranks
+    ]
+    plan = method.plan_round(0, _rng(), _rng())
+    w = sum(p * s["l.lora_B"][:, :r] @ s["l.lora_A"][:r] for p, r, s in zip(a, ranks, states))
+    u, sv, vt = np.linalg.svd(w)
+    # Execute
+    out = method.aggregate(global_state, plan, states).global_state
+    # Assert: the first r components give Σ_{i<r} σ_i u_i v_iᵀ for every r (Eckart–Young)
+    for r in range(1, gamma + 1):
+        best = (u[:, :r] * sv[:r]) @ vt[:r]
+        got = out["l.lora_B"][:, :r] @ out["l.lora_A"][:r]
+        assert np.allclose(got, best, atol=1e-10)
+        assert np.linalg.norm(w - got) == pytest.approx(np.sqrt(np.sum(sv[r:] ** 2)), abs=1e-9)
+
+
+def test_truncated_svd_pads_with_zeros_when_w_has_low_rank():
+    # one rank-1 product, γ = 3: components 1 and 2 are zero, B A = W exactly
+    b_stack, a_stack = np.array([[1.0], [2.0]]), np.array([[3.0, 0.0, 4.0]])
+    b, a = truncated_svd_factors(b_stack, a_stack, 3)
+    assert b.shape == (2, 3) and a.shape == (3, 3)
+    assert np.allclose(b @ a, b_stack @ a_stack)
+    assert np.allclose(b[:, 1:], 0) and np.allclose(a[1:], 0)
+    assert np.sum(b[:, 0] ** 2) == pytest.approx(np.sqrt(5) * 5)  # σ = ‖[1, 2]‖·‖[3, 0, 4]‖
+
+
+# ----------------------------------------------------------------------------- shared
+
+
+@pytest.mark.parametrize("name", ["heterolora", "fedstacklora", "flexlora"])
+def test_rank_methods_payload_is_r_components_up(name):
+    cfg = load_config(
+        None, [f'method.name="{name}"', "data.n_clients=3", "method.ranks=[2, 5, 16]"]
+    )
+    method = make_method(cfg, np.full(3, 1 / 3), _rng())
+    plan = method.plan_round(0, _rng(), _rng())
+    ups = [method.payload(t, SMOL_SHAPES, plan).uplink_params for t in plan.tasks]
+    per_component = 30 * (576 + 576) + 30 * (192 + 576)  # 57,600
+    assert [r * per_component for r in (2, 5, 16)] == ups
+    assert sketch_payload_params(1, SMOL_SHAPES) == per_component
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("fslora", FSLoRA),
+        ("heterolora", HeteroLoRA),
+        ("fedstacklora", FedStackLoRA),
+        ("flexlora", FlexLoRA),
+    ],
+)
+def test_make_method_builds_each_baseline_with_shared_budgets(name, cls):
+    cfg = load_config(
+        None,
+        [f'method.name="{name}"', "data.n_clients=4", "lora.rank=8", "lora.alpha=4.0",
+         "method.clients_per_round=2"],
+    )  # fmt: skip
+    tau = np.array([1.0, 2.0, 4.0, 0.5])
+    method = make_method(cfg, np.full(4, 0.25), _rng(), tau_full_s=tau)
+    assert isinstance(method, cls)
+    budgets = method.k if name == "fslora" else method.ranks
+    assert budgets.tolist() == [4, 2, 1, 8]
+    assert method.clients_per_round == 2
+    if name == "fedstacklora":
+        assert method.scaling == 0.5  # alpha / rank
+
+
+def test_make_method_capability_without_profiles_uses_the_engines_compute_times():
+    from fedlora.engine import build_profiles
+
+    cfg = load_config(None, ['method.name="heterolora"', "data.n_clients=6", "training.seed=4"])
+    method = make_method(cfg, np.full(6, 1 / 6), _rng())
+    # the compute times do not depend on the payload bits the engine passes
+    tau = build_profiles(cfg, full_payload_bits=123456.0).tau_full_s
+    assert method.ranks.tolist() == capability_ranks(tau, 16).tolist()
+
+
+@pytest.mark.parametrize("cls", [HeteroLoRA, FlexLoRA])
+def test_rank_methods_without_participants_keep_the_global(cls):
+    method = cls(a=np.ones(1), ranks=np.ones(1, dtype=int), gamma=1)
+    g = _state([[1.0]], [[2.0]])
+    out = method.aggregate(g, RoundPlan(0, ()), []).global_state
+    assert out == g
