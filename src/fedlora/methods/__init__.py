@@ -15,6 +15,7 @@ from fedlora.methods.fedstacklora import FedStackLoRA
 from fedlora.methods.flexlora import FlexLoRA
 from fedlora.methods.fslora import FSLoRA
 from fedlora.methods.heterolora import HeteroLoRA
+from fedlora.methods.proposed import Proposed
 from fedlora.methods.ranks import resolve_ranks
 from fedlora.methods.sketched import Sketched
 from fedlora.methods.strategies import resolve_k, resolve_q
@@ -55,6 +56,10 @@ def make_method(
             seed=cfg.training.seed,
             clients_per_round=per_round,
         )
+    if m.name == "proposed":  # q, k from the plan (fedlora.methods.proposed.prepare_proposed)
+        q = resolve_q(m.q, a=a, q_fixed=m.q_fixed)
+        k = resolve_k(m.k, n=a.size, gamma=gamma, rng=rng)
+        return Proposed(a=a, q=q, k=k, gamma=gamma)
     if m.name == "sketched":
         q = resolve_q(m.q, a=a, q_fixed=m.q_fixed)
         k = resolve_k(m.k, n=a.size, gamma=gamma, rng=rng)

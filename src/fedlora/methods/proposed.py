@@ -1,0 +1,298 @@
+"""`proposed`: the paper's Algorithm 2 on real training, then Algorithm 1 with the plan.
+
+Before the first round of a `proposed` run the engine calls `prepare_proposed`, which
+
+1. runs four calibration runs of Algorithm 1 (`sketched`) through the engine, with the same
+   seed (so the same data partition and client profiles) and every client alike within a run:
+   (q, k) ∈ {0.3, 0.15} × {γ, ⌈γ/4⌉} (`calibration_settings`; two k's so that D is
+   identifiable, PAPER_NOTES #3). Each stops at the first round R_i whose smoothed training
+   loss is <= F_s, or after `planner.calibration_rounds` rounds;
+2. estimates A–D from the observations (q_i, k_i, R_i) (`fedlora.planner.estimate_constants`);
+3. plans (q*, k*) for the run's client profiles (a_n, τ_n^γ, t_n^γ from the calibration's
+   clients.csv, f_tot and the cost models of [network]) with `fedlora.planner`
+   (`planner.optimize`: both, q only with k from `method.k`, k only with q from `method.q`);
+4. writes `plan.json` (constants, plan, calibration observations, F_s, simulated time) in the
+   run directory and returns a config whose method.q / method.k read that file.
+
+The calibration rounds' simulated time starts the main run's clock (the engine adds it) and is
+reported separately as `calibration_sim_time_s` in metrics line 0 and summary.json.
+
+Calibration loss (decided before any result was seen; planner.calibration_loss = 0 = "auto"):
+F_s = 0.5 · L_0, with L_0 the training loss of the first round with participants of the
+first calibration run (mean over its participants and H local steps). The loss a round
+reports is smoothed as the trailing mean over the last `SMOOTHING_ROUNDS` rounds that had
+participants. If a calibration run ends at the cap without reaching F_s, every run's R_i is
+re-read from its recorded losses at F_s' = the highest of the runs' lowest smoothed losses
+(the lowest level every run reached); plan.json records both F_s and F_s'.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.config import ExperimentConfig
+from fedlora.errors import ConfigError
+from fedlora.methods.sketched import Sketched
+
+CALIBRATION_Q = (0.3, 0.15)
+AUTO_LOSS_FRACTION = 0.5
+SMOOTHING_ROUNDS = 3
+CALIBRATION_EVAL_LIMIT = 8  # calibration runs decide on the training loss; eval is not used
+PLAN_FILE = "plan.json"
+
+
+class Proposed(Sketched):
+    """Algorithm 1 with the planned per-client (q*, k*) (see the module docstring)."""
+
+    name = "proposed"
+
+
+def calibration_settings(gamma: int) -> list[tuple[float, int]]:
+    """The four (q, k) pairs of the calibration runs: {0.3, 0.15} × {γ, ⌈γ/4⌉}.
+
+    With γ < 4 the second k is still distinct from γ (k = 1 for γ in 2..4); γ = 1 has a
+    single sketch size and cannot identify D.
+    """
+    if gamma < 2:
+        raise ConfigError(
+            f"lora.rank = {gamma} is invalid for method.name = 'proposed': the calibration "
+            "needs two different sketch sizes k (PAPER_NOTES #3), so lora.rank must be >= 2"
+        )
+    k_small = max(1, math.ceil(gamma / 4))
+    if k_small == gamma:
+        k_small = gamma - 1
+    return [(q, k) for k in (gamma, k_small) for q in CALIBRATION_Q]
+
+
+def smoothed_losses(losses: Sequence[float | None], window: int = SMOOTHING_ROUNDS) -> list:
+    """Trailing mean of the last `window` non-empty rounds' losses, one value per round.
+
+    A round without participants (None) repeats the previous value (None before the first).
+    """
+    out: list[float | None] = []
+    seen: list[float] = []
+    for loss in losses:
+        if loss is not None:
+            seen.append(float(loss))
+        out.append(float(np.mean(seen[-window:])) if seen else None)
+    return out
+
+
+def rounds_to_loss(
+    losses: Sequence[float | None], target: float, window: int = SMOOTHING_ROUNDS
+) -> int | None:
+    """R: the first round (1-based) whose smoothed loss is <= target; None if never."""
+    for i, value in enumerate(smoothed_losses(losses, window)):
+        if value is not None and value <= target:
+            return i + 1
+    return None
+
+
+def auto_calibration_loss(first_loss: float) -> float:
+    """F_s = AUTO_LOSS_FRACTION · L_0 (see the module docstring)."""
+    return AUTO_LOSS_FRACTION * float(first_loss)
+
+
+def _read_losses(metrics_path: Path) -> tuple[list[float | None], float]:
+    """Per-round training losses (rounds 1..) and the last simulated time of a run."""
+    losses: list[float | None] = []
+    sim_time_s = 0.0
+    if not metrics_path.exists():
+        return losses, sim_time_s
+    for text in metrics_path.read_text(encoding="utf-8").splitlines():
+        line = json.loads(text)
+        sim_time_s = float(line.get("sim_time_s", sim_time_s))
+        if line.get("round", 0) >= 1:
+            losses.append(line.get("train_loss"))
+    return losses, sim_time_s
+
+
+def calibration_config(cfg: ExperimentConfig, q: float, k: int) -> ExperimentConfig:
+    """One calibration run: `sketched` with every client at (q, k), same seed and network."""
+    n = cfg.data.n_clients
+    cap = cfg.planner.calibration_rounds
+    return cfg.replace(
+        method=dataclasses.replace(cfg.method, name="sketched", q=(q,) * n, k=(k,) * n),
+        training=dataclasses.replace(
+            cfg.training,
+            rounds=cap,
+            eval_every=cap,
+            target_accuracy=0.0,
+            time_budget_s=0.0,
+            checkpoint_every=max(1, min(cfg.training.checkpoint_every, cap)),
+        ),
+        data=dataclasses.replace(cfg.data, eval_limit=CALIBRATION_EVAL_LIMIT),
+    )
+
+
+def _read_clients(path: Path) -> dict[str, np.ndarray]:
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {key: np.array([float(r[key]) for r in rows]) for key in ("a", "tau_full_s", "t_full")}
+
+
+def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _calibrate(
+    cfg: ExperimentConfig, run_dir: Path, *, quiet: bool, log
+) -> tuple[list[dict[str, Any]], float, float]:
+    """Run (or resume, or reuse) the four calibration runs; returns their records, F_s, F_s'."""
+    from fedlora.engine import prepare_run_dir, run_experiment
+
+    fixed = cfg.planner.calibration_loss or None
+    target: dict[str, float | None] = {"loss": fixed}
+    records = []
+    for i, (q, k) in enumerate(calibration_settings(cfg.lora.rank)):
+        sub = run_dir / "calibration" / f"run-{i}-q{q:g}-k{k}"
+        metrics = sub / "metrics.jsonl"
+        ccfg = calibration_config(cfg, q, k)
+
+        def stop(line: dict[str, Any], metrics: Path = metrics) -> bool:
+            losses, _ = _read_losses(metrics)
+            if target["loss"] is None:
+                first = next((x for x in losses if x is not None), None)
+                if first is None:
+                    return False
+                target["loss"] = auto_calibration_loss(first)
+                log(f"calibration loss F_s = {target['loss']:.4f} (0.5 x first round's loss)")
+            return rounds_to_loss(losses, target["loss"]) is not None
+
+        if not (sub / "summary.json").exists():
+            resume = (sub / "config.toml").exists()
+            if not resume:
+                prepare_run_dir(ccfg, sub)
+            log(f"calibration run {i + 1}/4: q = {q:g}, k = {k} (at most {ccfg.training.rounds})")
+            run_experiment(ccfg, sub, resume=resume, quiet=quiet, log=log, stop=stop)
+        losses, sim_time_s = _read_losses(metrics)
+        if target["loss"] is None:  # a reused run 0: recompute F_s from its recorded losses
+            first = next((x for x in losses if x is not None), None)
+            if first is None:
+                raise ConfigError(
+                    f"calibration run {sub}: no round had participants; raise "
+                    "planner.calibration_rounds"
+                )
+            target["loss"] = auto_calibration_loss(first)
+        records.append(
+            {"q": q, "k": k, "dir": str(sub), "losses": losses, "sim_time_s": sim_time_s}
+        )
+    f_s = float(target["loss"])
+    lowest = [min((x for x in smoothed_losses(r["losses"]) if x is not None), default=math.inf)
+              for r in records]  # fmt: skip
+    f_used = max(f_s, max(lowest))
+    if not math.isfinite(f_used):
+        raise ConfigError("calibration: a run had no participant in any round; raise "
+                          "planner.calibration_rounds")  # fmt: skip
+    for r in records:
+        r["rounds"] = rounds_to_loss(r["losses"], f_used)
+    return records, f_s, f_used
+
+
+def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[dict]) -> dict:
+    from fedlora import planner as pl
+
+    n, gamma = cfg.data.n_clients, cfg.lora.rank
+    a = clients["a"] / clients["a"].sum()
+    observations = [
+        pl.Observation(np.full(n, r["q"]), np.full(n, r["k"]), float(r["rounds"])) for r in records
+    ]
+    options = pl.PlanOptions.from_config(cfg.planner, cfg.network)
+    problem = pl.PlanProblem(
+        gamma=gamma,
+        f_tot=cfg.network.f_tot_hz,
+        a=a,
+        tau_full_s=clients["tau_full_s"],
+        t_full=clients["t_full"],
+        calibration=tuple(observations),
+    )
+    constants = pl.estimate_constants(observations, gamma, a, options.estimation_matrix)
+    if cfg.planner.optimize == "qk":
+        result = pl.alternate(problem, constants, options)
+        q, k = result.q, result.k
+        extra = {"iterations": result.iterations, "stop_reason": result.stop_reason}
+    else:
+        from fedlora.engine import derive_rng
+        from fedlora.methods.strategies import resolve_k, resolve_q
+
+        if cfg.planner.optimize == "q":  # Figure 2: k from method.k, q planned
+            k = resolve_k(cfg.method.k, n=n, gamma=gamma,
+                          rng=derive_rng(cfg.training.seed, "strategy"))  # fmt: skip
+            q = pl.q_step(problem, constants, k, options).q
+        else:  # Figure 3: q from method.q, k planned
+            q = resolve_q(cfg.method.q, a=a, q_fixed=cfg.method.q_fixed)
+            k = pl.greedy_k(problem, constants, q, options)
+        extra = {}
+    weights = pl.sketched_round_weights(problem, np.asarray(k), options)
+    return {
+        "q": [float(x) for x in q],
+        "k": [int(x) for x in k],
+        "optimize": cfg.planner.optimize,
+        "constants": constants.to_dict(),
+        "objective": float(pl.p2_objective(problem, constants, q, k, options)),
+        "expected_rounds": float(pl.expected_rounds(problem, constants, q, k)),
+        "expected_round_time_s": float(np.dot(q, weights)),
+        **extra,
+    }
+
+
+def prepare_proposed(
+    cfg: ExperimentConfig, run_dir: Path, *, resume: bool = False, quiet: bool = True, log=print
+) -> tuple[ExperimentConfig, float]:
+    """Calibrate and plan (or reuse `run_dir`/plan.json); returns the config to train with
+    (method.q and method.k read plan.json) and the calibration's simulated time in seconds.
+
+    With method.q and method.k both naming one existing .json file (e.g. the output of
+    `fedlora plan`), that plan is used as given and no calibration runs.
+    """
+    del resume  # calibration runs resume on their own: finished ones are reused
+    m = cfg.method
+    if isinstance(m.q, str) and m.q == m.k and m.q.endswith(".json") and Path(m.q).exists():
+        return cfg, 0.0
+    plan_path = Path(run_dir) / PLAN_FILE
+    if plan_path.exists():
+        saved = json.loads(plan_path.read_text(encoding="utf-8"))
+        calibration_s = float(saved["calibration"]["sim_time_s"])
+    else:
+        records, f_s, f_used = _calibrate(cfg, Path(run_dir), quiet=quiet, log=log)
+        clients = _read_clients(Path(records[0]["dir"]) / "clients.csv")
+        planned = _plan(cfg, clients, records)
+        calibration_s = float(sum(r["sim_time_s"] for r in records))
+        saved = {
+            **planned,
+            "calibration": {
+                "loss_target": f_s,
+                "loss_used": f_used,
+                "loss_rule": "auto: 0.5 x first round's train loss"
+                if not cfg.planner.calibration_loss
+                else "planner.calibration_loss",  # fmt: skip
+                "smoothing_rounds": SMOOTHING_ROUNDS,
+                "max_rounds": cfg.planner.calibration_rounds,
+                "sim_time_s": calibration_s,
+                "runs": [
+                    {k: r[k] for k in ("q", "k", "rounds", "sim_time_s", "dir")}
+                    | {"rounds_run": len(r["losses"])}
+                    for r in records
+                ],
+            },
+        }
+        _atomic_write_json(plan_path, saved)
+        c = saved["constants"]
+        log(
+            f"plan: A={c['A']:.4g} B={c['B']:.4g} C={c['C']:.4g} D={c['D']:.4g}; "
+            f"mean q = {np.mean(saved['q']):.3f}, mean k = {np.mean(saved['k']):.1f}; "
+            f"calibration {calibration_s:.1f} s simulated -> {plan_path}"
+        )
+    path = str(plan_path)
+    return cfg.replace(method=dataclasses.replace(cfg.method, q=path, k=path)), calibration_s
