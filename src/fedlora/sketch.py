@@ -136,8 +136,15 @@ def unbiased_aggregate(
     for name, x in global_params.items():
         x = np.asarray(x)
         delta = np.zeros_like(x, dtype=np.result_type(x.dtype, np.float64))
-        for w, client in zip(weights, client_params):
-            delta += w * (x - np.asarray(client[name]))
+        for i, (w, client) in enumerate(zip(weights, client_params)):
+            if name not in client:
+                raise ConfigError(f"client update {i} has no parameter {name!r}")
+            xn = np.asarray(client[name])
+            if xn.shape != x.shape:  # never broadcast: (3, 1) against (3,) would grow X
+                raise ConfigError(
+                    f"client update {i}: {name} has shape {xn.shape}, the global one {x.shape}"
+                )
+            delta += w * (x - xn)
         out[name] = (x - delta).astype(x.dtype, copy=False)
     return out
 
