@@ -240,6 +240,11 @@ def generate_profiles(
     """
     if n < 1:
         raise bad_value("n_clients", n, "must be >= 1")
+    for name, value in (("f_tot_hz", f_tot_hz), ("full_payload_bits", full_payload_bits)):
+        if not (math.isfinite(value) and value > 0):
+            raise bad_value(name, value, "must be finite and > 0")
+    if not 0 < distance_min_m <= distance_max_m:
+        raise bad_value("distance_min_m", distance_min_m, f"must be in (0, {distance_max_m}]")
     step = step_time_median_s * np.exp(step_time_sigma * rng.standard_normal(n))
     distance = rng.uniform(distance_min_m, distance_max_m, size=n)
     path_loss = path_loss_ref_db + 10.0 * path_loss_exponent * np.log10(distance)
