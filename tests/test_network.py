@@ -377,9 +377,20 @@ def test_generated_client_at_100_m_hand_computed():
     np.testing.assert_allclose(p.tau_full_s, 2.0)  # 10 steps of exactly 0.2 s (σ = 0)
 
 
-def test_generate_profiles_rejects_no_clients():
-    with pytest.raises(ConfigError, match="n_clients = 0"):
-        generate_profiles(0, **GEN, rng=rng())
+@pytest.mark.parametrize(
+    ("n", "changes", "pattern"),
+    [
+        (0, {}, "n_clients = 0"),
+        (3, {"f_tot_hz": 0.0}, "f_tot_hz = 0.0"),
+        (3, {"f_tot_hz": -1.0}, "f_tot_hz = -1.0"),
+        (3, {"full_payload_bits": math.nan}, "full_payload_bits = nan"),
+        (3, {"distance_min_m": 0.0}, "distance_min_m = 0.0"),
+        (3, {"distance_min_m": 300.0}, r"distance_min_m = 300\.0 .*\(0, 200\.0\]"),
+    ],
+)
+def test_generate_profiles_rejects_bad_settings(n, changes, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        generate_profiles(n, **{**GEN, **changes}, rng=rng())
 
 
 # ----------------------------------------------------------------------------- profile files
