@@ -144,6 +144,32 @@ def test_sketch_masks_are_deterministic_for_a_seed():
     assert not np.array_equal(sketch_masks(6, k * 20, rng(5)), sketch_masks(6, k * 20, rng(6)))
 
 
+class _KeysInOrder:
+    """Stands in for a Generator: `random` returns given key rows (one per permutation)."""
+
+    def __init__(self, keys: np.ndarray) -> None:
+        self.keys = keys
+
+    def random(self, shape: tuple[int, int]) -> np.ndarray:
+        assert shape == self.keys.shape
+        return self.keys
+
+
+@pytest.mark.parametrize(("gamma", "k"), [(4, 1), (4, 2), (5, 3), (5, 5)])
+def test_sketch_masks_exact_inclusion_probability_by_enumerating_key_orders(gamma, k):
+    # i.i.d. uniform keys put every one of the γ! orderings with probability 1/γ!, so feeding
+    # each ordering once enumerates the distribution of `sketch_masks` exactly.
+    perms = np.array(list(itertools.permutations(range(gamma))), dtype=float)  # (γ!, γ)
+    keys = (perms + 0.5) / gamma  # distinct keys in (0, 1) with exactly that ordering
+    masks = sketch_masks(gamma, np.full(len(perms), k), _KeysInOrder(keys))  # (γ!, γ)
+    # P(index j in the sketch) = k/γ exactly, so E[S_jj] = (γ/k)·(k/γ) = 1
+    # (each index is in k·(γ − 1)! of the γ! orderings' sketches)
+    np.testing.assert_array_equal(masks.sum(axis=0), k * math.factorial(gamma - 1))
+    # and every k-subset occurs exactly k!(γ − k)! times: uniform over the C(γ, k) subsets
+    counts = _subset_counts(masks, gamma, k)
+    np.testing.assert_array_equal(counts, math.factorial(k) * math.factorial(gamma - k))
+
+
 def test_inclusion_probability_is_k_over_gamma_for_every_index():
     # Prepare: many draws of a 3-of-8 sketch. Each index count is Binomial(draws, 3/8).
     gamma, k, draws = 8, 3, 40_000
