@@ -1,0 +1,26 @@
+"""fedlora on Flower: a ServerApp and a ClientApp that move fedlora's method objects and local
+training across Flower's Message API (no algorithm code here; see docs/flower.md).
+
+Components (``[tool.flwr.app.components]`` in pyproject.toml):
+``fedlora.flower.server_app:app`` and ``fedlora.flower.client_app:app``.
+"""
+
+from fedlora.flower.common import (
+    LOOPBACK,
+    SAFE_ENV,
+    FlowerOptions,
+    LocalDeployment,
+    apply_safe_env,
+    config_from_run_config,
+    safe_env,
+)
+
+__all__ = [
+    "LOOPBACK",
+    "SAFE_ENV",
+    "FlowerOptions",
+    "LocalDeployment",
+    "apply_safe_env",
+    "config_from_run_config",
+    "safe_env",
+]

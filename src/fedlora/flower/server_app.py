@@ -1,0 +1,427 @@
+"""fedlora's ServerApp on Flower's Message API: the engine's round loop, with local training
+moved to the SuperNodes.
+
+Per round r, exactly as `fedlora.engine.run_experiment`: the plan comes from
+``method.plan_round(r, derive_rng(seed, "sampling", r), derive_rng(seed, "sketch", r))``;
+each participant's node gets a ``train`` message (global adapter + task); the replies are
+matched to tasks by ``reply.metadata.reply_to_message_id``; ``method.aggregate`` combines the
+adapters that came back; `round_cost` advances the simulated clock; metrics.jsonl,
+checkpoints, summary.json and the PEFT adapter are written in the engine's format, with one
+extra key per round: ``dropouts`` (clients sampled whose update did not arrive).
+
+A dropout contributes nothing (X_n = X for that client). With independent sampling this
+biases the aggregate towards reliable clients: E[X^{r+1}] = Σ a_n p_n X_n + (1 − Σ a_n p_n) X
+for a node that answers with probability p_n. ``availability = "observed"`` divides each
+received weight by the node's observed answer rate p̂_n (a running (s + 1)/(t + 1) estimate),
+which restores E[·] = Σ a_n X_n when p̂_n → p_n (docs/flower.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.config import ExperimentConfig
+from fedlora.engine import (
+    Progress,
+    TrainingDiverged,
+    _append_metrics,
+    _atomic_write,
+    _checkpoint_state,
+    _mean,
+    _target_reached,
+    _to_numpy,
+    _to_torch,
+    build_run,
+    derive_rng,
+    evaluate_global,
+    prepare_run_dir,
+    round_cost,
+    run_dir_for,
+    save_checkpoint,
+    write_clients_csv,
+)
+from fedlora.errors import ConfigError, DataError
+from fedlora.flower.common import (
+    QUERY,
+    TRAIN,
+    FlowerOptions,
+    adapter_to_record,
+    apply_safe_env,
+    config_from_run_config,
+    record_to_adapter,
+)
+from fedlora.methods import RoundPlan
+
+apply_safe_env()
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.serverapp import Grid, ServerApp  # noqa: E402
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- messaging
+
+
+def exchange(
+    grid: Grid, messages: Sequence[Message], timeout_s: float, poll_s: float
+) -> dict[int, Message]:
+    """Push `messages`, pull replies until all arrived or `timeout_s` passed.
+
+    Returns {index in `messages`: reply}, matched by ``reply_to_message_id``. (Flower's own
+    `send_and_receive` polls every 3 s; this polls every `poll_s`.)
+    """
+    ids = list(grid.push_messages(list(messages)))
+    index = {mid: i for i, mid in enumerate(ids) if mid}
+    pending = set(index)
+    replies: dict[int, Message] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            mid = reply.metadata.reply_to_message_id
+            if mid in pending:
+                pending.discard(mid)
+                replies[index[mid]] = reply
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    return replies
+
+
+def _fedlora_record(cfg: ExperimentConfig) -> ConfigRecord:
+    from fedlora.config import dump_toml
+
+    return ConfigRecord({"config-toml": dump_toml(cfg)})
+
+
+def discover_nodes(
+    grid: Grid, cfg: ExperimentConfig, fed: Any, opts: FlowerOptions, log: Log = _stderr
+) -> dict[int, int]:
+    """Ask every node its partition id and |D_n|; returns {client (partition id): node id}.
+
+    Waits up to ``connect_timeout_s`` for data.n_clients nodes. A node whose partition count,
+    id or |D_n| disagrees with the server's partition is a ConfigError / DataError; a missing
+    partition is allowed (that client drops out whenever it is sampled) and logged.
+    """
+    n = cfg.data.n_clients
+    deadline = time.monotonic() + opts.connect_timeout_s
+    while True:
+        node_ids = sorted(grid.get_node_ids())
+        if len(node_ids) >= n or time.monotonic() >= deadline:
+            break
+        time.sleep(opts.poll_interval_s)
+    if not node_ids:
+        raise ConfigError(
+            f"no SuperNode connected within connect-timeout-s = {opts.connect_timeout_s}"
+        )
+    messages = [
+        Message(RecordDict({"fedlora": _fedlora_record(cfg)}), node_id, QUERY, group_id="identity")
+        for node_id in node_ids
+    ]
+    replies = exchange(grid, messages, opts.connect_timeout_s, opts.poll_interval_s)
+    clients: dict[int, int] = {}
+    for i, node_id in enumerate(node_ids):
+        reply = replies.get(i)
+        if reply is None or reply.has_error():
+            why = "no reply" if reply is None else reply.error.reason
+            log(f"node {node_id}: identity query failed ({why}); it takes no part")
+            continue
+        ident = reply.content.config_records["identity"]
+        pid, n_parts, n_ex = (
+            int(ident[k]) for k in ("partition-id", "num-partitions", "n-examples")
+        )
+        if n_parts != n:
+            raise ConfigError(
+                f"node {node_id}: num-partitions = {n_parts} is invalid: must equal "
+                f"data.n_clients = {n}"
+            )
+        if pid in clients:
+            raise ConfigError(
+                f"partition-id = {pid} is claimed by nodes {clients[pid]} and {node_id}: "
+                "each SuperNode needs its own partition-id"
+            )
+        expected = len(fed.client_indices[pid])
+        if n_ex != expected:
+            raise DataError(
+                f"node {node_id} (partition {pid}) holds {n_ex} examples, the server's "
+                f"partition says {expected}: both sides must use the same data and config"
+            )
+        clients[pid] = node_id
+    missing = sorted(set(range(n)) - set(clients))
+    if missing:
+        log(f"no node for client(s) {missing}: they drop out whenever sampled")
+    return clients
+
+
+@dataclasses.dataclass
+class Availability:
+    """Per-client answer counts: p̂_n = (answered + 1) / (asked + 1)."""
+
+    asked: np.ndarray
+    answered: np.ndarray
+
+    @classmethod
+    def empty(cls, n: int) -> Availability:
+        return cls(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+    def rate(self) -> np.ndarray:
+        return (self.answered + 1.0) / (self.asked + 1.0)
+
+
+def train_remote(
+    grid: Grid,
+    cfg: ExperimentConfig,
+    plan: RoundPlan,
+    global_state: dict[str, np.ndarray],
+    clients: dict[int, int],
+    opts: FlowerOptions,
+    log: Log = _stderr,
+) -> tuple[list[int], list[dict[str, np.ndarray]], list[float], list[int]]:
+    """Send each task to its node; returns (task indices received, adapters, losses, dropouts)."""
+    record = _fedlora_record(cfg)
+    sent: list[int] = []
+    messages: list[Message] = []
+    for i, t in enumerate(plan.tasks):
+        if t.client not in clients:
+            continue
+        task = ConfigRecord(
+            {
+                "client": t.client,
+                "round": plan.round,
+                "index": i,
+                "scale": [float(s) for s in t.scale],
+                "rank-used": t.rank_used,
+                "weight": t.weight,
+            }
+        )
+        content = RecordDict(
+            {"fedlora": record, "task": task, "adapter": adapter_to_record(global_state)}
+        )
+        messages.append(
+            Message(
+                content,
+                clients[t.client],
+                TRAIN,
+                group_id=str(plan.round + 1),
+                ttl=opts.round_timeout_s + 60,
+            )
+        )
+        sent.append(i)
+    replies = exchange(grid, messages, opts.round_timeout_s, opts.poll_interval_s)
+    got, states, losses = [], [], []
+    for j, i in enumerate(sent):
+        reply = replies.get(j)
+        client = plan.tasks[i].client
+        if reply is None:
+            log(f"round {plan.round + 1}: client {client} did not answer in time; dropped")
+            continue
+        if reply.has_error():
+            log(f"round {plan.round + 1}: client {client} failed: {reply.error.reason}; dropped")
+            continue
+        got.append(i)
+        states.append(record_to_adapter(reply.content.array_records["adapter"]))
+        losses.append(float(reply.content.metric_records["metrics"]["train-loss"]))
+    dropouts = [t.client for i, t in enumerate(plan.tasks) if i not in set(got)]
+    return got, states, losses, dropouts
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def run_server(
+    grid: Grid,
+    cfg: ExperimentConfig,
+    opts: FlowerOptions,
+    *,
+    log: Log = _stderr,
+) -> dict[str, Any]:
+    """The engine's loop over Flower: returns the summary (also written to summary.json)."""
+    wall_start = time.perf_counter()
+    run_dir = run_dir_for(cfg, opts.out_dir or None)
+    prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
+    try:
+        return _run_server(grid, cfg, opts, run_dir, wall_start, log)
+    except Exception as e:  # leave a trace in the run directory for whoever waits on it
+        _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
+        raise
+
+
+def _run_server(
+    grid: Grid, cfg: ExperimentConfig, opts: FlowerOptions, run_dir: Path, wall_start: float,
+    log: Log,
+) -> dict[str, Any]:  # fmt: skip
+    run = build_run(cfg, run_dir, log=log)
+    clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path.unlink(missing_ok=True)
+    write_clients_csv(run_dir, run.fed, run.profiles)
+    progress = Progress()
+    avail = Availability.empty(cfg.data.n_clients)
+
+    accs = evaluate_global(run)
+    progress.initial_accuracy = progress.last_accuracy = progress.best_accuracy = _mean(accs)
+    line0 = {
+        "round": 0, "participants": [], "n_participants": 0, "k": [], "round_time_s": 0.0,
+        "sim_time_s": 0.0, "uplink_bits": 0, "downlink_bits": 0, "train_loss": None,
+        "eval_accuracy": progress.initial_accuracy, "eval": accs, "compute_s": 0.0,
+        "dropouts": [],
+    }  # fmt: skip
+    _append_metrics(metrics_path, line0)
+    progress.metrics_lines = 1
+
+    tcfg = cfg.training
+    stop_reason = "max_rounds"
+    total_dropouts = 0
+    while progress.round < tcfg.rounds:
+        if _target_reached(cfg, progress):
+            stop_reason = "target_accuracy"
+            break
+        if tcfg.time_budget_s and progress.sim_time_s >= tcfg.time_budget_s:
+            stop_reason = "time_budget"
+            break
+        r = progress.round
+        plan = run.method.plan_round(
+            r, derive_rng(tcfg.seed, "sampling", r), derive_rng(tcfg.seed, "sketch", r)
+        )
+        t0 = time.perf_counter()
+        line = _flower_round(grid, run, plan, progress, clients, avail, opts, log)
+        line["compute_s"] = time.perf_counter() - t0
+        total_dropouts += len(line["dropouts"])
+        progress.compute_s += line["compute_s"]
+        _append_metrics(metrics_path, line)
+        progress.metrics_lines += 1
+        progress.round += 1
+        log(
+            f"round {line['round']}: n={line['n_participants']} dropouts={line['dropouts']} "
+            f"loss={line['train_loss']}"
+        )
+        if progress.round % tcfg.checkpoint_every == 0:
+            save_checkpoint(run_dir, _checkpoint_state(run, progress))
+    else:
+        if _target_reached(cfg, progress):
+            stop_reason = "target_accuracy"
+    save_checkpoint(run_dir, _checkpoint_state(run, progress))
+    run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
+    summary = {
+        "stop_reason": stop_reason,
+        "rounds": progress.round,
+        "sim_time_s": progress.sim_time_s,
+        "initial_accuracy": progress.initial_accuracy,
+        "final_accuracy": progress.last_accuracy,
+        "best_accuracy": progress.best_accuracy,
+        "target_accuracy": tcfg.target_accuracy or None,
+        "time_to_target_s": progress.time_to_target_s,
+        "total_uplink_bits": progress.uplink_bits,
+        "total_downlink_bits": progress.downlink_bits,
+        "empty_rounds": progress.empty_rounds,
+        "compute_s": progress.compute_s,
+        "wall_s": time.perf_counter() - wall_start,
+        "method": cfg.method.name,
+        "seed": tcfg.seed,
+        "runtime": "flower",
+        "total_dropouts": total_dropouts,
+        "availability": opts.availability,
+    }
+    _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    return summary
+
+
+def _flower_round(
+    grid: Grid,
+    run: Any,
+    plan: RoundPlan,
+    progress: Progress,
+    clients: dict[int, int],
+    avail: Availability,
+    opts: FlowerOptions,
+    log: Log,
+) -> dict[str, Any]:
+    cfg, r = run.cfg, plan.round
+    line: dict[str, Any] = {
+        "round": r + 1,
+        "participants": plan.participants,
+        "n_participants": len(plan.tasks),
+        "k": [t.rank_used for t in plan.tasks],
+    }
+    dropouts: list[int] = []
+    effective = RoundPlan(r, ())
+    train_loss: float | None = None
+    if plan.tasks:
+        global_state = _to_numpy(run.lora.global_state())
+        got, states, losses, dropouts = train_remote(
+            grid, cfg, plan, global_state, clients, opts, log
+        )
+        asked = np.array(plan.participants)
+        np.add.at(avail.asked, asked, 1)
+        np.add.at(avail.answered, [plan.tasks[i].client for i in got], 1)
+        if not np.all(np.isfinite(losses)):
+            bad = [plan.tasks[i].client for i, x in zip(got, losses) if not np.isfinite(x)]
+            raise TrainingDiverged(
+                f"round {r + 1}: non-finite training loss on client(s) {bad}; "
+                f"lower training.lr (now {cfg.training.lr})"
+            )
+        tasks = [plan.tasks[i] for i in got]
+        if opts.availability == "observed":
+            rate = avail.rate()
+            tasks = [dataclasses.replace(t, weight=t.weight / rate[t.client]) for t in tasks]
+        effective = RoundPlan(r, tuple(tasks))
+        if states:
+            agg = run.method.aggregate(global_state, effective, states)
+            run.lora.load_global(_to_torch(agg.global_state))
+            if agg.base_delta:
+                run.lora.add_to_base(_to_torch(agg.base_delta))
+                for name, delta in agg.base_delta.items():
+                    run.base_delta[name] = run.base_delta.get(name, 0) + delta
+            train_loss = float(np.mean(losses))
+    if not plan.tasks:
+        progress.empty_rounds += 1
+    # The clock counts the updates that arrived (a dropout sends nothing on the uplink).
+    cost = round_cost(cfg, run.profiles, effective, run.method, run.shapes, r)
+    progress.sim_time_s += cost.round_time_s
+    progress.uplink_bits += cost.uplink_bits
+    progress.downlink_bits += cost.downlink_bits
+    line.update(
+        round_time_s=cost.round_time_s,
+        sim_time_s=progress.sim_time_s,
+        uplink_bits=cost.uplink_bits,
+        downlink_bits=cost.downlink_bits,
+        train_loss=train_loss,
+        dropouts=dropouts,
+    )
+    last = r + 1 == cfg.training.rounds
+    if (r + 1) % cfg.training.eval_every == 0 or last:
+        accs = evaluate_global(run)
+        acc = _mean(accs)
+        line.update(eval_accuracy=acc, eval=accs)
+        progress.last_accuracy = acc
+        progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
+        target = cfg.training.target_accuracy
+        if target and acc >= target and progress.time_to_target_s is None:
+            progress.time_to_target_s = progress.sim_time_s
+    return line
+
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Entry point of ``[tool.flwr.app.components] serverapp``."""
+    apply_safe_env()
+    cfg, opts = config_from_run_config(dict(context.run_config))
+    run_dir = run_dir_for(cfg, opts.out_dir or None)
+    _stderr(f"fedlora on Flower: run directory {Path(run_dir).resolve()}")
+    summary = run_server(grid, cfg, opts)
+    _stderr(json.dumps(summary))
