@@ -653,17 +653,14 @@ def _short(k: np.ndarray) -> str:
 def _m_range(
     problem: PlanProblem, k: np.ndarray, curve: _QCurve, options: PlanOptions
 ) -> tuple[float, float]:
-    """[M_a, M_b] searched: the feasible (Σ w lo, Σ w] or the paper's range intersected with it."""
+    """[M_a, M_b] searched: the feasible (Σ w lo, Σ w], or the paper's
+    [N·(min k/max k)²·min w, N·max w] (§V-D, with the sketched w of PAPER_NOTES #6) intersected
+    with it. The paper's range always meets the feasible one (its M_min <= N·min w <= Σ w)."""
     lo, hi = curve.m_min, curve.m_max
     if options.m_range == "paper":
-        w_full = problem.t_full / problem.f_tot + problem.tau_full_s
-        p_lo = problem.n * (np.min(k) / np.max(k)) ** 2 * float(np.min(w_full))
-        p_hi = problem.n * float(np.max(w_full))
-        if p_lo >= hi or p_hi <= lo:
-            raise ConfigError(
-                f"options.m_range = 'paper': [{p_lo:.6g}, {p_hi:.6g}] does not meet the feasible "
-                f"range ({lo:.6g}, {hi:.6g}] of M; use m_range = 'feasible'"
-            )
+        w = curve.w
+        p_lo = problem.n * (np.min(k) / np.max(k)) ** 2 * float(np.min(w))
+        p_hi = problem.n * float(np.max(w))
         lo, hi = max(lo, p_lo), min(hi, p_hi)
     return lo, hi
 
