@@ -261,6 +261,7 @@ class LocalDeployment:
         """Start the SuperLink, then the SuperNodes (partition-id = 0..n-1)."""
         (self.home / "flwr-home").mkdir(parents=True, exist_ok=True)
         self.port = free_port()
+        check_loopback(self.address, "superlink address")
         self.superlink = self._popen(
             [
                 _bin("flower-superlink"),
@@ -366,10 +367,18 @@ def _toml_scalar(value: Any) -> str:
     return f'"{text}"'
 
 
-def wait_for_file(path: Path, timeout_s: float, *, alive: Sequence[subprocess.Popen] = ()) -> None:
-    """Wait until `path` exists; fail early if one of `alive` exits."""
+def wait_for_file(
+    path: Path,
+    timeout_s: float,
+    *,
+    alive: Sequence[subprocess.Popen] = (),
+    error: Path | None = None,
+) -> None:
+    """Wait until `path` exists; fail early if one of `alive` exits or `error` appears."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
+        if error is not None and error.exists():
+            raise RuntimeError(f"the run failed: {error.read_text().strip()}")
         for proc in alive:
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
