@@ -596,13 +596,19 @@ class _QCurve:
         w_ev = self.seg_wc[1:] + self.seg_g[1:] * self.ev_mu  # W at each breakpoint
         w_ev = np.maximum.accumulate(w_ev)
         seg = np.searchsorted(w_ev, m, side="left")  # segment holding each M
-        out = np.empty_like(m)
-        for j, (mj, i) in enumerate(zip(m, seg)):
-            wc, _, gs = self._exact_state(int(i))
-            lo_b, hi_b = self._segment_bounds(int(i))
-            mu = (mj - wc) / gs if gs > 0 else lo_b
-            out[j] = min(max(mu, lo_b), hi_b if math.isfinite(hi_b) else mu)
-        return out
+        if m.size > 1:  # many M (the grid): the running sums are accurate enough
+            gs = self.seg_g[seg]
+            mu = np.where(gs > 0, (m - self.seg_wc[seg]) / np.where(gs > 0, gs, 1.0), 0.0)
+            lo_b = np.where(seg > 0, self.ev_mu[np.maximum(seg - 1, 0)], 0.0)
+            hi_b = np.where(
+                seg < self.ev_mu.size, self.ev_mu[np.minimum(seg, self.ev_mu.size - 1)], np.inf
+            )
+            return np.minimum(np.maximum(mu, lo_b), hi_b)
+        i = int(seg[0])
+        wc, _, gs = self._exact_state(i)  # one M: sum the segment afresh
+        lo_b, hi_b = self._segment_bounds(i)
+        mu1 = (float(m[0]) - wc) / gs if gs > 0 else lo_b
+        return np.array([min(max(mu1, lo_b), hi_b)])
 
     def kkt_multiplier(self, mu: float) -> float:
         return 1.0 / mu**2
