@@ -421,3 +421,21 @@ def test_rank_methods_without_participants_keep_the_global(cls):
     g = _state([[1.0]], [[2.0]])
     out = method.aggregate(g, RoundPlan(0, ()), []).global_state
     assert out == g
+
+
+def test_full_rank_heterolora_and_fslora_reduce_to_fedavg():
+    # with every budget = γ there is nothing to pad or sketch: both are FedAvg's mean
+    from fedlora.methods.fedavg import weighted_mean
+
+    rng = _rng(21)
+    a = np.array([0.1, 0.6, 0.3])
+    states = [{"l.lora_A": rng.normal(size=(3, 4)), "l.lora_B": rng.normal(size=(5, 3))} for _ in a]
+    global_state = {"l.lora_A": rng.normal(size=(3, 4)), "l.lora_B": rng.normal(size=(5, 3))}
+    het = HeteroLoRA(a=a, ranks=np.full(3, 3), gamma=3, weighting="data")
+    out = het.aggregate(global_state, het.plan_round(0, _rng(), _rng()), states).global_state
+    expected = weighted_mean(states, a)
+    assert all(np.allclose(out[k], expected[k]) for k in expected)
+    fs = FSLoRA(k=np.full(3, 3), gamma=3)
+    out = fs.aggregate(global_state, fs.plan_round(0, _rng(), _rng()), states).global_state
+    expected = weighted_mean(states, np.ones(3))
+    assert all(np.allclose(out[k], expected[k]) for k in expected)
