@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 
+from fedlora import planner
 from fedlora.config import NetworkConfig, PlannerConfig
 from fedlora.errors import ConfigError
 from fedlora.planner import (
@@ -353,9 +354,12 @@ def greedy_reference(problem, constants, q, options):
             return k
 
 
+@pytest.mark.parametrize("vectorised", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("bound", ["per_client", "paper", "none"])
-def test_vectorised_greedy_equals_the_literal_loop(seed, bound):
+def test_greedy_passes_equal_the_literal_loop(seed, bound, vectorised, monkeypatch):
+    if vectorised:  # force the O(N)-per-iteration fixed-point pass used for large N
+        monkeypatch.setattr(planner, "_SCALAR_PASS_MAX_N", 0)
     p = random_problem(25, seed, gamma=8)
     o = dataclasses.replace(QUAD, q_lower_bound=bound, comp_cost=["quadratic", "affine"][seed % 2])
     q = q_step(p, p.constants, np.full(25, 8), o).q

@@ -814,6 +814,25 @@ def _k_floor(problem: PlanProblem, constants: Constants, q: np.ndarray, mode: st
     return floor
 
 
+_SCALAR_PASS_MAX_N = 100  # below this a plain loop over clients beats the vectorised pass
+
+
+def _pass_vectorised(
+    cand: np.ndarray, d_w: np.ndarray, d_v: np.ndarray, big_w: float, den: float
+) -> np.ndarray:
+    """The same pass as the least fixed point of "accept i if the test passes after the moves
+    accepted before i" (see `greedy_k`); each iteration is O(N)."""
+    accepted = np.zeros(cand.size, dtype=bool)
+    while True:
+        pre_w = big_w + np.concatenate([[0.0], np.cumsum(np.where(accepted, d_w, 0.0))[:-1]])
+        pre_d = den - np.concatenate([[0.0], np.cumsum(np.where(accepted, d_v, 0.0))[:-1]])
+        ok = cand & (pre_d - d_v > 0) & (d_w * pre_d + pre_w * d_v < 0)
+        ok |= accepted
+        if np.array_equal(ok, accepted):
+            return accepted
+        accepted = ok
+
+
 def greedy_k(
     problem: PlanProblem,
     constants: Constants,
@@ -838,32 +857,55 @@ def greedy_k(
         if k_start is None
         else np.array(k_start, dtype=np.int64)
     )
-    floor = _k_floor(problem, constants, q, options.q_lower_bound)
-    a2q = problem.a**2 / q
+    floor = np.maximum(_k_floor(problem, constants, q, options.q_lower_bound), 1)
+    # per-client tables over k = 1..γ: q_n·w_n(k) and a_n²/q_n·c_n(k), shape (N, γ)
+    levels = np.arange(1, gamma + 1)
+    comm = comm_factor(levels, gamma, options.comm_cost) / problem.f_tot
+    comp = comp_factor(levels, gamma, options.comp_cost, options.rho)
+    w_tab = q[:, None] * (problem.t_full[:, None] * comm + problem.tau_full_s[:, None] * comp)
+    v_tab = (problem.a**2 / q)[:, None] * sketch_penalty(levels, gamma, constants)[None, :]
+    rows = np.arange(problem.n)
+    if problem.n <= _SCALAR_PASS_MAX_N:
+        return _greedy_scalar(w_tab, v_tab, k, floor, constants.B)
     for _ in range(gamma + 1):
-        w_cur = sketched_round_weights(problem, k, options)
-        c_cur = sketch_penalty(k, gamma, constants)
-        big_w = float(np.dot(q, w_cur))
-        den = constants.B - float(np.dot(a2q, c_cur))
-        cand = k > np.maximum(floor, 1)
+        cand = k > floor
         if not cand.any():
             break
-        k1 = np.where(cand, k - 1, k)
-        d_w = np.where(cand, q * (sketched_round_weights(problem, k1, options) - w_cur), 0.0)
-        d_v = np.where(cand, a2q * (sketch_penalty(k1, gamma, constants) - c_cur), 0.0)
-        accepted = np.zeros(problem.n, dtype=bool)
-        while True:
-            pre_w = big_w + np.concatenate([[0.0], np.cumsum(np.where(accepted, d_w, 0.0))[:-1]])
-            pre_d = den - np.concatenate([[0.0], np.cumsum(np.where(accepted, d_v, 0.0))[:-1]])
-            ok = cand & (pre_d - d_v > 0) & (d_w * pre_d + pre_w * d_v < 0)
-            ok |= accepted
-            if np.array_equal(ok, accepted):
-                break
-            accepted = ok
+        j, j1 = k - 1, np.where(cand, k - 2, k - 1)  # table columns of k and k − 1
+        big_w = float(w_tab[rows, j].sum())
+        den = constants.B - float(v_tab[rows, j].sum())
+        d_w = w_tab[rows, j1] - w_tab[rows, j]
+        d_v = v_tab[rows, j1] - v_tab[rows, j]
+        accepted = _pass_vectorised(cand, d_w, d_v, big_w, den)
         if not accepted.any():
             break
         k = np.where(accepted, k - 1, k)
     return k
+
+
+def _greedy_scalar(
+    w_tab: np.ndarray, v_tab: np.ndarray, k: np.ndarray, floor: np.ndarray, b: float
+) -> np.ndarray:
+    """`greedy_k` for small N: the literal client-by-client passes on the tables."""
+    wt, vt, kk, fl = w_tab.tolist(), v_tab.tolist(), k.tolist(), floor.tolist()
+    n = len(kk)
+    while True:
+        big_w = math.fsum(wt[i][kk[i] - 1] for i in range(n))
+        den = b - math.fsum(vt[i][kk[i] - 1] for i in range(n))
+        changed = False
+        for i in range(n):
+            ki = kk[i]
+            if ki <= fl[i]:
+                continue
+            dw = wt[i][ki - 2] - wt[i][ki - 1]
+            dv = vt[i][ki - 2] - vt[i][ki - 1]
+            if den - dv > 0 and dw * den + big_w * dv < 0:
+                kk[i] = ki - 1
+                big_w += dw
+                den -= dv
+                changed = True
+        if not changed:
+            return np.asarray(kk, dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------- alternation
