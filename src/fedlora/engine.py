@@ -291,7 +291,9 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
     fed = build_federated_data(cfg.data, tokenizer, seed=cfg.training.seed)
     full_bits = cfg.lora.rank * sum(o + i for o, i in shapes.values()) * cfg.network.bits_per_param
     profiles = build_profiles(cfg, full_bits)
-    method = make_method(cfg, fed.a, derive_rng(cfg.training.seed, "strategy"))
+    method = make_method(
+        cfg, fed.a, derive_rng(cfg.training.seed, "strategy"), tau_full_s=profiles.tau_full_s
+    )
     return Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
 
 
@@ -316,7 +318,7 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     import torch
 
     from fedlora.data import client_batches
-    from fedlora.train import local_train
+    from fedlora.train import TrainingError, local_train
 
     cfg, seed, r = run.cfg, run.cfg.training.seed, plan.round
     pad_id = run.tokenizer.pad_token_id
@@ -339,13 +341,17 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
             for t in chunk
         ]
         torch.manual_seed(derive_seed(seed, "torch", r, start))
-        chunk_losses = local_train(
-            run.model,
-            run.lora,
-            batches,
-            cfg.training.lr,
-            autocast_bf16=cfg.model.dtype == "bf16",
-        )  # (c, H)
+        try:
+            chunk_losses = local_train(
+                run.model,
+                run.lora,
+                batches,
+                cfg.training.lr,
+                autocast_bf16=cfg.model.dtype == "bf16",
+            )  # (c, H)
+        except TrainingError as e:
+            clients = [t.client for t in chunk]
+            raise TrainingDiverged(f"round {r + 1}, clients {clients}: {e}") from None
         if not np.all(np.isfinite(chunk_losses)):
             bad = [chunk[i].client for i in np.flatnonzero(~np.isfinite(chunk_losses).all(1))]
             raise TrainingDiverged(
