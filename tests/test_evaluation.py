@@ -70,8 +70,10 @@ def reference_logprobs(model, tok, ex: Example, scoring: str) -> np.ndarray:
 def test_batched_scores_equal_one_at_a_time_reference(model_tok, scoring: str) -> None:
     model, tok = model_tok
     ref = [reference_logprobs(model, tok, ex, scoring) for ex in EXAMPLES]
-    for batch_size in (1, 2, 16):
-        got = candidate_logprobs(model, tok, EXAMPLES, batch_size=batch_size, scoring=scoring)
+    for batch_size, share in ((1, True), (2, True), (16, True), (2, False), (16, False)):
+        got = candidate_logprobs(
+            model, tok, EXAMPLES, batch_size=batch_size, scoring=scoring, share_prompt=share
+        )
         assert [len(g) for g in got] == [len(ex.labels) for ex in EXAMPLES]
         for g, r in zip(got, ref):
             np.testing.assert_allclose(g, r, atol=1e-4, rtol=0)
@@ -85,7 +87,9 @@ def test_bf16_model_scores_close_to_its_own_reference() -> None:
     model, tok = load_model("tiny-llama", dtype="bf16", progress=False)
     assert next(model.parameters()).dtype == torch.bfloat16
     got = candidate_logprobs(model, tok, EXAMPLES[:3], batch_size=3)
-    for g, ex in zip(got, EXAMPLES[:3]):
+    full = candidate_logprobs(model, tok, EXAMPLES[:3], batch_size=3, share_prompt=False)
+    for g, f, ex in zip(got, full, EXAMPLES[:3]):
+        np.testing.assert_allclose(g, f, atol=1e-2)
         # bf16 activations: padding may change reduction order; measured here: 5e-7
         np.testing.assert_allclose(g, reference_logprobs(model, tok, ex, "label"), atol=1e-2)
 
