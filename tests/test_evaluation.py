@@ -94,6 +94,25 @@ def test_bf16_model_scores_close_to_its_own_reference() -> None:
         np.testing.assert_allclose(g, reference_logprobs(model, tok, ex, "label"), atol=1e-2)
 
 
+def test_slot_lora_model_scores_equal_reference() -> None:
+    """The engine evaluates the global adapter through fedlora.lora's slot hooks."""
+    from fedlora.config import LoraConfig
+    from fedlora.lora import inject_lora
+
+    model, tok = load_model("tiny-llama", dtype="fp32", progress=False)
+    lora = inject_lora(model, LoraConfig(rank=4), slots=2, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(v.shape, generator=gen) * 0.5 for k, v in lora.global_state().items()}
+    lora.load_global(state)
+    lora.set_clients(torch.ones(1, 4))
+    shared = candidate_logprobs(model, tok, EXAMPLES, batch_size=3)
+    full = candidate_logprobs(model, tok, EXAMPLES, batch_size=3, share_prompt=False)
+    for s, f, ex in zip(shared, full, EXAMPLES):
+        ref = reference_logprobs(model, tok, ex, "label")
+        np.testing.assert_allclose(s, ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(f, ref, atol=1e-4, rtol=0)
+
+
 def _bias_tokens(model, token_ids: list[int], amount: float):
     """Add `amount` to some vocabulary entries' logits everywhere (a hook on the LM head)."""
 

@@ -172,13 +172,16 @@ def _score_shared(model: Any, items: list[tuple[list[int], list[list[int]]]], pa
 
     device = next(model.parameters()).device
     ids, mask, positions = _left_pad([c for c, _ in items], pad_id)
-    out = model(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    try:
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    except TypeError:  # a forward without these arguments
+        raise _NoCache from None
     cache = getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         raise _NoCache
