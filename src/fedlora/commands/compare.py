@@ -1,0 +1,82 @@
+"""`fedlora compare`: run a suite of methods on the same seeds and write report.md + plots."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fedlora.errors import bad_value
+
+
+def parse_targets(values: list[str] | None) -> dict[str, float]:
+    """``TASK=ACCURACY`` pairs (accuracy in (0, 1], or a percentage like 50%)."""
+    targets: dict[str, float] = {}
+    for text in values or []:
+        task, sep, value = text.partition("=")
+        if not sep or not task.strip():
+            raise bad_value("--target", text, "TASK=ACCURACY, e.g. arc-e=0.5")
+        try:
+            acc = float(value.rstrip("%")) / (100.0 if value.endswith("%") else 1.0)
+        except ValueError:
+            raise bad_value(
+                "--target", text, "TASK=ACCURACY with a number, e.g. arc-e=0.5"
+            ) from None
+        if not 0 < acc <= 1:
+            raise bad_value("--target", text, "an accuracy in (0, 1] (or 1%..100%)")
+        targets[task.strip()] = acc
+    return targets
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from fedlora.experiments import SUITES
+
+    p = sub.add_parser(
+        "compare",
+        help="run a suite of methods side by side (table1 | sampling | ranks) and report",
+        description=(
+            "Run the methods of a suite on the same data partition, client profiles, eval "
+            "subset and seeds, one run directory per (method, seed) under --out; finished runs "
+            "are skipped and partial ones resumed. Writes report.md (time to target accuracy, "
+            "final accuracy, speed-up over FSLoRA) and accuracy_vs_time.png."
+        ),
+    )
+    p.add_argument("--suite", required=True, choices=tuple(SUITES))
+    p.add_argument("--config", "-c", help="suite TOML: experiment sections + [suite] targets")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.add_argument("--seeds", type=int, help="number of seeds (default: suite.seeds or 1)")
+    p.add_argument("--tasks", nargs="+", metavar="TASK", help="eval tasks (data.eval_tasks)")
+    p.add_argument(
+        "--target", action="append", metavar="TASK=ACC", help="target accuracy of a task"
+    )
+    p.add_argument("--out", "-o", help="suite directory (default: runs/<suite>)")
+    p.add_argument("--report-dir", help="where report.md and the plot go (default: --out)")
+    p.add_argument("--data-dir", help="commonsense data directory (sets data.data_dir)")
+    p.add_argument("--quiet", "-q", action="store_true", help="log lines instead of progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fedlora.experiments import format_command, load_suite, run_suite
+
+    overrides = list(args.overrides)
+    if args.data_dir:
+        overrides.append(f'data.data_dir="{args.data_dir}"')
+    spec = load_suite(
+        args.suite,
+        args.config,
+        overrides,
+        seeds=args.seeds,
+        tasks=args.tasks,
+        targets=parse_targets(args.target),
+    )
+    out = args.out or f"runs/{args.suite}"
+    argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("fedlora") else []
+    report = run_suite(
+        spec,
+        out,
+        report_dir=args.report_dir,
+        command=format_command(argv) if argv else "",
+        quiet=args.quiet,
+    )
+    print(f"report: {report}")
+    return 0

@@ -1,0 +1,38 @@
+"""`fedlora report`: rebuild report.md and the plots from run or suite directories."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="rebuild report.md and plots from finished runs (metrics files only)",
+        description=(
+            "Read config.toml, metrics.jsonl and summary.json of each RUN_DIR (a suite "
+            "directory stands for all its runs and gives its targets from suite.toml) and "
+            "write report.md and accuracy_vs_time.png. Nothing is re-run."
+        ),
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument(
+        "--target", action="append", metavar="TASK=ACC", help="target accuracy of a task"
+    )
+    p.add_argument("--out", "-o", help="output directory (default: the first RUN_DIR)")
+    p.add_argument("--title", help="report title")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fedlora.commands.compare import parse_targets
+    from fedlora.experiments import report_suite
+
+    report = report_suite(
+        args.run_dirs,
+        args.out or args.run_dirs[0],
+        targets=parse_targets(args.target),
+        title=args.title,
+    )
+    print(f"report: {report}")
+    return 0

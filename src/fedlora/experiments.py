@@ -1,0 +1,261 @@
+"""Suites: several methods side by side on the same data partition, client profiles, eval
+subset and seeds (the engine derives all of those from the seed), then a report.
+
+    table1    proposed, fslora, heterolora, fedstacklora, flexlora        (Table I)
+    sampling  proposed q vs full, fixed 0.2, uniform 1/N, weighted; k = γ (Figure 2)
+    ranks     proposed k vs full, normal, uniform; q = 0.2                 (Figure 3)
+
+A suite file is an experiment TOML (the sections of `fedlora.config`) plus a `[suite]` table:
+
+    [suite]
+    targets = {arc-e = 0.5, arc-c = 0.35}   # target accuracy per eval task, fixed beforehand
+    seeds = 1                               # seeds training.seed, +1, ...
+    methods = ["proposed", "fslora"]        # optional: a subset of the suite's labels
+
+Its directory holds one run directory per (label, seed), `<label>-seed<s>/`, and suite.toml
+(targets, labels, title, command) so `fedlora report DIR` rebuilds the report. Finished runs
+(summary.json without "error") are skipped, partial ones resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedlora.config import ExperimentConfig, config_from_dict, parse_override, read_toml
+from fedlora.errors import ConfigError, FedloraError, bad_value
+from fedlora.report import SUITE_FILE, collect_runs, write_report
+
+# label -> overrides applied on top of the suite file's config
+SUITES: dict[str, dict[str, tuple[str, ...]]] = {
+    "table1": {
+        "proposed": ("method.name=proposed", "planner.optimize=qk"),
+        "fslora": ("method.name=fslora",),
+        "heterolora": ("method.name=heterolora",),
+        "fedstacklora": ("method.name=fedstacklora",),
+        "flexlora": ("method.name=flexlora",),
+    },
+    "sampling": {
+        "proposed-q": ("method.name=proposed", "planner.optimize=q", "method.k=full"),
+        "full": ("method.name=sketched", "method.q=full", "method.k=full"),
+        "fixed-0.2": (
+            "method.name=sketched",
+            "method.q=fixed",
+            "method.q_fixed=0.2",
+            "method.k=full",
+        ),  # fmt: skip
+        "uniform": ("method.name=sketched", "method.q=uniform", "method.k=full"),
+        "weighted": ("method.name=sketched", "method.q=weighted", "method.k=full"),
+    },
+    "ranks": {
+        "proposed-k": (
+            "method.name=proposed",
+            "planner.optimize=k",
+            "method.q=fixed",
+            "method.q_fixed=0.2",
+        ),  # fmt: skip
+        "full": ("method.name=sketched", "method.k=full", "method.q=fixed", "method.q_fixed=0.2"),
+        "normal": (
+            "method.name=sketched",
+            "method.k=normal",
+            "method.q=fixed",
+            "method.q_fixed=0.2",
+        ),  # fmt: skip
+        "uniform": (
+            "method.name=sketched",
+            "method.k=uniform",
+            "method.q=fixed",
+            "method.q_fixed=0.2",
+        ),  # fmt: skip
+    },
+}
+TITLES = {
+    "table1": "Table I: time to target accuracy",
+    "sampling": "Figure 2: sampling probabilities q (k = γ)",
+    "ranks": "Figure 3: sketch sizes k (q = 0.2)",
+}
+SUITE_KEYS = ("targets", "seeds", "methods")
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    """A suite to run: its name, base raw config, targets, seeds and labels."""
+
+    name: str
+    raw: dict[str, Any]  # the experiment sections, before each label's overrides
+    targets: dict[str, float]
+    seeds: tuple[int, ...]
+    labels: tuple[str, ...]
+
+    def config_for(self, label: str, seed: int) -> ExperimentConfig:
+        raw = {s: dict(v) for s, v in self.raw.items()}
+        for text in (*SUITES[self.name][label], f"training.seed={seed}"):
+            section, key, value = parse_override(text)
+            raw.setdefault(section, {})[key] = value
+        return config_from_dict(raw, source=f"suite {self.name}, {label}")
+
+
+def load_suite(
+    name: str,
+    config_path: str | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    seeds: int | None = None,
+    tasks: Sequence[str] | None = None,
+    targets: dict[str, float] | None = None,
+) -> SuiteSpec:
+    """Read a suite file (optional), apply overrides, --seeds, --tasks and --target values."""
+    if name not in SUITES:
+        raise bad_value("--suite", name, f"allowed: {', '.join(SUITES)}")
+    raw: dict[str, Any] = read_toml(config_path) if config_path else {}
+    suite = raw.pop("suite", {})
+    source = config_path or "suite"
+    if not isinstance(suite, dict):
+        raise ConfigError(f"{source}: [suite] must be a table")
+    for key in suite:
+        if key not in SUITE_KEYS:
+            raise ConfigError(f"{source}: unknown key suite.{key} (valid: {', '.join(SUITE_KEYS)})")
+    for text in overrides:
+        section, key, value = parse_override(text)
+        raw.setdefault(section, {})[key] = value
+    n_seeds = seeds if seeds is not None else suite.get("seeds", 1)
+    if isinstance(n_seeds, bool) or not isinstance(n_seeds, int) or n_seeds < 1:
+        raise bad_value("--seeds (suite.seeds)", n_seeds, "an integer >= 1")
+    all_targets = dict(suite.get("targets", {}))
+    all_targets.update(targets or {})
+    for task, value in all_targets.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise bad_value(f"suite.targets.{task}", value, "an accuracy in (0, 1]")
+    base = config_from_dict(raw, source=source)  # validates the shared sections once
+    eval_tasks = list(tasks) if tasks else list(base.data.eval_tasks)
+    missing = [t for t in eval_tasks if t not in all_targets]
+    if missing:
+        raise ConfigError(
+            f"no target accuracy for task(s) {', '.join(missing)}: set [suite] targets in the "
+            f"config (e.g. targets = {{{missing[0]} = 0.5}}) or pass --target "
+            f"{missing[0]}=0.5; it must be fixed before running"
+        )
+    raw.setdefault("data", {})["eval_tasks"] = eval_tasks
+    raw.setdefault("training", {})["target_accuracy"] = 0.0  # runs go on; targets are per task
+    labels = tuple(suite.get("methods", SUITES[name]))
+    unknown = [lab for lab in labels if lab not in SUITES[name]]
+    if unknown:
+        raise bad_value("suite.methods", unknown, f"labels of {name}: {', '.join(SUITES[name])}")
+    first = base.training.seed
+    spec = SuiteSpec(
+        name,
+        raw,
+        {t: float(all_targets[t]) for t in eval_tasks},
+        tuple(range(first, first + n_seeds)),
+        labels,
+    )
+    for label in labels:  # every label's config must be valid before anything runs
+        spec.config_for(label, first)
+    return spec
+
+
+def _finished(run_dir: Path) -> bool:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return False
+    try:
+        return "error" not in json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return False
+
+
+def _write_suite_file(spec: SuiteSpec, out: Path, command: str) -> None:
+    lines = [
+        f'suite = "{spec.name}"',
+        f'title = "{TITLES[spec.name]}"',
+        f"command = {json.dumps(command)}",
+        "labels = [" + ", ".join(json.dumps(x) for x in spec.labels) + "]",
+        "seeds = [" + ", ".join(str(s) for s in spec.seeds) + "]",
+        "",
+        "[targets]",
+        *(f"{json.dumps(t)} = {v!r}" for t, v in spec.targets.items()),
+        "",
+    ]
+    (out / SUITE_FILE).write_text("\n".join(lines), encoding="utf-8")
+
+
+def run_suite(
+    spec: SuiteSpec,
+    out_dir: str | Path,
+    *,
+    report_dir: str | Path | None = None,
+    command: str = "",
+    quiet: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Run every (label, seed) of the suite in `out_dir` (resumable), then write the report.
+
+    A run that fails with a fedlora error is recorded (summary.json with "error") and the
+    suite goes on; it is retried the next time. Returns the report's path.
+    """
+    from fedlora.engine import prepare_run_dir, run_experiment
+
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    command = command or "fedlora compare --suite " + spec.name
+    _write_suite_file(spec, out, command)
+    jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
+    start = time.perf_counter()
+    for i, (label, seed) in enumerate(jobs, 1):
+        run_dir = out / f"{label}-seed{seed}"
+        head = f"[{i}/{len(jobs)}] {label} seed {seed}"
+        if _finished(run_dir):
+            log(f"{head}: finished earlier, skipped")
+            continue
+        cfg = spec.config_for(label, seed)
+        resume = (run_dir / "config.toml").is_file()
+        if not resume:
+            prepare_run_dir(cfg, run_dir)
+        log(f"{head}: {'resuming' if resume else 'starting'} in {run_dir}")
+        t0 = time.perf_counter()
+        try:
+            summary = run_experiment(cfg, run_dir, resume=resume, quiet=quiet, log=log)
+        except FedloraError as e:
+            log(f"{head}: FAILED: {e}")
+            error = {"error": str(e), "method": cfg.method.name, "seed": seed}
+            (run_dir / "summary.json").write_text(json.dumps(error, indent=2) + "\n")
+            continue
+        elapsed = time.perf_counter() - start
+        log(
+            f"{head}: done in {time.perf_counter() - t0:.0f} s compute "
+            f"({summary['rounds']} rounds, {summary['sim_time_s']:.0f} s simulated); "
+            f"suite {elapsed / 60:.1f} min so far"
+        )
+    return report_suite([out], report_dir or out)
+
+
+def report_suite(
+    paths: Sequence[str | Path],
+    out_dir: str | Path,
+    *,
+    targets: dict[str, float] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Rebuild report.md and the plot from run or suite directories (metrics files only)."""
+    runs, suite = collect_runs(paths)
+    merged = dict(suite.get("targets", {}))
+    merged.update(targets or {})
+    return write_report(
+        runs,
+        merged,
+        out_dir,
+        title=title or suite.get("title", "fedlora report"),
+        order=suite.get("labels"),
+        command=suite.get("command", ""),
+    )
+
+
+def format_command(argv: Sequence[str]) -> str:
+    return "fedlora " + " ".join(shlex.quote(a) for a in argv)

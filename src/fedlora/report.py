@@ -1,0 +1,427 @@
+"""Tables and plots from finished runs: reads only config.toml, metrics.jsonl and summary.json
+of each run directory (and a suite's suite.toml for its labels and target accuracies).
+
+Time to target (Table I): the simulated wall-clock `sim_time_s` of the first metrics line
+whose eval accuracy on the task is >= the task's target (line 0, the untrained adapter,
+counts; for `proposed` its clock starts at the calibration's simulated time). A run that never
+reaches the target is *censored*: its time is only known to be >= its last `sim_time_s`.
+Means over seeds use those lower bounds and are then printed as ">= x"; the 95% interval is
+the t interval over seeds (none for one seed or any censored seed). Speed-up over FSLoRA is
+the ratio of the two means; it is a bound (">=" or "<=") when one side is censored and "n/a"
+when both are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from fedlora.errors import ConfigError, DataError
+
+MEAN_TASK = "mean"  # the mean over data.eval_tasks (metrics "eval_accuracy")
+SUITE_FILE = "suite.toml"
+REFERENCE = "fslora"
+
+
+@dataclass
+class RunRecord:
+    """One finished (or partial) run as read from its directory."""
+
+    path: Path
+    label: str
+    method: str
+    seed: int
+    lines: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_time_s(self) -> float:
+        return float(self.lines[-1]["sim_time_s"]) if self.lines else 0.0
+
+    @property
+    def calibration_time_s(self) -> float:
+        if self.lines:
+            return float(self.lines[0].get("calibration_sim_time_s", 0.0) or 0.0)
+        return 0.0
+
+    def eval_points(self, task: str) -> list[tuple[float, float]]:
+        """(sim_time_s, accuracy) of every evaluated line, in order."""
+        points = []
+        for line in self.lines:
+            if task == MEAN_TASK:
+                acc = line.get("eval_accuracy")
+            else:
+                acc = (line.get("eval") or {}).get(task)
+            if acc is not None:
+                points.append((float(line["sim_time_s"]), float(acc)))
+        return points
+
+    def final_accuracy(self, task: str) -> float | None:
+        points = self.eval_points(task)
+        return points[-1][1] if points else None
+
+    def tasks(self) -> list[str]:
+        for line in self.lines:
+            if line.get("eval"):
+                return list(line["eval"])
+        return []
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The lines of a metrics.jsonl; a torn last line (a run killed mid-write) is dropped."""
+    lines = []
+    text = path.read_text(encoding="utf-8").splitlines()
+    for i, raw in enumerate(text):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as e:
+            if i == len(text) - 1:
+                break
+            raise DataError(f"{path}: line {i + 1} is not JSON ({e.msg})") from None
+        if not isinstance(line, dict) or "sim_time_s" not in line:
+            raise DataError(f"{path}: line {i + 1} is not a fedlora metrics line (no sim_time_s)")
+        lines.append(line)
+    return lines
+
+
+_SEED_SUFFIX = re.compile(r"^(?P<label>.+)-seed(?P<seed>\d+)$")
+
+
+def load_run(run_dir: str | Path, label: str | None = None) -> RunRecord:
+    """Read one run directory; the label defaults to the directory name without -seed<N>."""
+    path = Path(run_dir)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file() and not (path / "summary.json").is_file():
+        raise DataError(f"{str(path)!r} is not a fedlora run directory (no metrics.jsonl)")
+    config: dict[str, Any] = {}
+    if (path / "config.toml").is_file():
+        config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))
+    summary: dict[str, Any] = {}
+    if (path / "summary.json").is_file():
+        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    method = str(summary.get("method") or config.get("method", {}).get("name", "unknown"))
+    seed = int(summary.get("seed", config.get("training", {}).get("seed", 0)) or 0)
+    match = _SEED_SUFFIX.match(path.name)
+    if label is None:
+        label = match["label"] if match else method
+    lines = read_metrics(metrics) if metrics.is_file() else []
+    return RunRecord(path, label, method, seed, lines, summary, config)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def time_to_target(run: RunRecord, task: str, target: float) -> tuple[float, bool]:
+    """(time, reached): the first sim_time_s with accuracy >= target, or (total time, False)."""
+    for time_s, acc in run.eval_points(task):
+        if acc >= target:
+            return time_s, True
+    return run.total_time_s, False
+
+
+def t_interval95(values: Sequence[float]) -> float | None:
+    """Half-width of the 95% t interval of the mean; None for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    from scipy.stats import t
+
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return float(t.ppf(0.975, n - 1) * sd / math.sqrt(n))
+
+
+@dataclass
+class Cell:
+    """Time to target of one (label, task) over seeds."""
+
+    label: str
+    task: str
+    target: float
+    times_s: list[float]
+    reached: list[bool]
+    final_accuracy: list[float]
+    calibration_s: list[float]
+
+    @property
+    def censored(self) -> int:
+        return sum(not r for r in self.reached)
+
+    @property
+    def mean_s(self) -> float:
+        return sum(self.times_s) / len(self.times_s)
+
+    @property
+    def ci_s(self) -> float | None:
+        return None if self.censored else t_interval95(self.times_s)
+
+
+def summarize(
+    runs: Sequence[RunRecord], targets: dict[str, float], order: Sequence[str] | None = None
+) -> list[Cell]:
+    """One `Cell` per (label, task) in label order (`order` first, then as found)."""
+    labels: list[str] = list(order or [])
+    for run in runs:
+        if run.label not in labels:
+            labels.append(run.label)
+    cells = []
+    for label in labels:
+        group = [r for r in runs if r.label == label]
+        if not group:
+            continue
+        for task, target in targets.items():
+            results = [time_to_target(r, task, target) for r in group]
+            finals = [r.final_accuracy(task) for r in group]
+            cells.append(
+                Cell(
+                    label,
+                    task,
+                    target,
+                    [t for t, _ in results],
+                    [ok for _, ok in results],
+                    [f for f in finals if f is not None],
+                    [r.calibration_time_s for r in group],
+                )
+            )
+    return cells
+
+
+def speedup(cell: Cell, reference: Cell | None) -> str:
+    """Reference mean / this mean, with the direction of a bound when censored."""
+    if reference is None:
+        return "n/a"
+    if cell.censored and reference.censored:
+        return "n/a"
+    if cell.mean_s <= 0:  # reached before any simulated time passed
+        return "n/a" if reference.mean_s <= 0 else "inf"
+    ratio = reference.mean_s / cell.mean_s
+    text = "inf" if math.isinf(ratio) else f"{ratio:.2f}x"
+    if reference.censored:
+        return ">= " + text
+    if cell.censored:
+        return "<= " + text
+    return text
+
+
+def _fmt_time(cell: Cell) -> str:
+    text = f"{cell.mean_s:.1f}"
+    if cell.censored:
+        return f">= {text} ({cell.censored}/{len(cell.times_s)} not reached)"
+    ci = cell.ci_s
+    return text + (f" ± {ci:.1f}" if ci is not None else "")
+
+
+def _fmt_acc(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    ci = t_interval95(values)
+    return f"{100 * mean:.1f}%" + (f" ± {100 * ci:.1f}" if ci is not None else "")
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def plot_runs(
+    runs: Sequence[RunRecord], targets: dict[str, float], path: Path, title: str = ""
+) -> Path:
+    """Accuracy against simulated wall-clock (minutes), one panel per task, one colour per
+    label (every seed drawn; the target as a dashed line). Written with the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(targets)
+    cols = min(2, len(tasks))
+    rows = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 4.0 * rows), squeeze=False)
+    labels = list(dict.fromkeys(r.label for r in runs))
+    colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
+    for ax, task in zip(axes.flat, tasks):
+        for label in labels:
+            first = True
+            for run in (r for r in runs if r.label == label):
+                points = run.eval_points(task)
+                if not points:
+                    continue
+                xs = [t / 60.0 for t, _ in points]
+                ys = [100 * a for _, a in points]
+                ax.plot(xs, ys, marker=".", color=colors[label], label=label if first else None)
+                first = False
+        ax.axhline(100 * targets[task], color="gray", linestyle="--", linewidth=1)
+        ax.set_title(f"{task} (target {100 * targets[task]:.0f}%)")
+        ax.set_xlabel("simulated wall-clock (min)")
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(tasks) :]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render_markdown(
+    runs: Sequence[RunRecord],
+    targets: dict[str, float],
+    *,
+    title: str = "fedlora report",
+    order: Sequence[str] | None = None,
+    command: str = "",
+    plot_name: str = "accuracy_vs_time.png",
+) -> str:
+    """report.md: time to target per label and task, final accuracy, speed-up over FSLoRA.
+
+    Runs without metrics lines (failed before round 0) are listed under "Failed runs"."""
+    failed = [r for r in runs if r.summary.get("error")]
+    runs = [r for r in runs if r.lines]
+    cells = summarize(runs, targets, order)
+    seeds = sorted({r.seed for r in runs})
+    out = [f"# {title}", ""]
+    if command:
+        out += ["Produced by:", "", "```", command, "```", ""]
+    out += [
+        f"Runs: {len(runs)} ({len({r.label for r in runs})} methods, seeds {seeds}). "
+        "Times are simulated wall-clock seconds (`sim_time_s`); mean ± 95% t interval over "
+        "seeds. `>=`: some seed never reached the target (its time is its last clock, a lower "
+        "bound). `proposed` includes its calibration runs' simulated time.",
+        "",
+        "## Time to target accuracy (s)",
+        "",
+    ]
+    tasks = list(targets)
+    header = "| method | " + " | ".join(f"{t} (>= {100 * targets[t]:.0f}%)" for t in tasks) + " |"
+    out += [header, "|---" * (len(tasks) + 1) + "|"]
+    labels = list(dict.fromkeys(c.label for c in cells))
+    by = {(c.label, c.task): c for c in cells}
+    for label in labels:
+        out.append(f"| {label} | " + " | ".join(_fmt_time(by[label, t]) for t in tasks) + " |")
+    ref_label = next((lab for lab in labels if lab == REFERENCE), None)
+    if ref_label is None:
+        ref_label = next(
+            (r.label for r in runs if r.method == REFERENCE and r.label in labels), None
+        )
+    if ref_label:
+        out += ["", f"## Speed-up over {ref_label} (its mean time / the method's)", ""]
+        out += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+        for label in labels:
+            row = [speedup(by[label, t], by.get((ref_label, t))) for t in tasks]
+            out.append(f"| {label} | " + " | ".join(row) + " |")
+    out += ["", "## Final accuracy", ""]
+    out += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+    for label in labels:
+        out.append(
+            f"| {label} | "
+            + " | ".join(_fmt_acc(by[label, t].final_accuracy) for t in tasks)
+            + " |"  # fmt: skip
+        )
+    out += ["", "## Runs", ""]
+    out += [
+        "| method | seed | rounds | simulated time (s) | of which calibration (s) | "
+        "uplink (MB) | empty rounds | stop | compute (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label in labels:
+        for r in sorted((r for r in runs if r.label == label), key=lambda r: r.seed):
+            s = r.summary
+            mb = s.get("total_uplink_bits")
+            out.append(
+                f"| {label} | {r.seed} | {r.lines[-1].get('round', '-') if r.lines else '-'} | "
+                f"{r.total_time_s:.1f} | {r.calibration_time_s:.1f} | "
+                f"{'-' if mb is None else f'{mb / 8e6:.1f}'} | {s.get('empty_rounds', '-')} | "
+                f"{s.get('stop_reason', s.get('error', 'unfinished'))} | "
+                f"{s.get('compute_s', 0.0):.0f} |"
+            )
+    if failed:
+        out += ["", "## Failed runs", ""]
+        out += [f"- {r.label} seed {r.seed}: {r.summary['error']}" for r in failed]
+    out += ["", f"![accuracy against simulated wall-clock]({plot_name})", ""]
+    return "\n".join(out)
+
+
+def read_suite(path: Path) -> dict[str, Any]:
+    """A suite directory's suite.toml ({} if there is none)."""
+    file = path / SUITE_FILE
+    if not file.is_file():
+        return {}
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{file}: not valid TOML: {e}") from None
+
+
+def collect_runs(paths: Sequence[str | Path]) -> tuple[list[RunRecord], dict[str, Any]]:
+    """Runs from run directories and suite directories (every run dir inside a suite dir).
+
+    Returns the runs and the merged suite settings (targets, labels, title, command)."""
+    runs: list[RunRecord] = []
+    suite: dict[str, Any] = {}
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise DataError(f"{str(p)!r}: no such directory")
+        if (p / "metrics.jsonl").is_file() or (p / "summary.json").is_file():
+            runs.append(load_run(p))
+            continue
+        found = read_suite(p)
+        for key, value in found.items():
+            suite.setdefault(key, value)
+        subdirs = sorted(
+            d
+            for d in p.iterdir()
+            if (d / "metrics.jsonl").is_file() or (d / "summary.json").is_file()
+        )
+        if not subdirs:
+            raise DataError(
+                f"{str(p)!r} holds no run (no metrics.jsonl in it or in its subdirectories)"
+            )
+        runs.extend(load_run(d) for d in subdirs)
+    return runs, suite
+
+
+def write_report(
+    runs: Sequence[RunRecord],
+    targets: dict[str, float],
+    out_dir: str | Path,
+    *,
+    title: str = "fedlora report",
+    order: Sequence[str] | None = None,
+    command: str = "",
+) -> Path:
+    """Write report.md and accuracy_vs_time.png into `out_dir`; returns the report's path."""
+    if not runs:
+        raise DataError("no runs to report")
+    if not any(r.lines for r in runs):
+        raise DataError("no run has metrics yet: " + ", ".join(str(r.path) for r in runs))
+    if not targets:
+        raise ConfigError(
+            "no target accuracy: give --target TASK=ACCURACY (e.g. arc-e=0.5) or report a "
+            "suite directory whose suite.toml has [targets]"
+        )
+    for task, value in targets.items():
+        if not (isinstance(value, (int, float)) and 0 < value <= 1):
+            raise ConfigError(f"target {task} = {value!r} is invalid: an accuracy in (0, 1]")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_runs([r for r in runs if r.lines], targets, out / "accuracy_vs_time.png", title)
+    text = render_markdown(runs, targets, title=title, order=order, command=command)
+    (out / "report.md").write_text(text, encoding="utf-8")
+    return out / "report.md"
