@@ -73,7 +73,7 @@ class ModelConfig:
     `tiny-llama` / `tiny-qwen2` (random-init test models)."""
 
     name: str = "smollm2-135m"
-    dtype: str = "bf16"  # compute precision of the frozen base: fp32 | bf16
+    dtype: str = "fp32"  # fp32 | bf16 (bf16 pays only on CPUs with AVX512-BF16/AMX or GPUs)
     threads: int = 0  # torch threads; 0 = torch's default
     cache_dir: str = ""  # where converted models are kept; "" = ~/.cache/fedlora
 
