@@ -51,6 +51,11 @@ def model_tok(request: pytest.FixtureRequest):
     return load_model(request.param, dtype="fp32", progress=False)
 
 
+@pytest.fixture(scope="module")
+def llama() -> tuple:
+    return load_model("tiny-llama", dtype="fp32", progress=False)
+
+
 def reference_logprobs(model, tok, ex: Example, scoring: str) -> np.ndarray:
     """One unpadded forward per candidate, full logits."""
     prompt = encode_prompt(tok, format_prompt(ex))
@@ -70,7 +75,7 @@ def reference_logprobs(model, tok, ex: Example, scoring: str) -> np.ndarray:
 def test_batched_scores_equal_one_at_a_time_reference(model_tok, scoring: str) -> None:
     model, tok = model_tok
     ref = [reference_logprobs(model, tok, ex, scoring) for ex in EXAMPLES]
-    for batch_size, share in ((1, True), (2, True), (16, True), (2, False), (16, False)):
+    for batch_size, share in ((1, True), (16, True), (2, False)):
         got = candidate_logprobs(
             model, tok, EXAMPLES, batch_size=batch_size, scoring=scoring, share_prompt=share
         )
@@ -124,8 +129,8 @@ def _bias_tokens(model, token_ids: list[int], amount: float):
     return model.get_output_embeddings().register_forward_hook(hook)
 
 
-def test_model_forced_to_prefer_a_label_gets_accuracy_one(model_tok) -> None:
-    model, tok = model_tok
+def test_model_forced_to_prefer_a_label_gets_accuracy_one(llama) -> None:
+    model, tok = llama
     ids, n = encode_continuation(tok, RESPONSE_PREFIX, "answer2")
     assert n >= 1
     all_answer2 = [mc(f"q{i}", ["a", "b", "c"], 1) for i in range(6)]
@@ -141,8 +146,8 @@ def test_model_forced_to_prefer_a_label_gets_accuracy_one(model_tok) -> None:
     assert right.ci95 == pytest.approx(wilson_interval(6, 6))
 
 
-def test_option_scoring_follows_the_option_text(model_tok) -> None:
-    model, tok = model_tok
+def test_option_scoring_follows_the_option_text(llama) -> None:
+    model, tok = llama
     exs = [mc("q", ["red apple", "zebra", "blue"], 1), mc("p", ["zebra", "cat", "dog"], 0)]
     ids, n = encode_continuation(tok, RESPONSE_PREFIX, "zebra")
     handle = _bias_tokens(model, ids[-n:], 100.0)  # the tokens of " zebra"
@@ -152,8 +157,8 @@ def test_option_scoring_follows_the_option_text(model_tok) -> None:
         handle.remove()
 
 
-def test_ties_go_to_the_first_label(model_tok) -> None:
-    model, tok = model_tok
+def test_ties_go_to_the_first_label(llama) -> None:
+    model, tok = llama
 
     def flat(_module, _inputs, output):
         return torch.zeros_like(output)  # every token equally likely: all candidates tie
@@ -169,8 +174,8 @@ def test_ties_go_to_the_first_label(model_tok) -> None:
     assert result.accuracy == 0.5  # answer1 predicted for both
 
 
-def test_evaluate_restores_training_mode_and_needs_no_grad(model_tok) -> None:
-    model, tok = model_tok
+def test_evaluate_restores_training_mode_and_needs_no_grad(llama) -> None:
+    model, tok = llama
     model.train()
     try:
         evaluate(model, tok, EXAMPLES[:2])
@@ -181,8 +186,8 @@ def test_evaluate_restores_training_mode_and_needs_no_grad(model_tok) -> None:
     assert not model.training
 
 
-def test_evaluate_bad_input(model_tok) -> None:
-    model, tok = model_tok
+def test_evaluate_bad_input(llama) -> None:
+    model, tok = llama
     with pytest.raises(DataError, match=r"scoring = 'text' is invalid: allowed: label, option"):
         evaluate(model, tok, EXAMPLES, scoring="text")
     with pytest.raises(DataError, match=r"batch_size = 0 is invalid: must be an integer >= 1"):
