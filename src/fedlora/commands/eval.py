@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "eval",
         help="multiple-choice accuracy of a model (and optional LoRA adapter) on a task",
         description="Accuracy by the log-likelihood of each allowed answer after the "
-        "LLM-Adapters prompt (no free generation), with a 95%% Wilson interval.",
+        "LLM-Adapters prompt (no free generation), with a 95% Wilson interval.",
     )
     p.add_argument(
         "--model",
