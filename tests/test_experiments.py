@@ -1,0 +1,294 @@
+"""Suites (`fedlora compare`) and the `proposed` method's calibration → plan → training."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedlora import engine
+from fedlora.cli import main
+from fedlora.config import load_config
+from fedlora.errors import ConfigError
+from fedlora.experiments import SUITES, load_suite
+from fedlora.methods import make_method
+from fedlora.methods.proposed import (
+    Proposed,
+    calibration_config,
+    calibration_settings,
+    prepare_proposed,
+    rounds_to_loss,
+    smoothed_losses,
+)
+
+DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
+needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
+
+
+# ----------------------------------------------------------------------------- calibration pieces
+
+
+def test_calibration_settings_use_two_q_and_two_k():
+    assert calibration_settings(16) == [(0.3, 16), (0.15, 16), (0.3, 4), (0.15, 4)]
+    assert calibration_settings(2) == [(0.3, 2), (0.15, 2), (0.3, 1), (0.15, 1)]
+    assert calibration_settings(3) == [(0.3, 3), (0.15, 3), (0.3, 1), (0.15, 1)]
+    with pytest.raises(ConfigError, match="lora.rank = 1 is invalid.*>= 2"):
+        calibration_settings(1)
+
+
+def test_smoothed_losses_trailing_mean_over_non_empty_rounds():
+    # rounds: 4, empty, 2, 6, 1 -> 4, 4 (repeated), 3, 4, 3 (mean of 2, 6, 1)
+    assert smoothed_losses([None, 4.0, None, 2.0, 6.0, 1.0], window=3) == [
+        None, 4.0, 4.0, 3.0, 4.0, 3.0,
+    ]  # fmt: skip
+    assert rounds_to_loss([None, 4.0, None, 2.0, 6.0, 1.0], 3.0, window=3) == 4
+    assert rounds_to_loss([4.0, 4.0], 1.0) is None
+
+
+def test_calibration_config_is_sketched_with_every_client_alike():
+    cfg = load_config(None, ["data.n_clients=3", "planner.calibration_rounds=7", "training.seed=5"])
+    c = calibration_config(cfg, 0.3, 4)
+    assert (c.method.name, c.method.q, c.method.k) == ("sketched", (0.3,) * 3, (4,) * 3)
+    assert (c.training.rounds, c.training.eval_every, c.training.seed) == (7, 7, 5)
+    assert c.training.target_accuracy == 0.0 and c.data.eval_limit == 8
+    assert c.data.n_clients == 3 and c.network == cfg.network
+
+
+# Known constants A=105, B=1, C=0.05, D=0.0125 with a = (.1,.2,.3,.4): Σa² = 0.3, so
+# Y = 0.3/q ∈ {1, 2} and Z = Y·(16/k)² ∈ {1, 2, 16, 32}; R = A/(B − CY − DZ) is then
+# 105/(15/16) = 112, 105/(7/8) = 120, 105/(3/4) = 140 and 105/(1/2) = 210 for the settings
+# (0.3, 16), (0.15, 16), (0.3, 4), (0.15, 4).
+KNOWN_R = {(0.3, 16): 112, (0.15, 16): 120, (0.3, 4): 140, (0.15, 4): 210}
+
+
+def _fake_engine(calls: list):
+    """A stand-in for engine.run_experiment: one metrics line per round, 1 s each; the loss is
+    2.0 in round 1 (F_s = 1.0), 1.2 until round R−1 and 0.3 from R on, so the smoothed loss
+    first drops to <= 1.0 exactly at round R = KNOWN_R[(q, k)]."""
+
+    def run(cfg, run_dir, *, resume=False, quiet=False, log=None, stop=None):
+        q, k = cfg.method.q[0], cfg.method.k[0]
+        calls.append((q, k))
+        big_r = KNOWN_R[(q, k)]
+        path = Path(run_dir) / "metrics.jsonl"
+        path.write_text(json.dumps({"round": 0, "sim_time_s": 0.0, "train_loss": None}) + "\n")
+        rows = ["client,n_examples,a,tau_full_s,t_full"]
+        rows += [f"{i},{n},{a},{tau},{t}" for i, (n, a, tau, t) in enumerate(
+            [(10, 0.1, 1.0, 4e6), (20, 0.2, 2.0, 2e6), (30, 0.3, 0.5, 8e6), (40, 0.4, 1.5, 1e6)])]  # fmt: skip
+        (Path(run_dir) / "clients.csv").write_text("\n".join(rows) + "\n")
+        for r in range(1, cfg.training.rounds + 1):
+            loss = 2.0 if r == 1 else (1.2 if r < big_r else 0.3)
+            line = {"round": r, "sim_time_s": float(r), "train_loss": loss}
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+            if stop is not None and stop(line):
+                break
+        summary = {"rounds": r, "sim_time_s": float(r)}
+        (Path(run_dir) / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return run
+
+
+def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path, monkeypatch):
+    # Prepare
+    calls: list = []
+    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
+    cfg = load_config(
+        None,
+        ["data.n_clients=4", "lora.rank=16", "planner.calibration_rounds=300",
+         "method.name=proposed"],
+    )  # fmt: skip
+    # Execute
+    new_cfg, calibration_s = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    # Assert: four runs, each stopped at its R by the engine's stop callback
+    assert calls == list(KNOWN_R)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    runs = plan["calibration"]["runs"]
+    assert [r["rounds"] for r in runs] == [112, 120, 140, 210]
+    assert [r["rounds_run"] for r in runs] == [112, 120, 140, 210]
+    assert plan["calibration"]["loss_target"] == plan["calibration"]["loss_used"] == 1.0
+    assert calibration_s == plan["calibration"]["sim_time_s"] == 112 + 120 + 140 + 210
+    c = plan["constants"]
+    assert [c["A"], c["B"], c["C"], c["D"]] == pytest.approx([105, 1, 0.05, 0.0125], rel=1e-9)
+    q, k = np.array(plan["q"]), np.array(plan["k"])
+    assert q.shape == (4,) and np.all((q > 0) & (q <= 1)) and np.all((k >= 1) & (k <= 16))
+    # the training config reads q and k from plan.json
+    assert new_cfg.method.q == new_cfg.method.k == str(tmp_path / "plan.json")
+    method = make_method(new_cfg, np.array([0.1, 0.2, 0.3, 0.4]), np.random.default_rng(0))
+    assert isinstance(method, Proposed)
+    np.testing.assert_allclose(method.q, q)
+    np.testing.assert_array_equal(method.k, k)
+    # Execute again: plan.json is reused, nothing runs
+    calls.clear()
+    again, again_s = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    assert calls == [] and again_s == calibration_s and again == new_cfg
+
+
+def test_prepare_proposed_fallback_when_a_run_never_reaches_f_s(tmp_path, monkeypatch):
+    # The cap (150 rounds) cuts (0.15, 4) at 150 > its R = 210: F_s' = its lowest smoothed loss
+    # (1.2) is reached by every run at round 3 (mean of 2.0, 1.2, 1.2 = 1.47 > 1.2; round 4:
+    # 1.2) -> all R = 4, the same for every run, which cannot identify A–D.
+    calls: list = []
+    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
+    cfg = load_config(None, ["data.n_clients=4", "planner.calibration_rounds=150"])
+    with pytest.raises(ConfigError, match="calibration"):
+        prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    assert len(calls) == 4
+
+
+def test_prepare_proposed_uses_a_given_plan_file(tmp_path):
+    plan = tmp_path / "my_plan.json"
+    plan.write_text(json.dumps({"q": [0.5, 0.5], "k": [2, 4]}))
+    cfg = load_config(
+        None, ["data.n_clients=2", "method.name=proposed", f'method.q="{plan}"',
+               f'method.k="{plan}"', "lora.rank=4"],
+    )  # fmt: skip
+    assert prepare_proposed(cfg, tmp_path / "run") == (cfg, 0.0)
+
+
+# ----------------------------------------------------------------------------- suites
+
+
+def _suite_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "suite.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_suite_labels_build_the_paper_configs(tmp_path):
+    cfg_path = _suite_file(tmp_path, "[suite]\ntargets = {arc-e = 0.5}\nseeds = 2\n")
+    table1 = load_suite("table1", cfg_path)
+    assert table1.labels == tuple(SUITES["table1"]) and table1.seeds == (0, 1)
+    assert table1.targets == {"arc-e": 0.5}
+    assert table1.config_for("fslora", 1).method.name == "fslora"
+    assert table1.config_for("fslora", 1).training.seed == 1
+    sampling = load_suite("sampling", cfg_path)
+    q_only = sampling.config_for("proposed-q", 0)
+    assert (q_only.method.name, q_only.planner.optimize, q_only.method.k) == (
+        "proposed", "q", "full",
+    )  # fmt: skip
+    assert sampling.config_for("uniform", 0).method.q == "uniform"
+    assert sampling.config_for("weighted", 0).method.k == "full"
+    ranks = load_suite("ranks", cfg_path, seeds=1)
+    k_only = ranks.config_for("proposed-k", 0)
+    assert (k_only.planner.optimize, k_only.method.q, k_only.method.q_fixed) == ("k", "fixed", 0.2)
+    assert ranks.config_for("normal", 0).method.k == "normal" and ranks.seeds == (0,)
+    # --tasks sets data.eval_tasks; the engine's own target stop is off
+    two = load_suite("table1", cfg_path, tasks=["arc-e", "arc-c"], targets={"arc-c": 0.3})
+    c = two.config_for("proposed", 0)
+    assert c.data.eval_tasks == ("arc-e", "arc-c") and c.training.target_accuracy == 0.0
+
+
+@pytest.mark.parametrize(
+    ("suite", "text", "kwargs", "message"),
+    [
+        ("table2", "", {}, "--suite = 'table2' is invalid: allowed: table1, sampling, ranks"),
+        ("table1", "", {}, "no target accuracy for task(s) arc-e"),
+        ("table1", "[suite]\ntargets = {arc-e = 1.5}\n", {}, "suite.targets.arc-e = 1.5"),
+        ("table1", "[suite]\ntarget = 1\n", {}, "unknown key suite.target"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\nmethods = ['fedavg']\n", {},
+         "suite.methods = ['fedavg'] is invalid"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\n", {"seeds": 0}, "--seeds (suite.seeds) = 0"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\n[training]\nrounds = 0\n", {},
+         "training.rounds = 0 is invalid"),
+    ],
+)  # fmt: skip
+def test_load_suite_bad_input(tmp_path, suite, text, kwargs, message):
+    with pytest.raises(ConfigError) as e:
+        load_suite(suite, _suite_file(tmp_path, text), **kwargs)
+    assert message in str(e.value)
+
+
+def test_compare_cli_bad_input_exits_2(tmp_path, capsys):
+    assert main(["compare", "--suite", "table1", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "no target accuracy for task(s) arc-e" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- quick suites (CI)
+
+TINY = [
+    "model.name=tiny-llama",
+    "model.dtype=fp32",
+    "model.threads=1",
+    f'data.data_dir="{DATA}"',
+    'data.tasks=["arc-e", "arc-c"]',
+    "data.train_limit=24",
+    "data.eval_limit=8",
+    "data.max_seq_len=64",
+    "data.n_clients=10",
+    "data.min_client_examples=2",
+    "lora.rank=4",
+    "training.rounds=2",
+    "training.local_steps=1",
+    "training.batch_size=2",
+    "training.slots=4",
+    "training.eval_every=1",
+    "training.checkpoint_every=1",
+    "training.lr=0.5",
+    "method.clients_per_round=2",
+    "planner.calibration_rounds=3",
+]
+QUICK = {"table1": ["proposed", "fslora"], "sampling": ["proposed-q", "fixed-0.2"],
+         "ranks": ["proposed-k", "uniform"]}  # fmt: skip
+
+
+@needs_data
+@pytest.mark.parametrize("suite", list(QUICK))
+def test_quick_suite_writes_a_report_with_every_method(tmp_path, suite, capsys, monkeypatch):
+    # Prepare: a tiny model, two methods of the suite, two eval tasks. A random-init model's
+    # loss barely moves, so its calibration rounds are noise that the planner rightly refuses;
+    # the estimate alone is replaced by known constants (tested above with known R_i): the
+    # calibration runs, the plan and the training with it are real.
+    from fedlora import planner
+
+    known = planner.Constants(105.0, 1.0, 0.05, 0.0125)
+    monkeypatch.setattr(planner, "estimate_constants", lambda *a, **k: known)
+    methods = ", ".join(f'"{m}"' for m in QUICK[suite])
+    cfg = _suite_file(tmp_path, f"[suite]\nmethods = [{methods}]\n")
+    out = tmp_path / suite
+    argv = ["compare", "--suite", suite, "-c", cfg, "--out", str(out), "-q",
+            "--tasks", "arc-e", "arc-c", "--target", "arc-e=0.25", "--target", "arc-c=25%",
+            *TINY]  # fmt: skip
+    # Execute
+    assert main(argv) == 0
+    # Assert: one run dir per method, each finished or recorded as failed, and a report
+    text = (out / "report.md").read_text()
+    for heading in ("## Time to target accuracy (s)", "## Final accuracy", "## Runs"):
+        assert heading in text
+    assert "| method | arc-e (>= 25%) | arc-c (>= 25%) |" in text
+    assert "## Failed runs" not in text
+    for label in QUICK[suite]:
+        summary = json.loads((out / f"{label}-seed0" / "summary.json").read_text())
+        method = "proposed" if label.startswith("proposed") else label
+        assert summary["rounds"] == 2
+        assert summary["method"] == (
+            method if suite == "table1" or method == "proposed" else "sketched"
+        )
+        assert f"| {label} | " in text
+    proposed = out / f"{QUICK[suite][0]}-seed0"
+    assert len(list((proposed / "calibration").iterdir())) == 4
+    plan = json.loads((proposed / "plan.json").read_text())
+    assert plan["constants"] == known.to_dict()
+    assert plan["optimize"] == {"table1": "qk", "sampling": "q", "ranks": "k"}[suite]
+    if suite == "sampling":  # k fixed at γ, q planned
+        assert plan["k"] == [4] * 10
+    if suite == "ranks":  # q fixed at 0.2, k planned
+        assert plan["q"] == [0.2] * 10
+    lines = [json.loads(x) for x in (proposed / "metrics.jsonl").read_text().splitlines()]
+    assert (
+        lines[0]["sim_time_s"]
+        == lines[0]["calibration_sim_time_s"]
+        == pytest.approx(plan["calibration"]["sim_time_s"])
+    )
+    assert lines[0]["sim_time_s"] > 0
+    assert (out / "accuracy_vs_time.png").exists()
+    # Execute again: everything finished is skipped
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("finished earlier, skipped") >= 1
