@@ -12,20 +12,39 @@ Shared by the round engine and the Flower client. One step for the c active slot
 
 Because the slots share nothing but the frozen base, the result equals c separate
 single-client runs.
+
+With LoRA on the top K decoder layers only (``lora.layers = K``), the layers below the first
+adapted one see no trainable parameter: their output for an example depends on its tokens
+alone. A `LayerCache` runs that frozen lower part (embeddings + layers ``0..L-1``) once per
+example, keeps its hidden states (LRU, bounded in MB), and each step runs only the top layers,
+the final norm and the target-only LM head on the cached rows. Position ids, the causal mask
+and the rotary embeddings are recomputed for the padded batch, so the loss and gradients
+equal the uncached path (to float rounding: 1e-6 in fp32, tested).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedlora.errors import ConfigError, DataError, FedloraError
-from fedlora.lora import SlotLora
+from fedlora.errors import ConfigError, DataError, FedloraError, bad_value
+from fedlora.lora import SlotLora, _layer_index
 
-__all__ = ["TrainingError", "local_train", "collate_clients", "target_token_loss"]
+__all__ = [
+    "TrainingError",
+    "LayerCache",
+    "cacheable_layers",
+    "layer_cache_for",
+    "local_train",
+    "collate_clients",
+    "target_token_loss",
+]
 
 IGNORE = -100
 
@@ -79,18 +98,283 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     return decoder, head
 
 
+# ----------------------------------------------------------------------------- layer cache
+
+# Decoder classes whose forward is: embed_tokens -> rotary_emb(position_ids) -> causal mask(s)
+# -> layers[i](hidden, mask of layer_types[i], position_embeddings) -> norm. The cache replays
+# exactly that, so it is limited to classes checked against their source (tested: Llama, Qwen2).
+_CACHEABLE_DECODERS = ("LlamaModel", "Qwen2Model")
+_CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cacheable_layers(model: torch.nn.Module, lora: SlotLora) -> tuple[int, str]:
+    """(L, reason): the decoder layers 0..L-1 below the lowest LoRA layer, which a
+    `LayerCache` can compute once per example; L = 0 with the reason when nothing can be cached.
+    """
+    decoder, _ = _decoder_and_head(model)
+    name = type(decoder).__name__
+    if name not in _CACHEABLE_DECODERS:
+        return 0, f"decoder {name} is not one of {', '.join(_CACHEABLE_DECODERS)}"
+    types = getattr(decoder.config, "layer_types", None) or []
+    if set(types) - {"full_attention", "sliding_attention"}:
+        return 0, f"unsupported attention layer types {sorted(set(types))}"
+    prefix = getattr(model, "base_model_prefix", "model") + ".layers."
+    indices = [_layer_index(n) if n.startswith(prefix) else None for n in lora.names]
+    if any(i is None for i in indices):
+        return 0, "a LoRA target lies outside the decoder layers"
+    lowest = min(i for i in indices if i is not None)
+    if lowest == 0:
+        return 0, "LoRA starts at decoder layer 0 (lora.layers = all or K = all layers)"
+    return lowest, ""
+
+
+def _check_cache_options(max_mb: float, dtype: str) -> None:
+    if (
+        isinstance(max_mb, bool)
+        or not isinstance(max_mb, (int, float))
+        or not (np.isfinite(max_mb) and max_mb >= 0)
+    ):
+        raise bad_value("training.layer_cache_mb", max_mb, "a number of MB >= 0 (0 = off)")
+    if dtype not in _CACHE_DTYPES:
+        raise bad_value("training.layer_cache_dtype", dtype, ", ".join(_CACHE_DTYPES))
+
+
+class LayerCache:
+    """Hidden states of a model's frozen lower decoder layers, per example, LRU-bounded.
+
+    The lower part is embeddings + decoder layers ``0..L-1`` (L from `cacheable_layers`: the
+    first layer with LoRA). An example's key is its token ids (the unpadded row), so the same
+    example in any batch, padding or slot hits the same entry; its value is the (n, d) output
+    of layer L-1 at its n tokens. `last_hidden_state(ids, mask)` equals the decoder's
+    ``last_hidden_state`` for a right-padded batch: rows are assembled from the cache (misses
+    are computed in one no-grad pass), zeros fill the padding (masked out as keys, no loss),
+    and the top layers + final norm run with recomputed position ids, masks and rotary
+    embeddings. Entries are dropped when the lower part's weights change in place, the
+    autocast mode changes, or the size passes `max_mb` (least recently used first).
+
+    `dtype` "fp32" stores exactly what the lower part computed (fp32 or bf16 values); "bf16"
+    halves the memory but rounds fp32 hidden states to bf16 (then not exact).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, lora: SlotLora, *, max_mb: float = 2048.0, dtype: str = "fp32"
+    ) -> None:
+        _check_cache_options(max_mb, dtype)
+        first, reason = cacheable_layers(model, lora)
+        if first == 0:
+            raise ConfigError(f"the frozen-layer cache cannot be used: {reason}")
+        self.model, self.lora = model, lora
+        self.decoder, _ = _decoder_and_head(model)
+        self.first_layer = first  # L: layers 0..L-1 are cached
+        self.max_bytes = int(max_mb * 2**20)
+        self.dtype = dtype
+        self._store_dtype = _CACHE_DTYPES[dtype]
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> (n, d)
+        self._lower_params = list(self.decoder.embed_tokens.parameters()) + [
+            p for layer in self.decoder.layers[:first] for p in layer.parameters()
+        ]
+        self._lower_modules = [self.decoder.embed_tokens, *self.decoder.layers[:first]]
+        self._state: tuple[Any, ...] | None = None
+        self._hidden_dtype: torch.dtype | None = None
+        self.nbytes = 0
+        self.hits = self.misses = self.evictions = self.uncached_steps = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Drop every entry (the counters stay)."""
+        self._entries.clear()
+        self.nbytes = 0
+
+    def stats(self) -> dict[str, Any]:
+        """Entries, MB held, hits, misses, evictions and steps that bypassed the cache."""
+        return {
+            "entries": len(self._entries),
+            "mb": self.nbytes / 2**20,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "uncached_steps": self.uncached_steps,
+            "cached_layers": self.first_layer,
+        }
+
+    def _lower_state(self) -> tuple[Any, ...]:
+        """What the cached values depend on besides the tokens: the lower weights (storage
+        and in-place version) and the autocast mode."""
+        autocast = torch.is_autocast_enabled("cpu")
+        return (
+            autocast,
+            torch.get_autocast_dtype("cpu") if autocast else None,
+            tuple((p.data_ptr(), p._version, p.dtype) for p in self._lower_params),
+        )
+
+    def _entry_bytes(self, key: bytes, value: torch.Tensor) -> int:
+        return value.numel() * value.element_size() + len(key)
+
+    def _put(self, key: bytes, value: torch.Tensor) -> None:
+        size = self._entry_bytes(key, value)
+        if size > self.max_bytes:
+            return  # larger than the whole budget: not kept
+        while self._entries and self.nbytes + size > self.max_bytes:
+            old_key, old = self._entries.popitem(last=False)  # least recently used
+            self.nbytes -= self._entry_bytes(old_key, old)
+            self.evictions += 1
+        self._entries[key] = value
+        self.nbytes += size
+
+    # ------------------------------------------------------------------ forward
+
+    def _masks(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor
+    ) -> dict[str, Any]:
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        kwargs = {
+            "config": self.decoder.config,
+            "inputs_embeds": hidden,
+            "attention_mask": mask,
+            "past_key_values": None,
+            "position_ids": pos,
+        }
+        masks = {"full_attention": create_causal_mask(**kwargs)}
+        if "sliding_attention" in (getattr(self.decoder.config, "layer_types", None) or []):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return masks
+
+    def _run_layers(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, layers: range
+    ) -> torch.Tensor:
+        """Decoder layers `layers` on (N, T, d) hidden states, as the decoder's forward does."""
+        t = hidden.shape[1]
+        pos = torch.arange(t, device=hidden.device).unsqueeze(0)  # (1, T), as without cache
+        masks = self._masks(hidden, mask, pos)
+        rotary = self.decoder.rotary_emb(hidden, pos)
+        types = getattr(self.decoder.config, "layer_types", None)
+        for i in layers:
+            hidden = self.decoder.layers[i](
+                hidden,
+                attention_mask=masks[types[i] if types else "full_attention"],
+                position_embeddings=rotary,
+                position_ids=pos,
+                past_key_values=None,
+                use_cache=False,
+            )
+        return hidden
+
+    def _bypass(self, mask: torch.Tensor, lengths: torch.Tensor) -> bool:
+        """True when caching would not be exact: a row that is not right-padded (its
+        position ids would depend on the padding), or lower modules in training mode."""
+        right_padded = bool(
+            ((mask == 0) | (mask == 1)).all()
+            and (mask.cumprod(dim=1).sum(dim=1) == lengths).all()
+            and (lengths > 0).all()
+        )
+        return not right_padded or any(m.training for m in self._lower_modules)
+
+    def last_hidden_state(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoder's final-norm hidden states (N, T, d) for a right-padded (N, T) batch,
+        with layers 0..L-1 taken from the cache (filled for the rows it misses)."""
+        n_rows, t = input_ids.shape
+        lengths = attention_mask.sum(dim=1)  # (N,)
+        if self._bypass(attention_mask, lengths):
+            self.uncached_steps += 1
+            return self.decoder(
+                input_ids=input_ids, attention_mask=attention_mask
+            ).last_hidden_state
+        state = self._lower_state()
+        if state != self._state:
+            self.clear()
+            self._state = state
+        lens = lengths.tolist()
+        keys = [input_ids[i, : lens[i]].numpy().tobytes() for i in range(n_rows)]
+        found: dict[bytes, torch.Tensor] = {}
+        missing: list[int] = []  # first row of each distinct missing key
+        for i, k in enumerate(keys):
+            if k in found or any(keys[j] == k for j in missing):
+                continue
+            value = self._entries.get(k)
+            if value is None:
+                missing.append(i)
+            else:
+                self._entries.move_to_end(k)  # most recently used
+                found[k] = value
+                self.hits += 1
+        if missing:
+            self.misses += len(missing)
+            t_miss = max(lens[i] for i in missing)
+            ids = input_ids[missing, :t_miss]  # (m, t_miss)
+            mask = attention_mask[missing, :t_miss]
+            with torch.no_grad():
+                lower = self._run_layers(
+                    self.decoder.embed_tokens(ids), mask, range(self.first_layer)
+                )  # (m, t_miss, d)
+            self._hidden_dtype = lower.dtype
+            for row, i in enumerate(missing):
+                value = lower[row, : lens[i]].to(self._store_dtype).clone()  # (n_i, d)
+                found[keys[i]] = value
+                self._put(keys[i], value)
+        d = self.decoder.config.hidden_size
+        dtype = self._hidden_dtype or next(iter(found.values())).dtype
+        hidden = torch.zeros(n_rows, t, d, dtype=dtype)  # (N, T, d); 0 on padding
+        for i, k in enumerate(keys):
+            hidden[i, : lens[i]] = found[k].to(dtype)
+        hidden = self._run_layers(
+            hidden, attention_mask, range(self.first_layer, len(self.decoder.layers))
+        )
+        return self.decoder.norm(hidden)
+
+
+_CACHES: weakref.WeakKeyDictionary[SlotLora, LayerCache] = weakref.WeakKeyDictionary()
+
+
+def layer_cache_for(
+    model: torch.nn.Module, lora: SlotLora, max_mb: float = 2048.0, dtype: str = "fp32"
+) -> LayerCache | None:
+    """The `LayerCache` of (model, lora), created on first use and kept as long as `lora`
+    lives (a client's partition is reused every round it joins); None when `max_mb` is 0 or
+    nothing lies below the lowest LoRA layer (e.g. ``lora.layers = "all"``)."""
+    _check_cache_options(max_mb, dtype)
+    cache = _CACHES.get(lora)
+    if (
+        cache is not None
+        and cache.model is model
+        and (cache.max_bytes, cache.dtype) == (int(max_mb * 2**20), dtype)
+    ):
+        return cache
+    if max_mb == 0 or cacheable_layers(model, lora)[0] == 0:
+        return None
+    cache = LayerCache(model, lora, max_mb=max_mb, dtype=dtype)
+    _CACHES[lora] = cache
+    return cache
+
+
 def target_token_loss(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], groups: int
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    groups: int,
+    cache: LayerCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group mean next-token loss with the LM head applied only at target positions.
 
     `batch` is (groups*b, T) grouped by group. Returns (loss_per_group (groups,), tokens
     per group (groups,)). Equals the cross-entropy of the full logits over the same targets.
+    With `cache`, the frozen lower layers' hidden states come from it (same result).
     """
     decoder, head = _decoder_and_head(model)
-    hidden = decoder(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-    ).last_hidden_state  # (c*b, T, d)
+    if cache is not None:
+        hidden = cache.last_hidden_state(batch["input_ids"], batch["attention_mask"])
+    else:
+        hidden = decoder(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).last_hidden_state  # (c*b, T, d)
     targets = batch["labels"][:, 1:]  # (c*b, T-1): token t+1 is predicted at position t
     sel = targets != IGNORE
     rows = torch.nonzero(sel)[:, 0]  # (M,) row of each target token
@@ -111,13 +395,15 @@ def local_train(
     lr: float,
     *,
     autocast_bf16: bool = False,
+    cache: LayerCache | None = None,
 ) -> np.ndarray:
     """H SGD steps for the c active slots; `batches[c][h]` is client c's batch at step h.
 
     Each batch is a dict of (b, T) tensors input_ids, attention_mask, labels (labels -100 off
     the response tokens). Returns the losses (c, H), float64: client c's mean token loss
     before its step-h update. Raises `TrainingError` on a non-finite loss and `DataError` on
-    a batch without target tokens.
+    a batch without target tokens. `cache` (see `layer_cache_for`) takes the frozen layers
+    below the lowest LoRA layer from a per-example cache: same losses and updates, faster.
     """
     c = len(batches)
     if c == 0:
@@ -135,6 +421,10 @@ def local_train(
         )
     if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
         raise ConfigError(f"training.lr = {lr!r} is invalid: must be a finite number > 0")
+    if cache is not None and (cache.model is not model or cache.lora is not lora):
+        raise ConfigError(
+            "cache belongs to another model/adapter: use layer_cache_for(model, lora)"
+        )
     params = lora.parameters()
     losses = np.zeros((c, steps))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
@@ -143,7 +433,7 @@ def local_train(
         for h in range(steps):
             batch, _ = collate_clients([batches[k][h] for k in range(c)])
             with autocast:
-                per_client, counts = target_token_loss(model, batch, c)
+                per_client, counts = target_token_loss(model, batch, c, cache)
             empty = torch.nonzero(counts == 0)[:, 0].tolist()
             if empty:
                 raise DataError(
