@@ -318,10 +318,14 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     import torch
 
     from fedlora.data import client_batches
-    from fedlora.train import TrainingError, local_train
+    from fedlora.train import TrainingError, layer_cache_for, local_train
 
     cfg, seed, r = run.cfg, run.cfg.training.seed, plan.round
     pad_id = run.tokenizer.pad_token_id
+    # lora.layers = K: frozen lower layers once per example, kept across rounds (exact)
+    cache = layer_cache_for(
+        run.model, run.lora, cfg.training.layer_cache_mb, cfg.training.layer_cache_dtype
+    )
     states: list[dict[str, np.ndarray]] = []
     losses: list[float] = []
     tasks = list(plan.tasks)
@@ -348,6 +352,7 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
                 batches,
                 cfg.training.lr,
                 autocast_bf16=cfg.model.dtype == "bf16",
+                cache=cache,
             )  # (c, H)
         except TrainingError as e:
             clients = [t.client for t in chunk]
