@@ -109,8 +109,10 @@ def load_suite(
     seeds: int | None = None,
     tasks: Sequence[str] | None = None,
     targets: dict[str, float] | None = None,
+    methods: Sequence[str] | None = None,
 ) -> SuiteSpec:
-    """Read a suite file (optional), apply overrides, --seeds, --tasks and --target values."""
+    """Read a suite file (optional), apply overrides, --seeds, --tasks, --target and --methods
+    (a subset of the suite's labels, e.g. to split a suite over two processes)."""
     if name not in SUITES:
         raise bad_value("--suite", name, f"allowed: {', '.join(SUITES)}")
     raw: dict[str, Any] = read_toml(config_path) if config_path else {}
@@ -143,7 +145,7 @@ def load_suite(
         )
     raw.setdefault("data", {})["eval_tasks"] = eval_tasks
     raw.setdefault("training", {})["target_accuracy"] = 0.0  # runs go on; targets are per task
-    labels = tuple(suite.get("methods", SUITES[name]))
+    labels = tuple(methods or suite.get("methods", SUITES[name]))
     unknown = [lab for lab in labels if lab not in SUITES[name]]
     if unknown:
         raise bad_value("suite.methods", unknown, f"labels of {name}: {', '.join(SUITES[name])}")
@@ -175,7 +177,7 @@ def _write_suite_file(spec: SuiteSpec, out: Path, command: str) -> None:
         f'suite = "{spec.name}"',
         f'title = "{TITLES[spec.name]}"',
         f"command = {json.dumps(command)}",
-        "labels = [" + ", ".join(json.dumps(x) for x in spec.labels) + "]",
+        "labels = [" + ", ".join(json.dumps(x) for x in SUITES[spec.name]) + "]",  # order
         "seeds = [" + ", ".join(str(s) for s in spec.seeds) + "]",
         "",
         "[targets]",

@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", "-c", help="suite TOML: experiment sections + [suite] targets")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.add_argument("--seeds", type=int, help="number of seeds (default: suite.seeds or 1)")
+    p.add_argument("--methods", nargs="+", metavar="LABEL", help="only these labels of the suite")
     p.add_argument("--tasks", nargs="+", metavar="TASK", help="eval tasks (data.eval_tasks)")
     p.add_argument(
         "--target", action="append", metavar="TASK=ACC", help="target accuracy of a task"
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         tasks=args.tasks,
         targets=parse_targets(args.target),
+        methods=args.methods,
     )
     out = args.out or f"runs/{args.suite}"
     argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("fedlora") else []
