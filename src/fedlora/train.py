@@ -296,28 +296,30 @@ class LayerCache:
         lens = lengths.tolist()
         keys = [input_ids[i, : lens[i]].numpy().tobytes() for i in range(n_rows)]
         found: dict[bytes, torch.Tensor] = {}
-        missing: list[int] = []  # first row of each distinct missing key
+        missing: dict[bytes, int] = {}  # distinct missing key -> its first row
         for i, k in enumerate(keys):
-            if k in found or any(keys[j] == k for j in missing):
+            if k in found or k in missing:
+                self.hits += 1  # a repeat within the batch (e.g. a filler row)
                 continue
             value = self._entries.get(k)
             if value is None:
-                missing.append(i)
+                missing[k] = i
             else:
                 self._entries.move_to_end(k)  # most recently used
                 found[k] = value
                 self.hits += 1
         if missing:
             self.misses += len(missing)
-            t_miss = max(lens[i] for i in missing)
-            ids = input_ids[missing, :t_miss]  # (m, t_miss)
-            mask = attention_mask[missing, :t_miss]
+            rows = list(missing.values())
+            t_miss = max(lens[i] for i in rows)
+            ids = input_ids[rows, :t_miss]  # (m, t_miss)
+            mask = attention_mask[rows, :t_miss]
             with torch.no_grad():
                 lower = self._run_layers(
                     self.decoder.embed_tokens(ids), mask, range(self.first_layer)
                 )  # (m, t_miss, d)
             self._hidden_dtype = lower.dtype
-            for row, i in enumerate(missing):
+            for row, i in enumerate(rows):
                 value = lower[row, : lens[i]].to(self._store_dtype).clone()  # (n_i, d)
                 found[keys[i]] = value
                 self._put(keys[i], value)
