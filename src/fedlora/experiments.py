@@ -30,7 +30,7 @@ from typing import Any
 
 from fedlora.config import ExperimentConfig, config_from_dict, parse_override, read_toml
 from fedlora.errors import ConfigError, FedloraError, bad_value
-from fedlora.report import SUITE_FILE, collect_runs, write_report
+from fedlora.report import SUITE_FILE, collect_runs, reclock, write_report
 
 # label -> overrides applied on top of the suite file's config
 SUITES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -244,9 +244,23 @@ def report_suite(
     *,
     targets: dict[str, float] | None = None,
     title: str | None = None,
+    cost_model: tuple[str, str] | None = None,
+    command: str | None = None,
 ) -> Path:
-    """Rebuild report.md and the plot from run or suite directories (metrics files only)."""
+    """Rebuild report.md and the plot from run or suite directories (metrics files only).
+
+    `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.report.reclock`).
+    """
     runs, suite = collect_runs(paths)
+    note = ""
+    if cost_model:
+        runs = [reclock(r, *cost_model) if r.lines else r for r in runs]
+        note = (
+            f"Re-clocked under comm_cost = {cost_model[0]}, comp_cost = {cost_model[1]} from "
+            "the runs' participants and k (`fedlora report --comm-cost/--comp-cost`). The "
+            "baselines' times are exact under that model; `proposed` keeps the plan it made "
+            "for the cost model it ran with."
+        )
     merged = dict(suite.get("targets", {}))
     merged.update(targets or {})
     return write_report(
@@ -255,7 +269,8 @@ def report_suite(
         out_dir,
         title=title or suite.get("title", "fedlora report"),
         order=suite.get("labels"),
-        command=suite.get("command", ""),
+        command=command if command is not None else suite.get("command", ""),
+        note=note,
     )
 
 

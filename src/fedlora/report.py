@@ -27,7 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from fedlora.errors import ConfigError, DataError
+from fedlora.errors import ConfigError, DataError, bad_value
 
 MEAN_TASK = "mean"  # the mean over data.eval_tasks (metrics "eval_accuracy")
 SUITE_FILE = "suite.toml"
@@ -233,6 +233,85 @@ def _fmt_acc(values: Sequence[float]) -> str:
     return f"{100 * mean:.1f}%" + (f" ± {100 * ci:.1f}" if ci is not None else "")
 
 
+# ----------------------------------------------------------------------------- re-clocking
+
+
+def _clients(path: Path) -> tuple[list[float], list[float]]:
+    import csv
+
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [float(r["tau_full_s"]) for r in rows], [float(r["t_full"]) for r in rows]
+
+
+def _reclock_lines(
+    lines: list[dict[str, Any]], config: dict[str, Any], clients: Path, cost: tuple[str, str, float],
+    start_s: float,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Round times recomputed from each line's participants and k under another cost model."""
+    import numpy as np
+
+    from fedlora.network import allocate_bandwidth, comm_factor, comp_factor
+
+    net = config.get("network", {})
+    if net.get("fading", "none") != "none" or float(net.get("downlink_rate_bps", 0.0)) > 0:
+        raise ConfigError(
+            f"{clients.parent}: re-clocking needs network.fading = none and a free downlink "
+            f"(got fading = {net.get('fading')!r}, downlink_rate_bps = "
+            f"{net.get('downlink_rate_bps')!r})"
+        )
+    gamma = int(config.get("lora", {}).get("rank", 16))
+    f_tot = float(net.get("f_tot_hz", 20e6))
+    comm, comp, rho = cost
+    tau_full, t_full = (np.asarray(x) for x in _clients(clients))
+    out, clock = [], start_s
+    for line in lines:
+        line = dict(line)
+        who = np.asarray(line.get("participants") or [], dtype=int)
+        if line.get("round", 0) >= 1 and who.size:
+            k = np.asarray(line["k"], dtype=float)
+            tau = tau_full[who] * comp_factor(k, gamma, comp, rho)
+            t = t_full[who] * comm_factor(k, gamma, comm)  # exact = linear: uplink ∝ k
+            line["round_time_s"] = float(allocate_bandwidth(tau, t, f_tot)[0])
+        elif line.get("round", 0) >= 1:
+            line["round_time_s"] = 0.0
+        clock += line.get("round_time_s", 0.0) if line.get("round", 0) >= 1 else 0.0
+        line["sim_time_s"] = clock
+        out.append(line)
+    return out
+
+
+def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = None) -> RunRecord:
+    """The run's clock under another cost model (PAPER_NOTES #4–#5), from its metrics lines
+    (participants and k per round), its clients.csv (τ_n^γ, t_n^γ) and config.toml.
+
+    Exact for every method whose training does not depend on the cost model: all baselines
+    and fixed-q/k methods (their uplink is k_n(m+n) parameters, so `exact` = linear). For
+    `proposed` the plan itself depends on the cost model, so a re-clocked `proposed` run is
+    *its plan* timed under the other model (its calibration runs are re-clocked too), not
+    what it would have planned there.
+    """
+    if comm_cost not in ("exact", "linear", "quadratic"):
+        raise bad_value("--comm-cost", comm_cost, "allowed: exact, linear, quadratic")
+    if comp_cost not in ("affine", "linear", "quadratic"):
+        raise bad_value("--comp-cost", comp_cost, "allowed: affine, linear, quadratic")
+    net = run.config.get("network", {})
+    cost = (comm_cost, comp_cost, float(net.get("rho", 0.9) if rho is None else rho))
+    start = 0.0
+    calib = run.path / "calibration"
+    if run.calibration_time_s > 0 and calib.is_dir():
+        for sub in sorted(d for d in calib.iterdir() if (d / "metrics.jsonl").is_file()):
+            sub_cfg = tomllib.loads((sub / "config.toml").read_text(encoding="utf-8"))
+            lines = _reclock_lines(read_metrics(sub / "metrics.jsonl"), sub_cfg,
+                                   sub / "clients.csv", cost, 0.0)  # fmt: skip
+            start += lines[-1]["sim_time_s"] if lines else 0.0
+    lines = _reclock_lines(run.lines, run.config, run.path / "clients.csv", cost, start)
+    if lines:
+        lines[0]["calibration_sim_time_s"] = start
+    summary = dict(run.summary, sim_time_s=lines[-1]["sim_time_s"] if lines else 0.0)
+    return RunRecord(run.path, run.label, run.method, run.seed, lines, summary, run.config)
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -288,6 +367,7 @@ def render_markdown(
     order: Sequence[str] | None = None,
     command: str = "",
     plot_name: str = "accuracy_vs_time.png",
+    note: str = "",
 ) -> str:
     """report.md: time to target per label and task, final accuracy, speed-up over FSLoRA.
 
@@ -305,6 +385,7 @@ def render_markdown(
         "seeds. `>=`: some seed never reached the target (its time is its last clock, a lower "
         "bound). `proposed` includes its calibration runs' simulated time.",
         "",
+        *([note, ""] if note else []),
         "## Time to target accuracy (s)",
         "",
     ]
@@ -405,6 +486,7 @@ def write_report(
     title: str = "fedlora report",
     order: Sequence[str] | None = None,
     command: str = "",
+    note: str = "",
 ) -> Path:
     """Write report.md and accuracy_vs_time.png into `out_dir`; returns the report's path."""
     if not runs:
@@ -422,6 +504,6 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plot_runs([r for r in runs if r.lines], targets, out / "accuracy_vs_time.png", title)
-    text = render_markdown(runs, targets, title=title, order=order, command=command)
+    text = render_markdown(runs, targets, title=title, order=order, command=command, note=note)
     (out / "report.md").write_text(text, encoding="utf-8")
     return out / "report.md"

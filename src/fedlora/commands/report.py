@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,18 +22,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", "-o", help="output directory (default: the first RUN_DIR)")
     p.add_argument("--title", help="report title")
+    p.add_argument(
+        "--comm-cost",
+        choices=("exact", "linear", "quadratic"),
+        help="re-clock the runs under this communication cost model (with --comp-cost)",
+    )
+    p.add_argument("--comp-cost", choices=("affine", "linear", "quadratic"))
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from fedlora.commands.compare import parse_targets
-    from fedlora.experiments import report_suite
+    from fedlora.errors import ConfigError
+    from fedlora.experiments import format_command, report_suite
 
+    if (args.comm_cost is None) != (args.comp_cost is None):
+        raise ConfigError("--comm-cost and --comp-cost go together (re-clocking needs both)")
+    cost = (args.comm_cost, args.comp_cost) if args.comm_cost else None
+    argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("fedlora") else []
     report = report_suite(
         args.run_dirs,
         args.out or args.run_dirs[0],
         targets=parse_targets(args.target),
         title=args.title,
+        cost_model=cost,
+        command=format_command(argv) if (argv and cost) else None,
     )
     print(f"report: {report}")
     return 0
