@@ -4,10 +4,12 @@ Runs the same tiny configuration (tiny-llama, 2 clients, real data) twice: with
 `fedlora.engine.run_experiment`, then on a loopback deployment started by
 `fedlora.flower.LocalDeployment`; compares the per-round wall time (`compute_s` of each
 metrics line: local training + aggregation for the engine; message round trip, node-side
-process start, training and aggregation for Flower). Prints the figures and the machine load.
+ClientApp process start, training and aggregation for Flower). By default each SuperNode
+forwards to a persistent fedlora worker; `--no-workers` trains inside Flower's per-message
+ClientApp processes (the model is rebuilt every round). Prints the figures and the load.
 
     FEDLORA_DATA=../shared/data/commonsense HF_HUB_OFFLINE=1 \\
-        .venv/bin/python bench/flower_overhead.py --rounds 3
+        .venv/bin/python bench/flower_overhead.py --rounds 3 [--no-workers]
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="local steps H")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--data", default=os.environ.get("FEDLORA_DATA", "../shared/data/commonsense"))
+    p.add_argument(
+        "--no-workers", action="store_true", help="no persistent node workers (Flower's default)"
+    )
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="fedlora-flower-bench-") as tmp:
@@ -89,7 +94,7 @@ def main() -> None:
 
         flower_dir = tmp_path / "flower"
         t0 = time.perf_counter()
-        with LocalDeployment(2, tmp_path / "deploy") as dep:
+        with LocalDeployment(2, tmp_path / "deploy", workers=not args.no_workers) as dep:
             t_started = time.perf_counter()
             dep.submit(REPO, {"fedlora-config": str(cfg_path), "out-dir": str(flower_dir)})
             wait_for_file(
@@ -102,7 +107,8 @@ def main() -> None:
         flower = _round_times(flower_dir)
 
     load = os.getloadavg()
-    print(f"config: tiny-llama, 2 clients, q=1, H={args.steps}, b=2, threads={args.threads}")
+    print(f"config: tiny-llama, 2 clients, q=1, H={args.steps}, b=2, threads={args.threads}, "
+          f"node workers: {'no' if args.no_workers else 'yes'}")  # fmt: skip
     print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"engine  per round: mean {engine.mean():.2f} s (rounds: {np.round(engine, 2).tolist()})")
     print(f"flower  per round: mean {flower.mean():.2f} s (rounds: {np.round(flower, 2).tolist()})")

@@ -1,8 +1,12 @@
-"""`fedlora flower run-local`: a loopback Flower deployment of one experiment.
+"""`fedlora flower run-local | worker`.
 
-Starts `flower-superlink` and one `flower-supernode` per client on 127.0.0.1 (insecure, free
-ports), submits fedlora's Flower app with `flwr run`, waits for the run's summary.json, and
-stops every process it started by PID. Telemetry and update checks are off.
+`run-local`: a loopback Flower deployment of one experiment. Starts one persistent fedlora
+worker per client, `flower-superlink` and one `flower-supernode` per client on 127.0.0.1
+(insecure, free ports), submits fedlora's Flower app with `flwr run`, waits for the run's
+summary.json, and stops every process it started by PID. Telemetry and update checks are off.
+
+`worker`: the node-local persistent worker a SuperNode's ClientApp forwards its requests to
+(node_config ``worker-address="127.0.0.1:<port>"``); it listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -35,7 +39,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--app-dir", default=str(REPO), help="directory with the Flower app's pyproject"
     )
     run.add_argument("--timeout-s", type=float, default=24 * 3600.0, help="give up after this long")
+    run.add_argument(
+        "--no-workers",
+        action="store_true",
+        help="train inside Flower's per-message ClientApp processes (slow: no persistent worker)",
+    )
     run.set_defaults(func=run_local)
+    worker = fsub.add_parser(
+        "worker",
+        help="node-local persistent worker for a SuperNode (listens on 127.0.0.1 only)",
+        description=(
+            "Keep the model, the LoRA slot and the tokenized partition loaded across rounds. "
+            "Start one next to each SuperNode and give the SuperNode "
+            "--node-config '... worker-address=\"127.0.0.1:PORT\"'. Runs until killed."
+        ),
+    )
+    worker.add_argument("--port", type=int, required=True, help="TCP port on 127.0.0.1 (0 = any)")
+    worker.add_argument("--data-dir", help="this node's copy of the data (sets data.data_dir)")
+    worker.add_argument(
+        "--port-file", help="write the bound port here once listening (for --port 0)"
+    )
+    worker.set_defaults(func=run_worker)
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -55,7 +79,10 @@ def run_local(args: argparse.Namespace) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="fedlora-flower-") as home:
         with LocalDeployment(
-            cfg.data.n_clients, home, log_dir=out.parent / f"{out.name}-logs"
+            cfg.data.n_clients,
+            home,
+            log_dir=out.parent / f"{out.name}-logs",
+            workers=not args.no_workers,
         ) as dep:
             print(f"SuperLink on {dep.address}; {cfg.data.n_clients} SuperNodes", file=sys.stderr)
             print(dep.submit(args.app_dir, run_config).strip(), file=sys.stderr)
@@ -64,4 +91,23 @@ def run_local(args: argparse.Namespace) -> int:
             )
     print((out / "summary.json").read_text().strip())
     print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
+    return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from fedlora.flower.common import apply_safe_env
+    from fedlora.flower.node import warm_imports
+    from fedlora.flower.worker import check_serve_args, serve
+
+    check_serve_args(args.port, args.data_dir)
+    apply_safe_env()
+    warm_imports()  # before listening: the first request does not pay the torch import
+
+    def ready(port: int) -> None:
+        if args.port_file:
+            tmp = Path(args.port_file).with_suffix(".tmp")
+            tmp.write_text(f"{port}\n", encoding="utf-8")
+            tmp.replace(args.port_file)
+
+    serve(args.port, data_dir=args.data_dir, ready=ready)
     return 0

@@ -211,7 +211,10 @@ def _bin(name: str) -> str:
 
 
 class LocalDeployment:
-    """A SuperLink and one SuperNode per partition, all on 127.0.0.1, started with Popen.
+    """A SuperLink and one SuperNode per partition, all on 127.0.0.1, started with Popen;
+    with `workers` (default), one persistent fedlora worker per SuperNode
+    (`fedlora flower worker`, node_config ``worker-address``) that keeps the model and the
+    tokenized partition loaded across rounds.
 
     Everything is stopped by PID only: `stop()` (or leaving the `with` block) sends SIGTERM to
     each process it started, SIGKILL after a grace period, then SIGKILL to any of their
@@ -229,6 +232,8 @@ class LocalDeployment:
         *,
         node_config: Sequence[Mapping[str, Any]] | None = None,
         log_dir: str | os.PathLike[str] | None = None,
+        workers: bool = True,
+        worker_timeout_s: float = 300.0,
     ) -> None:
         if isinstance(n_nodes, bool) or not isinstance(n_nodes, int) or n_nodes < 1:
             raise bad_value("n_nodes", n_nodes, "an integer >= 1")
@@ -238,13 +243,23 @@ class LocalDeployment:
         self.node_config = list(node_config or [{} for _ in range(n_nodes)])
         if len(self.node_config) != n_nodes:
             raise bad_value("node_config", node_config, f"one mapping per node ({n_nodes})")
+        self.use_workers = bool(workers)
+        self.worker_timeout_s = float(worker_timeout_s)
         self.superlink: subprocess.Popen | None = None
         self.supernodes: list[subprocess.Popen] = []
+        self.workers: list[subprocess.Popen] = []
+        self.worker_addresses: list[str] = []
         self.port = 0
         # Flower starts its own helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by
         # name: put this interpreter's scripts first on PATH.
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        self.env = safe_env(FLWR_HOME=str(self.home / "flwr-home"), PATH=path)
+        # SuperExec polls for ClientApp/ServerApp tasks every 1 s by default; 0.2 s cuts the
+        # per-message latency (the SuperNode's own 3 s idle poll of the SuperLink is fixed).
+        self.env = safe_env(
+            FLWR_HOME=str(self.home / "flwr-home"),
+            PATH=path,
+            FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.2",
+        )
 
     @property
     def address(self) -> str:
@@ -258,8 +273,35 @@ class LocalDeployment:
         )
 
     def start(self) -> LocalDeployment:
-        """Start the SuperLink, then the SuperNodes (partition-id = 0..n-1)."""
+        """Start the workers (they import torch meanwhile), the SuperLink, the SuperNodes
+        (partition-id = 0..n-1), then wait until every worker answers."""
         (self.home / "flwr-home").mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_workers(self) -> None:
+        for i in range(self.n_nodes if self.use_workers else 0):
+            address = f"{LOOPBACK}:{free_port()}"
+            args = [sys.executable, "-m", "fedlora.cli", "flower", "worker"]
+            args += ["--port", address.rpartition(":")[2]]
+            data_dir = self.node_config[i].get("data-dir")
+            if data_dir:
+                args += ["--data-dir", str(data_dir)]
+            self.workers.append(self._popen(args, f"worker-{i}.log"))
+            self.worker_addresses.append(address)
+
+    def _wait_workers(self) -> None:
+        from fedlora.flower.worker import wait_ready
+
+        for proc, address in zip(self.workers, self.worker_addresses, strict=True):
+            wait_ready(address, self.worker_timeout_s, alive=lambda p=proc: p.poll() is None)
+
+    def _start(self) -> None:
+        self._start_workers()
         self.port = free_port()
         check_loopback(self.address, "superlink address")
         self.superlink = self._popen(
@@ -277,6 +319,8 @@ class LocalDeployment:
         self._wait_listening(self.port, timeout_s=60)
         for i in range(self.n_nodes):
             cfg = {"partition-id": i, "num-partitions": self.n_nodes, **self.node_config[i]}
+            if self.use_workers:
+                cfg["worker-address"] = self.worker_addresses[i]
             node_cfg = " ".join(f"{k}={_toml_scalar(v)}" for k, v in cfg.items())
             self.supernodes.append(
                 self._popen(
@@ -295,7 +339,7 @@ class LocalDeployment:
                     f"supernode-{i}.log",
                 )
             )
-        return self
+        self._wait_workers()
 
     def _wait_listening(self, port: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -338,15 +382,27 @@ class LocalDeployment:
         return done.stdout
 
     def kill_node(self, index: int) -> None:
-        """Kill SuperNode `index` (and what it started in its session) without a grace period."""
-        proc = self.supernodes[index]
-        if proc.poll() is None:
-            _signal_pids([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
-            proc.wait(timeout=10)
+        """Kill SuperNode `index`, what it started, and its worker, without a grace period
+        (a device that died)."""
+        procs = [self.supernodes[index]]
+        if self.workers:
+            procs.append(self.workers[index])
+        for proc in procs:
+            if proc.poll() is None:
+                _signal_pids([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
+                proc.wait(timeout=10)
+
+    def pids(self) -> list[int]:
+        """PIDs of every process this deployment started directly."""
+        procs = [*self.workers, *self.supernodes]
+        if self.superlink is not None:
+            procs.append(self.superlink)
+        return [p.pid for p in procs]
 
     def stop(self) -> None:
-        """Stop the SuperNodes, then the SuperLink (by PID, SIGTERM then SIGKILL)."""
-        for proc in self.supernodes:
+        """Stop the SuperNodes, the workers, then the SuperLink (by PID, SIGTERM then
+        SIGKILL)."""
+        for proc in [*self.supernodes, *self.workers]:
             _stop(proc)
         if self.superlink is not None:
             _stop(self.superlink)

@@ -1,0 +1,132 @@
+"""What one Flower node does with a message, without Flower: build (once) the model, a
+one-slot LoRA and the federated data, answer the identity query, train one task.
+
+Used in-process by the ClientApp (no worker configured, or the Ray simulation, whose actors
+live across rounds) and by the persistent node worker (`fedlora.flower.worker`). Top-level
+imports are light (numpy, fedlora.config): torch, transformers and the data code load on the
+first `client_state` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tomllib
+
+from fedlora.config import ExperimentConfig, config_from_dict
+from fedlora.engine import derive_rng, derive_seed
+
+
+@dataclass
+class ClientState:
+    """What a node keeps between messages: model, one-slot LoRA, data."""
+
+    cfg: ExperimentConfig
+    model: Any
+    tokenizer: Any
+    lora: Any
+    fed: Any
+
+
+_CACHE: dict[str, ClientState] = {}
+
+
+def _cache_key(cfg: ExperimentConfig) -> str:
+    d = cfg.to_dict()
+    return repr((d["model"], d["lora"], d["data"], cfg.training.seed))
+
+
+def config_from_toml(
+    text: str, *, data_dir: str | None = None, source: str = "config sent by the server"
+) -> ExperimentConfig:
+    """The experiment config in `text` (the server's resolved TOML), with `data_dir` (if set)
+    replacing data.data_dir: a node's local copy of the data."""
+    raw = tomllib.loads(str(text))
+    if data_dir:
+        raw.setdefault("data", {})["data_dir"] = str(data_dir)
+    return config_from_dict(raw, source=source)
+
+
+def client_state(cfg: ExperimentConfig) -> ClientState:
+    """Build (or reuse) this process's model, one-slot LoRA and federated data."""
+    key = _cache_key(cfg)
+    if key not in _CACHE:
+        import torch
+
+        from fedlora.data import build_federated_data
+        from fedlora.lora import inject_lora
+        from fedlora.models import load_model
+
+        _CACHE.clear()  # one experiment per process: free the previous model first
+        if cfg.model.threads:
+            torch.set_num_threads(cfg.model.threads)
+        model, tokenizer = load_model(
+            cfg.model.name,
+            dtype=cfg.model.dtype,
+            cache_dir=cfg.model.cache_dir or None,
+            progress=False,
+        )
+        lora = inject_lora(model, cfg.lora, slots=1, seed=derive_seed(cfg.training.seed, "init"))
+        fed = build_federated_data(cfg.data, tokenizer, seed=cfg.training.seed)
+        _CACHE[key] = ClientState(cfg, model, tokenizer, lora, fed)
+    return _CACHE[key]
+
+
+def n_examples(state: ClientState, partition_id: int) -> int:
+    """|D_n| of partition `partition_id` (0 for a partition the data has no room for)."""
+    indices = state.fed.client_indices
+    return len(indices[partition_id]) if partition_id < len(indices) else 0
+
+
+def train_one(
+    state: ClientState, global_adapter: Mapping[str, np.ndarray], task: Mapping[str, Any]
+) -> tuple[dict[str, np.ndarray], float]:
+    """Local training of one participant on slot 0; returns (adapter, mean loss over H).
+
+    The same draws as `fedlora.engine.train_participants` with ``training.slots = 1``: batches
+    from ``derive_rng(seed, "data", r, client)``, torch seeded with
+    ``derive_seed(seed, "torch", r, index)`` (index = the task's position in the round's plan).
+    """
+    import torch
+
+    from fedlora.data import client_batches
+    from fedlora.train import local_train
+
+    cfg, seed = state.cfg, state.cfg.training.seed
+    client, r = int(task["client"]), int(task["round"])
+    scale = np.asarray(task["scale"], dtype=np.float32)  # (γ,)
+    state.lora.load_global({k: torch.from_numpy(np.array(v)) for k, v in global_adapter.items()})
+    state.lora.set_clients(torch.from_numpy(scale[None, :]))  # (1, γ)
+    batches = client_batches(
+        state.fed,
+        client,
+        cfg.training.local_steps,
+        cfg.training.batch_size,
+        derive_rng(seed, "data", r, client),
+        state.tokenizer.pad_token_id,
+    )
+    torch.manual_seed(derive_seed(seed, "torch", r, int(task["index"])))
+    losses = np.asarray(
+        local_train(
+            state.model,
+            state.lora,
+            [batches],
+            cfg.training.lr,
+            autocast_bf16=cfg.model.dtype == "bf16",
+        )
+    )  # (1, H)
+    adapter = {k: v.numpy().copy() for k, v in state.lora.slot_state(0).items()}
+    return adapter, float(losses.mean())
+
+
+def warm_imports() -> None:
+    """Import the heavy modules now (a worker does this before it listens)."""
+    import torch  # noqa: F401
+
+    import fedlora.data  # noqa: F401
+    import fedlora.lora  # noqa: F401
+    import fedlora.models  # noqa: F401
+    import fedlora.train  # noqa: F401
