@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import ExperimentConfig, config_from_dict, parse_override, read_toml
+from fedlora.config import (
+    ExperimentConfig,
+    config_from_dict,
+    diff_configs,
+    parse_override,
+    read_toml,
+)
 from fedlora.errors import ConfigError, FedloraError, bad_value
 from fedlora.report import SUITE_FILE, collect_runs, reclock, write_report
 
@@ -201,7 +207,7 @@ def run_suite(
     A run that fails with a fedlora error is recorded (summary.json with "error") and the
     suite goes on; it is retried the next time. Returns the report's path.
     """
-    from fedlora.engine import prepare_run_dir, run_experiment
+    from fedlora.engine import load_run_config, prepare_run_dir, run_experiment
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(out_dir)
@@ -218,7 +224,15 @@ def run_suite(
             continue
         cfg = spec.config_for(label, seed)
         resume = (run_dir / "config.toml").is_file()
-        if not resume:
+        if resume:  # a partial run continues only with the config it started with
+            saved = load_run_config(run_dir)
+            differing = diff_configs(saved, cfg)
+            if differing:
+                raise ConfigError(
+                    f"{run_dir} is a partial run started with different {', '.join(differing)}; "
+                    "restore the suite's config or delete that run directory"
+                )
+        else:
             prepare_run_dir(cfg, run_dir)
         log(f"{head}: {'resuming' if resume else 'starting'} in {run_dir}")
         t0 = time.perf_counter()
