@@ -292,3 +292,17 @@ def test_quick_suite_writes_a_report_with_every_method(tmp_path, suite, capsys, 
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert err.count("finished earlier, skipped") >= 1
+
+
+def test_run_suite_refuses_to_resume_a_partial_run_with_another_config(tmp_path):
+    from fedlora.config import dump_toml
+    from fedlora.experiments import run_suite
+
+    spec = load_suite("table1", _suite_file(tmp_path, "[suite]\ntargets = {arc-e = 0.5}\n"),
+                      methods=["fslora"])  # fmt: skip
+    partial = tmp_path / "out" / "fslora-seed0"
+    partial.mkdir(parents=True)
+    other = load_config(None, ["method.name=fslora", "training.rounds=7"])
+    (partial / "config.toml").write_text(dump_toml(other))
+    with pytest.raises(ConfigError, match="partial run started with different training.rounds"):
+        run_suite(spec, tmp_path / "out", log=lambda m: None)
