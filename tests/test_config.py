@@ -18,6 +18,7 @@ from fedlora.config import (
     ModelConfig,
     NetworkConfig,
     TrainingConfig,
+    _toml_value,
     config_from_dict,
     diff_configs,
     dump_toml,
@@ -336,3 +337,6 @@ def test_docs_config_md_documents_every_section_and_key():
             assert f"| `{f.name}` |" in bodies[section], (
                 f"docs/config.md: add a row for {section}.{f.name} under [{section}]"
             )
+            default = getattr(getattr(ExperimentConfig(), section), f.name)
+            row = f"| `{f.name}` | `{_toml_value(default)}` |"
+            assert row in bodies[section], f"docs/config.md: {section}.{f.name} default is {row}"

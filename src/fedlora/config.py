@@ -92,7 +92,7 @@ class LoraConfig:
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
-    layers: Union[str, int] = "all"  # "all" or K (the top K layers)  # noqa: UP007
+    layers: Union[str, int] = 8  # "all" or K (the top K layers)  # noqa: UP007
 
     def __post_init__(self) -> None:
         _check_int("lora.rank", self.rank, lo=1)
@@ -117,7 +117,7 @@ class DataConfig:
     tasks: tuple[str, ...] = ("arc-e", "arc-c", "obqa", "boolq")  # training mix
     task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
     eval_tasks: tuple[str, ...] = ("arc-e",)
-    eval_limit: int = 200  # examples per eval task (seeded subset); 0 = whole test set
+    eval_limit: int = 100  # examples per eval task (seeded subset); 0 = whole test set
     train_limit: int = 0  # examples per training task (seeded subset); 0 = all
     max_seq_len: int = 128
     n_clients: int = 20  # N
@@ -184,12 +184,12 @@ class NetworkConfig:
 class TrainingConfig:
     """The round loop: local SGD, evaluation, stopping and checkpoints."""
 
-    rounds: int = 30  # maximum rounds
-    local_steps: int = 10  # H
+    rounds: int = 8  # maximum rounds
+    local_steps: int = 5  # H
     batch_size: int = 4  # b
     lr: float = 0.05  # η (plain SGD, as in the paper's analysis)
     slots: int = 5  # clients trained together in one forward/backward
-    eval_every: int = 5  # E
+    eval_every: int = 4  # E
     seed: int = 0
     target_accuracy: float = 0.0  # stop when reached; 0 = off
     time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
