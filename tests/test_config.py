@@ -53,7 +53,9 @@ def test_defaults_are_valid_and_loading_nothing_gives_them():
     # a few defaults the rest of fedlora relies on
     assert cfg.lora.rank == 16
     assert cfg.network.f_tot_hz == 20e6
-    assert cfg.training.local_steps == 10 and cfg.training.batch_size == 4  # paper §VI
+    # the demo: 20 clients, rank 16, H = 5 (the paper uses 10; halved for a 2-core CPU), b = 4
+    assert cfg.data.n_clients == 20 and cfg.data.dirichlet_alpha == 0.1
+    assert cfg.training.local_steps == 5 and cfg.training.batch_size == 4
 
 
 def test_config_is_frozen():
