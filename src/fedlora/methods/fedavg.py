@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+from fedlora.sketch import truncation_scale_vectors
 
 
 def uniform_subset(n: int, m: int, rng: np.random.Generator) -> np.ndarray:
@@ -16,6 +17,27 @@ def uniform_subset(n: int, m: int, rng: np.random.Generator) -> np.ndarray:
     if m == 0 or m >= n:
         return np.arange(n)
     return np.sort(rng.choice(n, size=m, replace=False))
+
+
+def truncated_rank_plan(
+    round_index: int,
+    a: np.ndarray,
+    ranks: np.ndarray,
+    gamma: int,
+    clients_per_round: int,
+    rng: np.random.Generator,
+) -> RoundPlan:
+    """m clients uniformly (all when m = 0), each on its first r_n rank components, unscaled.
+
+    The plan of every uniformly sampled method: FedAvg (r_n = γ) and the heterogeneous-rank
+    baselines. Each participant's weight is its data weight a_n.
+    """
+    chosen = uniform_subset(a.size, clients_per_round, rng)
+    scales = truncation_scale_vectors(gamma, ranks[chosen])  # (m, γ)
+    tasks = tuple(
+        ClientTask(int(n), scales[i], int(ranks[n]), float(a[n])) for i, n in enumerate(chosen)
+    )
+    return RoundPlan(round_index, tasks)
 
 
 def weighted_mean(client_states: list[Adapter], weights: np.ndarray) -> Adapter:
@@ -39,10 +61,10 @@ class FedAvg(Method):
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
     ) -> RoundPlan:
-        chosen = uniform_subset(self.a.size, self.clients_per_round, rng_sampling)
-        ones = np.ones(self.gamma)
-        tasks = tuple(ClientTask(int(n), ones, self.gamma, float(self.a[n])) for n in chosen)
-        return RoundPlan(round_index, tasks)
+        full = np.full(self.a.size, self.gamma)
+        return truncated_rank_plan(
+            round_index, self.a, full, self.gamma, self.clients_per_round, rng_sampling
+        )
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]

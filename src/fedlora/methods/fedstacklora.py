@@ -32,9 +32,9 @@ from fedlora.methods.base import (
     RoundPlan,
     sketch_payload_params,
 )
-from fedlora.methods.fedavg import uniform_subset
+from fedlora.methods.fedavg import truncated_rank_plan
 from fedlora.methods.heterolora import lora_modules
-from fedlora.sketch import check_k, truncation_scale_vectors
+from fedlora.sketch import check_k
 
 INIT_STREAM = 0x5743  # keeps the fresh-init draws apart from the engine's streams
 
@@ -79,13 +79,9 @@ class FedStackLoRA(Method):
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
     ) -> RoundPlan:
-        chosen = uniform_subset(self.a.size, self.clients_per_round, rng_sampling)
-        scales = truncation_scale_vectors(self.gamma, self.ranks[chosen])  # (m, γ)
-        tasks = tuple(
-            ClientTask(int(n), scales[i], int(self.ranks[n]), float(self.a[n]))
-            for i, n in enumerate(chosen)
+        return truncated_rank_plan(
+            round_index, self.a, self.ranks, self.gamma, self.clients_per_round, rng_sampling
         )
-        return RoundPlan(round_index, tasks)
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]

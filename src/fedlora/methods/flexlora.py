@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
-from fedlora.methods.fedavg import uniform_subset
+from fedlora.methods.base import Adapter, Aggregation, Method, RoundPlan
+from fedlora.methods.fedavg import truncated_rank_plan
 from fedlora.methods.heterolora import lora_modules
-from fedlora.sketch import check_k, truncation_scale_vectors
+from fedlora.sketch import check_k
 
 
 def truncated_svd_factors(
@@ -60,13 +60,9 @@ class FlexLoRA(Method):
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
     ) -> RoundPlan:
-        chosen = uniform_subset(self.a.size, self.clients_per_round, rng_sampling)
-        scales = truncation_scale_vectors(self.gamma, self.ranks[chosen])  # (m, γ)
-        tasks = tuple(
-            ClientTask(int(n), scales[i], int(self.ranks[n]), float(self.a[n]))
-            for i, n in enumerate(chosen)
+        return truncated_rank_plan(
+            round_index, self.a, self.ranks, self.gamma, self.clients_per_round, rng_sampling
         )
-        return RoundPlan(round_index, tasks)
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]

@@ -26,9 +26,9 @@ from __future__ import annotations
 import numpy as np
 
 from fedlora.errors import bad_value
-from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
-from fedlora.methods.fedavg import uniform_subset, weighted_mean
-from fedlora.sketch import check_k, truncation_scale_vectors
+from fedlora.methods.base import Adapter, Aggregation, Method, RoundPlan
+from fedlora.methods.fedavg import truncated_rank_plan, weighted_mean
+from fedlora.sketch import check_k
 
 WEIGHTINGS = ("sparsity", "data")
 
@@ -67,13 +67,9 @@ class HeteroLoRA(Method):
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
     ) -> RoundPlan:
-        chosen = uniform_subset(self.a.size, self.clients_per_round, rng_sampling)
-        scales = truncation_scale_vectors(self.gamma, self.ranks[chosen])  # (m, γ)
-        tasks = tuple(
-            ClientTask(int(n), scales[i], int(self.ranks[n]), float(self.a[n]))
-            for i, n in enumerate(chosen)
+        return truncated_rank_plan(
+            round_index, self.a, self.ranks, self.gamma, self.clients_per_round, rng_sampling
         )
-        return RoundPlan(round_index, tasks)
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
