@@ -437,6 +437,19 @@ def test_layer_cache_for_memoizes_and_applies_only_to_top_k(base):
     assert n == 0 and "layer 0" in reason
 
 
+def test_cache_is_freed_with_its_adapter(base):
+    # A run's cache must not outlive the run (e.g. the planner's calibration runs)
+    import gc
+    import weakref
+
+    model, lora = fresh(base, slots=1, layers=1)
+    ref = weakref.ref(layer_cache_for(model, lora, 64))
+    assert ref() is not None and ref().lora is lora and ref().model is model
+    del model, lora
+    gc.collect()
+    assert ref() is None
+
+
 def test_layer_cache_bad_inputs(base):
     model, lora = fresh(base, slots=1, layers=1)
     for bad in (-1, float("nan"), "big", True):

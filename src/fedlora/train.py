@@ -163,7 +163,8 @@ class LayerCache:
         first, reason = cacheable_layers(model, lora)
         if first == 0:
             raise ConfigError(f"the frozen-layer cache cannot be used: {reason}")
-        self.model, self.lora = model, lora
+        # weak: the cache lives in a WeakKeyDictionary keyed by `lora` (see layer_cache_for)
+        self._model_ref, self._lora_ref = weakref.ref(model), weakref.ref(lora)
         self.decoder, _ = _decoder_and_head(model)
         self.first_layer = first  # L: layers 0..L-1 are cached
         self.max_bytes = int(max_mb * 2**20)
@@ -178,6 +179,16 @@ class LayerCache:
         self._hidden_dtype: torch.dtype | None = None
         self.nbytes = 0
         self.hits = self.misses = self.evictions = self.uncached_steps = 0
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model this cache belongs to (None once it is gone)."""
+        return self._model_ref()
+
+    @property
+    def lora(self) -> SlotLora | None:
+        """The adapter this cache belongs to (None once it is gone)."""
+        return self._lora_ref()
 
     # ------------------------------------------------------------------ bookkeeping
 
