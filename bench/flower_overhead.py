@@ -32,6 +32,7 @@ dtype = "fp32"
 threads = {threads}
 [lora]
 rank = 4
+layers = "all"
 [data]
 data_dir = "{data}"
 n_clients = 2

@@ -47,6 +47,7 @@ dtype = "fp32"
 threads = 1
 [lora]
 rank = 4
+layers = "all"
 [data]
 data_dir = "{data}"
 n_clients = 2
@@ -430,7 +431,7 @@ def test_killed_node_is_recorded_as_dropout(tmp_path: Path) -> None:
     out = tmp_path / "flower-run"
     with LocalDeployment(2, tmp_path / "deploy") as dep:
         dep.submit(
-            REPO, {"fedlora-config": str(path), "out-dir": str(out), "round-timeout-s": 60.0}
+            REPO, {"fedlora-config": str(path), "out-dir": str(out), "round-timeout-s": 30.0}
         )
         # Execute: kill node 1 once the run has identified the nodes (round 0 evaluated)
         wait_for_file(out / "metrics.jsonl", 900, alive=[dep.superlink], error=out / "error.txt")
