@@ -306,3 +306,22 @@ def test_run_suite_refuses_to_resume_a_partial_run_with_another_config(tmp_path)
     (partial / "config.toml").write_text(dump_toml(other))
     with pytest.raises(ConfigError, match="partial run started with different training.rounds"):
         run_suite(spec, tmp_path / "out", log=lambda m: None)
+
+
+def test_nonnegative_constants_fallback():
+    from fedlora.methods.proposed import nonnegative_constants
+    from fedlora.planner import Observation
+
+    a = np.array([0.1, 0.2, 0.3, 0.4])
+
+    def obs(rounds: dict) -> list:
+        return [Observation(np.full(4, q), np.full(4, k), r) for (q, k), r in rounds.items()]
+
+    # consistent data: the known constants exactly
+    c = nonnegative_constants(obs(KNOWN_R), 16, a)
+    assert [c.A, c.B, c.C, c.D] == pytest.approx([105, 1, 0.05, 0.0125], rel=1e-9)
+    # smaller sketches needing fewer rounds (the unconstrained fit has D < 0): D at its floor
+    faster = {(0.3, 16): 5, (0.15, 16): 5, (0.3, 4): 3, (0.15, 4): 5}
+    c = nonnegative_constants(obs(faster), 16, a)
+    assert c.A > 0 and c.C > 0
+    assert c.D == pytest.approx(1e-9 * max(c.A, c.C))

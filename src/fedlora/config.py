@@ -277,6 +277,9 @@ class PlannerConfig:
     # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
     # with q from method.q ("k", Figure 3)
     optimize: str = "qk"
+    # `proposed` when the calibration fit contradicts the model (a constant <= 0): "refuse"
+    # (stop with the planner's error) or "nonnegative" (least squares with A, C, D >= 0)
+    calibration_fit: str = "refuse"
 
     def __post_init__(self) -> None:
         _check_choice("planner.solver", self.solver, ("exact", "cvxpy"))
@@ -289,6 +292,7 @@ class PlannerConfig:
         _check_number("planner.calibration_loss", self.calibration_loss, lo=0)
         _check_int("planner.calibration_rounds", self.calibration_rounds, lo=2)
         _check_choice("planner.optimize", self.optimize, ("qk", "q", "k"))
+        _check_choice("planner.calibration_fit", self.calibration_fit, ("refuse", "nonnegative"))
 
 
 @dataclass(frozen=True)

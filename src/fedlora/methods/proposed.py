@@ -200,6 +200,35 @@ def _calibrate(
     return records, f_s, f_used
 
 
+def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray) -> Any:
+    """A, C, D >= 0 with B = 1 by non-negative least squares on A/R_i + C·Y_i + D·Z_i = 1
+    (Eq. 21's rows divided through by B; Y = Σ a²/q, Z = Σ a²/q·γ²/k², PAPER_NOTES #2).
+
+    The fallback of ``planner.calibration_fit = "nonnegative"`` when the unconstrained fit
+    contradicts the model. A constant the fit puts at 0 is raised to 1e-9 of the largest
+    (the planner needs all four > 0): a zero D says that, in the calibration, smaller
+    sketches did not need more rounds.
+    """
+    from scipy.optimize import nnls
+
+    from fedlora import planner as pl
+
+    a2 = np.asarray(a, dtype=float) ** 2
+    rows = []
+    for o in observations:
+        y = float(np.sum(a2 / o.q))
+        z = float(np.sum(a2 / o.q * gamma**2 / np.asarray(o.k, dtype=float) ** 2))
+        rows.append([1.0 / o.rounds, y, z])
+    x, _ = nnls(np.asarray(rows), np.ones(len(rows)))
+    if not x[0] > 0:
+        raise ConfigError(
+            "calibration: even with A, C, D >= 0 the fit gives A = 0 (the rounds R_i carry "
+            "no information); raise planner.calibration_rounds or set planner.calibration_loss"
+        )
+    x = np.maximum(x, 1e-9 * x.max())
+    return pl.Constants(A=float(x[0]), B=1.0, C=float(x[1]), D=float(x[2]))
+
+
 def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[dict]) -> dict:
     from fedlora import planner as pl
 
@@ -217,7 +246,14 @@ def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[d
         t_full=clients["t_full"],
         calibration=tuple(observations),
     )
-    constants = pl.estimate_constants(observations, gamma, a, options.estimation_matrix)
+    try:
+        constants = pl.estimate_constants(observations, gamma, a, options.estimation_matrix)
+        fit = "svd"
+    except ConfigError as e:
+        if cfg.planner.calibration_fit != "nonnegative":
+            raise
+        constants = nonnegative_constants(observations, gamma, a)
+        fit = f"nonnegative (the SVD fit was refused: {e})"
     if cfg.planner.optimize == "qk":
         result = pl.alternate(problem, constants, options)
         q, k = result.q, result.k
@@ -240,6 +276,7 @@ def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[d
         "k": [int(x) for x in k],
         "optimize": cfg.planner.optimize,
         "constants": constants.to_dict(),
+        "constants_fit": fit,
         "objective": float(pl.p2_objective(problem, constants, q, k, options)),
         "expected_rounds": float(pl.expected_rounds(problem, constants, q, k)),
         "expected_round_time_s": float(np.dot(q, weights)),
