@@ -9,10 +9,13 @@ the model and the tokenized data loaded across rounds.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -387,28 +390,14 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
-@needs_data
-def test_loopback_deployment_matches_the_engine(tmp_path: Path) -> None:
-    # Prepare: the same config (2 clients, q = 0.7 so sampling matters) for both runtimes
+def _assert_matches_engine(out: Path, config_path: Path, tmp_path: Path) -> None:
+    """Run fedlora's engine on the same config; same sampled sets, ranks, final adapter."""
     from fedlora.engine import prepare_run_dir, run_experiment
 
-    path = _write_config(tmp_path, rounds=2, q="[0.7, 0.9]")
-    cfg = load_config(path)
-    out = tmp_path / "flower-run"
-    # Execute: Flower
-    with LocalDeployment(2, tmp_path / "deploy") as dep:
-        dep.submit(REPO, {"fedlora-config": str(path), "out-dir": str(out)})
-        wait_for_file(out / "summary.json", 900, alive=[dep.superlink], error=out / "error.txt")
-        pids = dep.pids()
-        assert len(pids) == 5  # 2 workers, 2 SuperNodes, 1 SuperLink
-    # Execute: fedlora's own engine
     ref = tmp_path / "engine-run"
+    cfg = load_config(config_path)
     prepare_run_dir(cfg, ref)
     run_experiment(cfg, ref, quiet=True)
-    # Assert: what we started is gone
-    assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
-    # Assert: same sampled sets, same final adapter
     flower_lines, engine_lines = _metrics(out), _metrics(ref)
     assert [x["participants"] for x in flower_lines] == [x["participants"] for x in engine_lines]
     assert [x["k"] for x in flower_lines] == [x["k"] for x in engine_lines]
@@ -419,8 +408,25 @@ def test_loopback_deployment_matches_the_engine(tmp_path: Path) -> None:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
     assert any(not np.allclose(v, 0) for k, v in got.items() if k.endswith("lora_B"))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds"] == 2 and summary["runtime"] == "flower"
+    assert summary["rounds"] == cfg.training.rounds and summary["runtime"] == "flower"
     assert (out / "adapter").is_dir()
+
+
+@pytest.mark.slow
+@needs_data
+def test_loopback_deployment_matches_the_engine(tmp_path: Path) -> None:
+    # Prepare: the same config (2 clients, q = 0.7 so sampling matters) for both runtimes
+    path = _write_config(tmp_path, rounds=2, q="[0.7, 0.9]")
+    out = tmp_path / "flower-run"
+    # Execute: Flower
+    with LocalDeployment(2, tmp_path / "deploy") as dep:
+        dep.submit(REPO, {"fedlora-config": str(path), "out-dir": str(out)})
+        wait_for_file(out / "summary.json", 900, alive=[dep.superlink], error=out / "error.txt")
+        pids = dep.pids()
+        assert len(pids) == 5  # 2 workers, 2 SuperNodes, 1 SuperLink
+    # Assert: what we started is gone; the run is the engine's
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
+    _assert_matches_engine(out, path, tmp_path)
 
 
 @pytest.mark.slow
@@ -445,3 +451,135 @@ def test_killed_node_is_recorded_as_dropout(tmp_path: Path) -> None:
     assert lines[1]["train_loss"] is not None
     summary = json.loads((out / "summary.json").read_text())
     assert summary["total_dropouts"] == 1
+
+
+# ----------------------------------------------------------------------------- Ray simulation
+
+
+def _socket_inodes(pids: set[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    return inodes
+
+
+def _hex_ip(text: str) -> str:
+    raw = bytes.fromhex(text)  # /proc/net: 32-bit words in host (little-endian) order
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def _listening_addresses(pids: set[int]) -> set[str]:
+    """Local IPs of listening TCP and bound UDP sockets held by `pids` (from /proc/net)."""
+    inodes = _socket_inodes(pids)
+    found = set()
+    for table, listen_state in (("tcp", "0A"), ("tcp6", "0A"), ("udp", "07"), ("udp6", "07")):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == listen_state and f[9] in inodes:
+                found.add(_hex_ip(f[1].split(":")[0]))
+    return found
+
+
+def _is_loopback(ip: str) -> bool:
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip)
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return addr.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_proc_net_addresses_are_decoded() -> None:
+    # Prepare: a listener on 127.0.0.1 held by this process
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        s.listen(1)
+        # Execute
+        found = _listening_addresses({os.getpid()})
+    # Assert
+    assert LOOPBACK in found
+    assert _hex_ip("0100007F") == "127.0.0.1"
+    assert _hex_ip("0000000000000000FFFF00000100007F") == "::ffff:127.0.0.1"
+    assert _is_loopback("::ffff:127.0.0.1") and _is_loopback("::1")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("::") and not _is_loopback("10.1.2.3")
+
+
+def test_ray_backend_config_is_loopback_without_dashboard() -> None:
+    from fedlora.flower.simulation import RAY_ENV, ray_backend_config
+
+    bc = ray_backend_config(num_cpus=2, client_num_cpus=1.0)
+    assert bc["init_args"]["_node_ip_address"] == LOOPBACK
+    assert bc["init_args"]["include_dashboard"] is False
+    assert bc["init_args"]["num_cpus"] == 2
+    assert bc["client_resources"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert RAY_ENV["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert RAY_ENV["RAY_USAGE_STATS_ENABLED"] == "0"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"num_cpus": 0}, "num_cpus"), ({"num_cpus": 1.5}, "num_cpus"),
+     ({"client_num_cpus": 0.0}, "client_num_cpus"),
+     ({"num_cpus": 1, "client_num_cpus": 2.0}, "client_num_cpus"),
+     ({"object_store_mb": 10}, "object_store_mb")],
+)  # fmt: skip
+def test_ray_backend_config_rejects_bad_resources(kwargs: dict, field: str) -> None:
+    from fedlora.flower.simulation import ray_backend_config
+
+    with pytest.raises(ConfigError, match=field):
+        ray_backend_config(**kwargs)
+
+
+@pytest.mark.slow
+@needs_data
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_ray_simulation_matches_the_engine_on_loopback(tmp_path: Path) -> None:
+    # Prepare: the engine-equivalence config; the simulation runs in its own process so Ray
+    # starts fresh and its whole process tree can be watched
+    path = _write_config(tmp_path, rounds=2, q="[0.7, 0.9]")
+    out = tmp_path / "sim-run"
+    log_path = tmp_path / "simulate.log"
+    args = [sys.executable, "-m", "fedlora.cli", "flower", "simulate", "--config", str(path)]
+    args += ["--out", str(out), "--num-cpus", "2"]
+    # Execute: run it, sampling the listening sockets of its process tree every 0.3 s
+    seen: set[str] = set()
+    tree: set[int] = set()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=safe_env(HF_HUB_OFFLINE="1"),
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 900
+            while proc.poll() is None and time.monotonic() < deadline:
+                pids = {proc.pid, *descendants(proc.pid)}
+                tree |= pids
+                seen |= _listening_addresses(pids)
+                time.sleep(0.3)
+        finally:
+            if proc.poll() is None:
+                for pid in [*descendants(proc.pid), proc.pid]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, 9)
+                proc.wait()
+    # Assert: it succeeded, Ray listened (the probe saw it) and only on loopback
+    assert proc.returncode == 0, log_path.read_text()[-3000:]
+    assert seen, "no listening socket seen: the probe did not work"
+    assert all(_is_loopback(ip) for ip in seen), seen
+    # Assert: Ray's processes are gone (give its shutdown a moment)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{p}").exists() for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in tree if Path(f"/proc/{p}").exists()]
+    # Assert: the run is the engine's
+    _assert_matches_engine(out, path, tmp_path)

@@ -5,6 +5,8 @@ worker per client, `flower-superlink` and one `flower-supernode` per client on 1
 (insecure, free ports), submits fedlora's Flower app with `flwr run`, waits for the run's
 summary.json, and stops every process it started by PID. Telemetry and update checks are off.
 
+`simulate`: the same apps on Flower's Ray simulation runtime, kept on 127.0.0.1.
+
 `worker`: the node-local persistent worker a SuperNode's ClientApp forwards its requests to
 (node_config ``worker-address="127.0.0.1:<port>"``); it listens on 127.0.0.1 only.
 """
@@ -12,6 +14,7 @@ summary.json, and stops every process it started by PID. Telemetry and update ch
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import tempfile
@@ -45,6 +48,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train inside Flower's per-message ClientApp processes (slow: no persistent worker)",
     )
     run.set_defaults(func=run_local)
+    sim = fsub.add_parser(
+        "simulate",
+        help="run the experiment on Flower's Ray simulation runtime (127.0.0.1 only)",
+        description=(
+            "Run fedlora's ServerApp and ClientApp with flwr.simulation.run_simulation on "
+            "data.n_clients virtual SuperNodes. Ray is kept on 127.0.0.1 (cluster mode off), "
+            "without dashboard or usage stats. Needs flwr[simulation] (ray)."
+        ),
+    )
+    sim.add_argument("--config", "-c", help="experiment TOML (defaults otherwise)")
+    sim.add_argument("overrides", nargs="*", metavar="section.key=value")
+    sim.add_argument("--out", "-o", required=True, help="run directory")
+    sim.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    sim.add_argument("--availability", choices=("none", "observed"), default="none")
+    sim.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
+    sim.add_argument(
+        "--client-cpus", type=float, default=1.0, help="CPUs per virtual node's ClientApp"
+    )
+    sim.set_defaults(func=run_simulate)
     worker = fsub.add_parser(
         "worker",
         help="node-local persistent worker for a SuperNode (listens on 127.0.0.1 only)",
@@ -110,4 +132,27 @@ def run_worker(args: argparse.Namespace) -> int:
             tmp.replace(args.port_file)
 
     serve(args.port, data_dir=args.data_dir, ready=ready)
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from fedlora.engine import prepare_run_dir
+    from fedlora.errors import ConfigError
+    from fedlora.flower.common import FlowerOptions
+    from fedlora.flower.simulation import ray_backend_config, run_simulation
+
+    cfg = load_config(args.config, args.overrides)
+    ray_backend_config(args.num_cpus, args.client_cpus)  # validate before starting anything
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(
+            "fedlora flower simulate needs ray: pip install 'flwr[simulation]==1.41.*'"
+        )
+    out = Path(args.out).resolve()
+    prepare_run_dir(cfg, out, overwrite=args.overwrite)  # refuses an existing run early
+    opts = FlowerOptions(out_dir=str(out), overwrite=True, availability=args.availability)
+    summary = run_simulation(cfg, opts, num_cpus=args.num_cpus, client_num_cpus=args.client_cpus)
+    print(json.dumps(summary, indent=2))
+    print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
     return 0
