@@ -126,7 +126,8 @@ def bench_fedlora(base, batches, rank, lr, bf16, slots: int) -> float:
     from fedlora.train import local_train
 
     model = copy.deepcopy(base)
-    lora = inject_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank), slots=slots)
+    cfg = LoraConfig(rank=rank, alpha=2.0 * rank, layers="all")  # q,v on all 30 layers
+    lora = inject_lora(model, cfg, slots=slots)
     t0 = time.perf_counter()
     for start in range(0, len(batches), slots):
         chunk = batches[start : start + slots]

@@ -62,7 +62,9 @@ def test_one_slot_equals_peft_lora(base):
     from peft import get_peft_model
 
     model, tok = copy.deepcopy(base[0]), base[1]
-    cfg = LoraConfig(rank=RANK, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    cfg = LoraConfig(
+        rank=RANK, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"), layers="all"
+    )
     ref = get_peft_model(
         copy.deepcopy(model),
         PeftLoraConfig(r=RANK, lora_alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"]),
@@ -91,7 +93,7 @@ def test_one_slot_equals_peft_lora(base):
 
 def test_global_init_like_peft_and_seeded(base):
     model = copy.deepcopy(base[0])
-    cfg = LoraConfig(rank=RANK, alpha=8.0)
+    cfg = LoraConfig(rank=RANK, alpha=8.0, layers="all")
     s1 = inject_lora(model, cfg, slots=1, seed=7).global_state()
     s2 = inject_lora(copy.deepcopy(base[0]), cfg, slots=1, seed=7).global_state()
     s3 = inject_lora(copy.deepcopy(base[0]), cfg, slots=1, seed=8).global_state()
@@ -108,7 +110,9 @@ def test_global_init_like_peft_and_seeded(base):
 def test_slots_trained_together_equal_separate_runs(base):
     # Prepare: 3 clients with different sketches, 3 SGD steps each
     model, tok = base
-    cfg = LoraConfig(rank=RANK, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj"))
+    cfg = LoraConfig(
+        rank=RANK, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj"), layers="all"
+    )
     scales = torch.tensor(
         sketch_scale_vectors(RANK, [1, 2, 4], np.random.default_rng(3)), dtype=torch.float32
     )
@@ -160,7 +164,7 @@ def test_slots_trained_together_equal_separate_runs(base):
 
 def test_components_outside_the_sketch_get_zero_gradient(base):
     model, tok = copy.deepcopy(base[0]), base[1]
-    lora = inject_lora(model, LoraConfig(rank=RANK, alpha=8.0), slots=2, seed=0)
+    lora = inject_lora(model, LoraConfig(rank=RANK, alpha=8.0, layers="all"), slots=2, seed=0)
     lora.load_global(_random_global(lora, seed=1))
     scales = torch.tensor([[0.0, 2.0, 0.0, 2.0], [1.0, 1.0, 1.0, 0.0]])  # sketch, truncation
     lora.set_clients(scales)
@@ -175,7 +179,7 @@ def test_components_outside_the_sketch_get_zero_gradient(base):
 
 def test_set_clients_broadcasts_global_and_scales_from_sketch_helpers(base):
     model = copy.deepcopy(base[0])
-    lora = inject_lora(model, LoraConfig(rank=RANK), slots=4, seed=0)
+    lora = inject_lora(model, LoraConfig(rank=RANK, layers="all"), slots=4, seed=0)
     g = _random_global(lora, seed=3)
     lora.load_global(g)
     scales = torch.tensor(truncation_scale_vectors(RANK, [1, 3]), dtype=torch.float32)
@@ -192,7 +196,9 @@ def test_set_clients_broadcasts_global_and_scales_from_sketch_helpers(base):
 def test_sketch_scale_multiplies_the_adapter_output(base):
     # Prepare: scale 2 on every component must double the LoRA delta exactly
     model, tok = copy.deepcopy(base[0]), base[1]
-    lora = inject_lora(model, LoraConfig(rank=RANK, target_modules=("v_proj",)), slots=1)
+    lora = inject_lora(
+        model, LoraConfig(rank=RANK, target_modules=("v_proj",), layers="all"), slots=1
+    )
     lora.load_global(_random_global(lora, seed=4))
     batch = _batch(tok, TEXTS[0])
     name = lora.names[0]
@@ -241,7 +247,7 @@ def test_top_k_layers_and_layer_shapes(base):
 
 def test_add_to_base_changes_the_frozen_weight(base):
     model = copy.deepcopy(base[0])
-    lora = inject_lora(model, LoraConfig(target_modules=("q_proj",)), slots=1)
+    lora = inject_lora(model, LoraConfig(target_modules=("q_proj",), layers="all"), slots=1)
     name = lora.names[0]
     before = model.get_submodule(name).weight.clone()
     delta = torch.full((64, 64), 0.25)
@@ -261,7 +267,7 @@ def test_bad_inputs(base):
         LoraConfig(rank=0)
     with pytest.raises(ConfigError, match="training.slots"):
         inject_lora(model, LoraConfig(), slots=0)
-    lora = inject_lora(model, LoraConfig(rank=RANK), slots=2)
+    lora = inject_lora(model, LoraConfig(rank=RANK, layers="all"), slots=2)
     with pytest.raises(ConfigError, match=r"expected \(c, 4\) with 1 <= c <= slots = 2"):
         lora.set_clients(torch.ones(3, RANK))
     state = lora.global_state()
