@@ -296,3 +296,15 @@ def test_report_cli_reclocks(tmp_path, capsys):
     assert f"| fslora | {3.5 + (9 + math.sqrt(41)) / 2:.1f} |" in text
     assert main([*argv, "--comm-cost", "exact"]) == 2
     assert "--comm-cost and --comp-cost go together" in capsys.readouterr().err
+
+
+def test_time_without_calibration(tmp_path):
+    # proposed: calibration 12 s, target at 20 s -> 8 s without it; fslora at 16 s -> 2x
+    make_run(tmp_path, "proposed-seed0", [(12.0, {"arc-e": 0.3}), (20.0, {"arc-e": 0.6})],
+             "proposed", calibration_sim_time_s=12.0)  # fmt: skip
+    make_run(tmp_path, "fslora-seed0", [(0.0, {"arc-e": 0.3}), (16.0, {"arc-e": 0.6})], "fslora")
+    runs, _ = collect_runs([tmp_path])
+    text = render_markdown(runs, {"arc-e": 0.5})
+    assert "| proposed | 20.0 |" in text and "| proposed | 0.80x |" in text
+    assert "## Time to target without the calibration runs (s)" in text
+    assert "| proposed | 8.0 [2.00x] |" in text
