@@ -64,6 +64,7 @@ local_steps = 2
 batch_size = 2
 slots = 1
 eval_every = 1
+checkpoint_every = 1
 seed = 3
 [method]
 q = {q}
@@ -390,14 +391,21 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _assert_matches_engine(out: Path, config_path: Path, tmp_path: Path) -> None:
-    """Run fedlora's engine on the same config; same sampled sets, ranks, final adapter."""
+def _engine_run(config_path: Path, tmp_path: Path) -> Path:
+    """fedlora's own engine on the same config (run once per test)."""
     from fedlora.engine import prepare_run_dir, run_experiment
 
     ref = tmp_path / "engine-run"
-    cfg = load_config(config_path)
-    prepare_run_dir(cfg, ref)
-    run_experiment(cfg, ref, quiet=True)
+    if not (ref / "summary.json").exists():
+        cfg = load_config(config_path)
+        prepare_run_dir(cfg, ref)
+        run_experiment(cfg, ref, quiet=True)
+    return ref
+
+
+def _assert_matches_engine(out: Path, config_path: Path, tmp_path: Path) -> None:
+    """Same sampled sets, ranks and final adapter as the engine on the same config."""
+    ref = _engine_run(config_path, tmp_path)
     flower_lines, engine_lines = _metrics(out), _metrics(ref)
     assert [x["participants"] for x in flower_lines] == [x["participants"] for x in engine_lines]
     assert [x["k"] for x in flower_lines] == [x["k"] for x in engine_lines]
@@ -408,7 +416,7 @@ def _assert_matches_engine(out: Path, config_path: Path, tmp_path: Path) -> None
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
     assert any(not np.allclose(v, 0) for k, v in got.items() if k.endswith("lora_B"))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds"] == cfg.training.rounds and summary["runtime"] == "flower"
+    assert summary["rounds"] == len(engine_lines) - 1 and summary["runtime"] == "flower"
     assert (out / "adapter").is_dir()
 
 
@@ -543,15 +551,44 @@ def test_ray_backend_config_rejects_bad_resources(kwargs: dict, field: str) -> N
 @pytest.mark.slow
 @needs_data
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
-def test_ray_simulation_matches_the_engine_on_loopback(tmp_path: Path) -> None:
+def test_ray_simulation_matches_the_engine_on_loopback_and_resumes(tmp_path: Path) -> None:
     # Prepare: the engine-equivalence config; the simulation runs in its own process so Ray
     # starts fresh and its whole process tree can be watched
     path = _write_config(tmp_path, rounds=2, q="[0.7, 0.9]")
     out = tmp_path / "sim-run"
-    log_path = tmp_path / "simulate.log"
-    args = [sys.executable, "-m", "fedlora.cli", "flower", "simulate", "--config", str(path)]
-    args += ["--out", str(out), "--num-cpus", "2"]
-    # Execute: run it, sampling the listening sockets of its process tree every 0.3 s
+    # Execute: run it, sampling the listening sockets of its process tree
+    seen, tree = _simulate(["--config", str(path), "--out", str(out)], tmp_path / "sim.log")
+    # Assert: Ray listened (the probe saw it), only on loopback, and is gone
+    assert seen, "no listening socket seen: the probe did not work"
+    assert all(_is_loopback(ip) for ip in seen), seen
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{p}").exists() for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in tree if Path(f"/proc/{p}").exists()]
+    # Assert: the run is the engine's
+    _assert_matches_engine(out, path, tmp_path)
+
+    # Prepare: a crash after round 1 (round 2's checkpoint and summary lost; its metrics line
+    # written, so resume must cut it)
+    before = _metrics(out)
+    (out / "checkpoints" / "round-000002.pt").unlink()
+    (out / "summary.json").unlink()
+    # Execute
+    seen, _ = _simulate(["--resume", str(out)], tmp_path / "resume.log")
+    # Assert: round 2 ran again from round 1's checkpoint, to the engine's result
+    after = _metrics(out)
+    assert [x["round"] for x in after] == [0, 1, 2]
+    assert after[:2] == before[:2]
+    assert after[2]["participants"] == before[2]["participants"]
+    assert after[2]["train_loss"] == pytest.approx(before[2]["train_loss"], rel=1e-6)
+    assert all(_is_loopback(ip) for ip in seen), seen
+    _assert_matches_engine(out, path, tmp_path)
+
+
+def _simulate(cli_args: list[str], log_path: Path) -> tuple[set[str], set[int]]:
+    """`fedlora flower simulate ARGS` in a new process; returns the IPs its process tree
+    listened on (sampled every 0.3 s) and the PIDs of that tree. Fails on a non-zero exit."""
+    args = [sys.executable, "-m", "fedlora.cli", "flower", "simulate", *cli_args, "--num-cpus", "2"]
     seen: set[str] = set()
     tree: set[int] = set()
     with open(log_path, "wb") as log:
@@ -572,14 +609,5 @@ def test_ray_simulation_matches_the_engine_on_loopback(tmp_path: Path) -> None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, 9)
                 proc.wait()
-    # Assert: it succeeded, Ray listened (the probe saw it) and only on loopback
     assert proc.returncode == 0, log_path.read_text()[-3000:]
-    assert seen, "no listening socket seen: the probe did not work"
-    assert all(_is_loopback(ip) for ip in seen), seen
-    # Assert: Ray's processes are gone (give its shutdown a moment)
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{p}").exists() for p in tree) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not [p for p in tree if Path(f"/proc/{p}").exists()]
-    # Assert: the run is the engine's
-    _assert_matches_engine(out, path, tmp_path)
+    return seen, tree

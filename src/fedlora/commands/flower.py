@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     sim.add_argument("--config", "-c", help="experiment TOML (defaults otherwise)")
     sim.add_argument("overrides", nargs="*", metavar="section.key=value")
-    sim.add_argument("--out", "-o", required=True, help="run directory")
+    sim.add_argument("--out", "-o", help="run directory (required unless --resume)")
+    sim.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
     sim.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     sim.add_argument("--availability", choices=("none", "observed"), default="none")
     sim.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
@@ -138,21 +139,36 @@ def run_worker(args: argparse.Namespace) -> int:
 def run_simulate(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from fedlora.engine import prepare_run_dir
+    from fedlora.engine import load_run_config, prepare_run_dir
     from fedlora.errors import ConfigError
     from fedlora.flower.common import FlowerOptions
     from fedlora.flower.simulation import ray_backend_config, run_simulation
 
-    cfg = load_config(args.config, args.overrides)
+    if bool(args.out) == bool(args.resume):
+        raise ConfigError(
+            f"--out = {args.out!r} and --resume = {args.resume!r}: give exactly one of them"
+        )
     ray_backend_config(args.num_cpus, args.client_cpus)  # validate before starting anything
+    if args.resume:
+        out = Path(args.resume).resolve()
+        given = (
+            load_config(args.config, args.overrides) if (args.config or args.overrides) else None
+        )
+        cfg = load_run_config(out, given)  # refuses a config that differs from the run's
+    else:
+        cfg = load_config(args.config, args.overrides)
+        out = Path(args.out).resolve()
     if importlib.util.find_spec("ray") is None:
         raise ConfigError(
             "fedlora flower simulate needs ray: pip install 'flwr[simulation]==1.41.*'"
         )
-    out = Path(args.out).resolve()
-    prepare_run_dir(cfg, out, overwrite=args.overwrite)  # refuses an existing run early
+    if not args.resume:
+        prepare_run_dir(cfg, out, overwrite=args.overwrite)  # refuses an existing run early
     opts = FlowerOptions(out_dir=str(out), overwrite=True, availability=args.availability)
-    summary = run_simulation(cfg, opts, num_cpus=args.num_cpus, client_num_cpus=args.client_cpus)
+    summary = run_simulation(
+        cfg, opts, num_cpus=args.num_cpus, client_num_cpus=args.client_cpus,
+        resume=bool(args.resume),
+    )  # fmt: skip
     print(json.dumps(summary, indent=2))
     print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
     return 0

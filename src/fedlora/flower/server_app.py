@@ -39,9 +39,12 @@ from fedlora.engine import (
     _target_reached,
     _to_numpy,
     _to_torch,
+    _truncate_metrics,
     build_run,
     derive_rng,
     evaluate_global,
+    load_checkpoint,
+    load_run_config,
     prepare_run_dir,
     round_cost,
     run_dir_for,
@@ -245,14 +248,25 @@ def run_server(
     cfg: ExperimentConfig,
     opts: FlowerOptions,
     *,
+    resume: bool = False,
     log: Log = _stderr,
 ) -> dict[str, Any]:
-    """The engine's loop over Flower: returns the summary (also written to summary.json)."""
+    """The engine's loop over Flower: returns the summary (also written to summary.json).
+
+    With `resume`, continue the run in the run directory from its newest readable checkpoint
+    (as `fedlora.engine.run_experiment(resume=True)`): `cfg` must equal the run's saved config
+    (ConfigError naming the differing fields otherwise); metrics.jsonl is cut back to the
+    checkpoint's line count; the dropout counts of ``availability = "observed"`` are restored.
+    """
     wall_start = time.perf_counter()
     run_dir = run_dir_for(cfg, opts.out_dir or None)
-    prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
+    if resume:
+        cfg = load_run_config(run_dir, cfg)
+        (run_dir / "error.txt").unlink(missing_ok=True)
+    else:
+        prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
     try:
-        return _run_server(grid, cfg, opts, run_dir, wall_start, log)
+        return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
     except Exception as e:  # leave a trace in the run directory for whoever waits on it
         _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
         raise
@@ -260,30 +274,61 @@ def run_server(
 
 def _run_server(
     grid: Grid, cfg: ExperimentConfig, opts: FlowerOptions, run_dir: Path, wall_start: float,
-    log: Log,
+    log: Log, *, resume: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     run = build_run(cfg, run_dir, log=log)
     clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
     metrics_path = run_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
-    write_clients_csv(run_dir, run.fed, run.profiles)
     progress = Progress()
     avail = Availability.empty(cfg.data.n_clients)
+    total_dropouts = 0
+    if resume:
+        state = load_checkpoint(run_dir, warn=log)
+        if state is not None:
+            progress = Progress(**state["progress"])
+            run.lora.load_global(state["global"])
+            run.base_delta = state.get("base_delta") or {}
+            if run.base_delta:
+                run.lora.add_to_base(_to_torch(run.base_delta))
+            run.method.load_state_dict(state.get("method", {}))
+            flower = state.get("flower") or {}
+            if "asked" in flower:
+                avail = Availability(
+                    np.asarray(flower["asked"], dtype=np.int64),
+                    np.asarray(flower["answered"], dtype=np.int64),
+                )
+            total_dropouts = int(flower.get("total_dropouts", 0))
+            log(f"resuming {run_dir} after round {progress.round}")
+        else:
+            log(f"no usable checkpoint in {run_dir}: starting from round 0")
+        _truncate_metrics(metrics_path, progress.metrics_lines)
+    else:
+        metrics_path.unlink(missing_ok=True)
+    write_clients_csv(run_dir, run.fed, run.profiles)
 
-    accs = evaluate_global(run)
-    progress.initial_accuracy = progress.last_accuracy = progress.best_accuracy = _mean(accs)
-    line0 = {
-        "round": 0, "participants": [], "n_participants": 0, "k": [], "round_time_s": 0.0,
-        "sim_time_s": 0.0, "uplink_bits": 0, "downlink_bits": 0, "train_loss": None,
-        "eval_accuracy": progress.initial_accuracy, "eval": accs, "compute_s": 0.0,
-        "dropouts": [],
-    }  # fmt: skip
-    _append_metrics(metrics_path, line0)
-    progress.metrics_lines = 1
+    def checkpoint() -> None:
+        state = _checkpoint_state(run, progress)
+        state["flower"] = {
+            "asked": avail.asked.tolist(),
+            "answered": avail.answered.tolist(),
+            "total_dropouts": total_dropouts,
+        }
+        save_checkpoint(run_dir, state)
+
+    if progress.metrics_lines == 0:  # round 0: the untrained adapter
+        accs = evaluate_global(run)
+        progress.initial_accuracy = progress.last_accuracy = progress.best_accuracy = _mean(accs)
+        line0 = {
+            "round": 0, "participants": [], "n_participants": 0, "k": [], "round_time_s": 0.0,
+            "sim_time_s": 0.0, "uplink_bits": 0, "downlink_bits": 0, "train_loss": None,
+            "eval_accuracy": progress.initial_accuracy, "eval": accs, "compute_s": 0.0,
+            "dropouts": [],
+        }  # fmt: skip
+        _append_metrics(metrics_path, line0)
+        progress.metrics_lines = 1
 
     tcfg = cfg.training
     stop_reason = "max_rounds"
-    total_dropouts = 0
     while progress.round < tcfg.rounds:
         if _target_reached(cfg, progress):
             stop_reason = "target_accuracy"
@@ -308,11 +353,11 @@ def _run_server(
             f"loss={line['train_loss']}"
         )
         if progress.round % tcfg.checkpoint_every == 0:
-            save_checkpoint(run_dir, _checkpoint_state(run, progress))
+            checkpoint()
     else:
         if _target_reached(cfg, progress):
             stop_reason = "target_accuracy"
-    save_checkpoint(run_dir, _checkpoint_state(run, progress))
+    checkpoint()
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = {
         "stop_reason": stop_reason,

@@ -90,10 +90,12 @@ def run_simulation(
     *,
     num_cpus: int | None = None,
     client_num_cpus: float = 1.0,
+    resume: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run one experiment on Flower's Ray simulation runtime; returns the summary (also in
-    <run dir>/summary.json, with ``"runtime": "flower"``)."""
+    """Run (or with `resume`, continue from its checkpoint) one experiment on Flower's Ray
+    simulation runtime; returns the summary (also in <run dir>/summary.json, with
+    ``"runtime": "flower"``)."""
     backend_config = ray_backend_config(num_cpus, client_num_cpus)
     apply_ray_env()
     from flwr.app import Context
@@ -109,7 +111,7 @@ def run_simulation(
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         kwargs = {"log": log} if log is not None else {}
-        result["summary"] = server_mod.run_server(grid, cfg, opts, **kwargs)
+        result["summary"] = server_mod.run_server(grid, cfg, opts, resume=resume, **kwargs)
 
     try:
         flwr_run_simulation(
