@@ -197,6 +197,39 @@ def test_local_deployment_rejects_bad_sizes(tmp_path: Path) -> None:
         LocalDeployment(2, tmp_path, node_config=[{}])
 
 
+@pytest.mark.parametrize(
+    ("overrides", "allowed"),
+    [(["method.name=sketched"], True), (["method.name=fedavg"], True),
+     (["method.name=fedstacklora"], False), (["method.name=proposed"], False),
+     (["method.name=proposed", "method.q={plan}", "method.k={plan}"], True)],
+)  # fmt: skip
+def test_flower_refuses_methods_it_cannot_run_like_the_engine(
+    tmp_path: Path, overrides: list[str], allowed: bool
+) -> None:
+    from fedlora.flower.common import check_flower_method
+
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    cfg = load_config(None, [o.format(plan=f'"{plan}"') for o in overrides])
+    if allowed:
+        check_flower_method(cfg)
+    else:
+        with pytest.raises(ConfigError, match=f"method.name = '{cfg.method.name}'"):
+            check_flower_method(cfg)
+
+
+def test_cli_refuses_fedstacklora_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedlora.cli import main
+
+    out = tmp_path / "run"
+    for action in ("run-local", "simulate"):
+        assert main(["flower", action, "--out", str(out), "method.name=fedstacklora"]) == 2
+        assert "fedstacklora" in capsys.readouterr().err
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------- node worker
 
 

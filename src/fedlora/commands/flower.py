@@ -87,9 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_local(args: argparse.Namespace) -> int:
     from fedlora.engine import prepare_run_dir
-    from fedlora.flower.common import LocalDeployment, wait_for_file
+    from fedlora.flower.common import LocalDeployment, check_flower_method, wait_for_file
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
+    check_flower_method(cfg)
     out = Path(args.out).resolve()
     prepare_run_dir(cfg, out, overwrite=args.overwrite)  # refuses an existing run early
     run_config = {
@@ -141,7 +142,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     from fedlora.engine import load_run_config, prepare_run_dir
     from fedlora.errors import ConfigError
-    from fedlora.flower.common import FlowerOptions
+    from fedlora.flower.common import FlowerOptions, check_flower_method
     from fedlora.flower.simulation import ray_backend_config, run_simulation
 
     if bool(args.out) == bool(args.resume):
@@ -158,6 +159,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
         out = Path(args.out).resolve()
+    check_flower_method(cfg)
     if importlib.util.find_spec("ray") is None:
         raise ConfigError(
             "fedlora flower simulate needs ray: pip install 'flwr[simulation]==1.41.*'"

@@ -141,6 +141,26 @@ def config_from_run_config(
     return cfg, opts
 
 
+def check_flower_method(cfg: ExperimentConfig) -> None:
+    """ConfigError for what the Flower runtime cannot run like the engine does: `fedstacklora`
+    (its merged base update stays on the server, so the nodes would train on a stale base)
+    and `proposed` without a plan file (the calibration runs of Algorithm 2 are engine runs)."""
+    m = cfg.method
+    if m.name == "fedstacklora":
+        raise ConfigError(
+            "method.name = 'fedstacklora' is not supported on Flower: its merged base update "
+            "is not sent to the nodes; use `fedlora run`"
+        )
+    if m.name == "proposed" and not (
+        isinstance(m.q, str) and m.q == m.k and m.q.endswith(".json") and Path(m.q).exists()
+    ):
+        raise ConfigError(
+            f"method.name = 'proposed' with method.q = {m.q!r}, method.k = {m.k!r}: on Flower "
+            "it needs a plan: set method.q and method.k to one plan JSON file (`fedlora plan "
+            "-o`, or the plan.json of a `fedlora run` with method proposed)"
+        )
+
+
 # ----------------------------------------------------------------------------- records
 
 

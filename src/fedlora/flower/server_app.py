@@ -58,6 +58,7 @@ from fedlora.flower.common import (
     FlowerOptions,
     adapter_to_record,
     apply_safe_env,
+    check_flower_method,
     config_from_run_config,
     record_to_adapter,
 )
@@ -259,6 +260,7 @@ def run_server(
     checkpoint's line count; the dropout counts of ``availability = "observed"`` are restored.
     """
     wall_start = time.perf_counter()
+    check_flower_method(cfg)
     run_dir = run_dir_for(cfg, opts.out_dir or None)
     if resume:
         cfg = load_run_config(run_dir, cfg)
