@@ -319,6 +319,30 @@ def test_cached_loss_and_gradients_equal_uncached(deep):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-6)
 
 
+def test_cached_matches_uncached_to_bf16_rounding_with_a_bf16_base(base):
+    # Prepare: the bf16 model path (base stored in bf16, autocast); cache stored as fp32.
+    # In bf16 the uncached path itself moves with the padding: 7 extra pad columns change
+    # this batch's loss by ~4e-5 relative. The cache computes misses at their own padded
+    # length, so it matches to that level (in fp32: 1e-6, tested above).
+    base_bf16, tok = copy.deepcopy(base[0]).to(torch.bfloat16), base[1]
+    batches = [[make_batch(tok, PROMPTS[:3]), make_batch(tok, PROMPTS[2:5])]]
+    results = []
+    for use_cache in (False, True):
+        model, lora = with_lora(base_bf16, slots=1, layers=1)
+        lora.set_clients(torch.ones(1, RANK))
+        cache = LayerCache(model, lora) if use_cache else None
+        # Execute
+        losses = local_train(model, lora, batches, lr=0.3, autocast_bf16=True, cache=cache)
+        results.append((losses, lora.slot_state(0)))
+    # Assert
+    (ref, ref_state), (got, state) = results
+    assert got[0, 0] == ref[0, 0]  # step 0: the same misses, bitwise equal
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=0)
+    for k in state:
+        torch.testing.assert_close(state[k], ref_state[k], rtol=1e-3, atol=1e-4)
+    assert cache.stats()["hits"] == 1  # PROMPTS[2] appears in both steps
+
+
 def _rows(tok, n_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (b, T) ids/mask of rows with the given lengths (distinct contents)."""
     t = max(n_tokens)
