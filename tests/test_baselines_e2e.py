@@ -34,6 +34,7 @@ TINY = [
     "data.n_clients=4",
     "data.min_client_examples=4",
     f"lora.rank={GAMMA}",
+    "lora.layers=\"all\"",
     "training.rounds=2",
     "training.local_steps=2",
     "training.batch_size=2",

@@ -44,6 +44,7 @@ TINY = [
     "data.n_clients=4",
     "data.min_client_examples=4",
     "lora.rank=4",
+    "lora.layers=\"all\"",
     "training.rounds=3",
     "training.local_steps=2",
     "training.batch_size=2",

@@ -223,6 +223,7 @@ TINY = [
     "data.n_clients=10",
     "data.min_client_examples=2",
     "lora.rank=4",
+    "lora.layers=\"all\"",
     "training.rounds=2",
     "training.local_steps=1",
     "training.batch_size=2",
