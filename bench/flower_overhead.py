@@ -6,10 +6,11 @@ Runs the same tiny configuration (tiny-llama, 2 clients, real data) twice: with
 metrics line: local training + aggregation for the engine; message round trip, node-side
 ClientApp process start, training and aggregation for Flower). By default each SuperNode
 forwards to a persistent fedlora worker; `--no-workers` trains inside Flower's per-message
-ClientApp processes (the model is rebuilt every round). Prints the figures and the load.
+ClientApp processes (the model is rebuilt every round); `--simulation` uses Flower's Ray
+simulation runtime instead of a deployment. Prints the figures and the load.
 
     FEDLORA_DATA=../shared/data/commonsense HF_HUB_OFFLINE=1 \\
-        .venv/bin/python bench/flower_overhead.py --rounds 3 [--no-workers]
+        .venv/bin/python bench/flower_overhead.py --rounds 3 [--no-workers | --simulation]
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def main() -> None:
     p.add_argument(
         "--no-workers", action="store_true", help="no persistent node workers (Flower's default)"
     )
+    p.add_argument(
+        "--simulation",
+        action="store_true",
+        help="Flower's Ray simulation runtime (127.0.0.1) instead of a loopback deployment",
+    )
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="fedlora-flower-bench-") as tmp:
@@ -95,21 +101,31 @@ def main() -> None:
 
         flower_dir = tmp_path / "flower"
         t0 = time.perf_counter()
-        with LocalDeployment(2, tmp_path / "deploy", workers=not args.no_workers) as dep:
-            t_started = time.perf_counter()
-            dep.submit(REPO, {"fedlora-config": str(cfg_path), "out-dir": str(flower_dir)})
-            wait_for_file(
-                flower_dir / "summary.json",
-                3600,
-                alive=[dep.superlink],
-                error=flower_dir / "error.txt",
-            )
+        if args.simulation:
+            from fedlora.flower.common import FlowerOptions
+            from fedlora.flower.simulation import run_simulation
+
+            t_started = t0
+            run_simulation(cfg, FlowerOptions(out_dir=str(flower_dir)), num_cpus=2)
+        else:
+            with LocalDeployment(2, tmp_path / "deploy", workers=not args.no_workers) as dep:
+                t_started = time.perf_counter()
+                dep.submit(REPO, {"fedlora-config": str(cfg_path), "out-dir": str(flower_dir)})
+                wait_for_file(
+                    flower_dir / "summary.json",
+                    3600,
+                    alive=[dep.superlink],
+                    error=flower_dir / "error.txt",
+                )
         flower_total = time.perf_counter() - t0
         flower = _round_times(flower_dir)
 
     load = os.getloadavg()
-    print(f"config: tiny-llama, 2 clients, q=1, H={args.steps}, b=2, threads={args.threads}, "
-          f"node workers: {'no' if args.no_workers else 'yes'}")  # fmt: skip
+    runtime = "Ray simulation" if args.simulation else (
+        "deployment, " + ("no node workers" if args.no_workers else "node workers")
+    )  # fmt: skip
+    print(f"config: tiny-llama, 2 clients, q=1, H={args.steps}, b=2, threads={args.threads}; "
+          f"flower runtime: {runtime}")  # fmt: skip
     print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"engine  per round: mean {engine.mean():.2f} s (rounds: {np.round(engine, 2).tolist()})")
     print(f"flower  per round: mean {flower.mean():.2f} s (rounds: {np.round(flower, 2).tolist()})")

@@ -157,6 +157,19 @@ def test_importing_the_apps_sets_the_safe_env() -> None:
         assert os.environ[key] == value
 
 
+def test_client_app_imports_only_light_modules() -> None:
+    # Flower starts a fresh ClientApp process per message: its imports are paid every round
+    code = (
+        "import sys, fedlora.flower.client_app; "
+        "print(sorted(m for m in ('torch', 'transformers', 'fedlora.engine', 'fedlora.data', "
+        "'fedlora.methods', 'scipy') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=safe_env()
+    )
+    assert done.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("address", ["0.0.0.0:9092", "localhost:9092", "[::]:9092", "127.0.0.1"])
 def test_check_loopback_refuses_other_addresses(address: str) -> None:
     with pytest.raises(ConfigError, match="loopback"):

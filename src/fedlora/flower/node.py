@@ -4,7 +4,7 @@ one-slot LoRA and the federated data, answer the identity query, train one task.
 Used in-process by the ClientApp (no worker configured, or the Ray simulation, whose actors
 live across rounds) and by the persistent node worker (`fedlora.flower.worker`). Top-level
 imports are light (numpy, fedlora.config): torch, transformers and the data code load on the
-first `client_state` call.
+first `client_state` call (and fedlora.engine, for its seed derivation, on first use).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import numpy as np
 import tomllib
 
 from fedlora.config import ExperimentConfig, config_from_dict
-from fedlora.engine import derive_rng, derive_seed
 
 
 @dataclass
@@ -57,6 +56,7 @@ def client_state(cfg: ExperimentConfig) -> ClientState:
         import torch
 
         from fedlora.data import build_federated_data
+        from fedlora.engine import derive_seed
         from fedlora.lora import inject_lora
         from fedlora.models import load_model
 
@@ -93,6 +93,7 @@ def train_one(
     import torch
 
     from fedlora.data import client_batches
+    from fedlora.engine import derive_rng, derive_seed
     from fedlora.train import local_train
 
     cfg, seed = state.cfg, state.cfg.training.seed
