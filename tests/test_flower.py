@@ -594,6 +594,42 @@ def test_ray_backend_config_rejects_bad_resources(kwargs: dict, field: str) -> N
         ray_backend_config(**kwargs)
 
 
+def _run_python(code: str) -> str:
+    env = {k: v for k, v in safe_env().items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_ray_env_makes_ray_resolve_the_node_to_loopback() -> None:
+    # Execute: in fresh processes (Ray reads the variable when imported); Ray is not started
+    with_env = _run_python(
+        "from fedlora.flower.simulation import apply_ray_env; apply_ray_env(); "
+        "from ray._private import ray_constants, services; "
+        "print(ray_constants.ENABLE_RAY_CLUSTER, services.resolve_ip_for_localhost('127.0.0.1'))"
+    )
+    without = _run_python(
+        "from ray._private import ray_constants; print(ray_constants.ENABLE_RAY_CLUSTER)"
+    )
+    # Assert: without it, ray.init would turn 127.0.0.1 into the machine's routable address
+    assert with_env == "False 127.0.0.1"
+    assert without == "True"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_ray_imported_in_cluster_mode_is_refused() -> None:
+    out = _run_python(
+        "import ray\n"
+        "from fedlora.errors import ConfigError\n"
+        "from fedlora.flower.simulation import apply_ray_env\n"
+        "try:\n    apply_ray_env()\n    print('accepted')\n"
+        "except ConfigError as e:\n    print('refused:', e)"
+    )
+    assert out.startswith("refused:") and "loopback" in out
+
+
 @pytest.mark.slow
 @needs_data
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")

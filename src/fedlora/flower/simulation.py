@@ -122,9 +122,8 @@ def run_simulation(
             backend_config=backend_config,
         )
     finally:
-        import ray
-
-        if ray.is_initialized():  # Flower shuts Ray down on success; make sure on failure
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():  # Flower shuts Ray down on success
             ray.shutdown()
     if "summary" not in result:
         raise RuntimeError("the Flower simulation ended without a summary (see the log above)")
