@@ -114,7 +114,7 @@ class DataConfig:
     """Tasks, the federated partition and the evaluation subset."""
 
     data_dir: str = ""  # LLM-Adapters layout; "" = $FEDLORA_DATA, else the hub
-    tasks: tuple[str, ...] = ("arc-e", "arc-c", "obqa", "boolq")  # training mix
+    tasks: tuple[str, ...] = ("arc-e", "arc-c", "obqa")  # training mix (add "boolq" for the full offline mix)
     task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
     eval_tasks: tuple[str, ...] = ("arc-e",)
     eval_limit: int = 100  # examples per eval task (seeded subset); 0 = whole test set
@@ -187,7 +187,7 @@ class TrainingConfig:
     rounds: int = 8  # maximum rounds
     local_steps: int = 5  # H
     batch_size: int = 4  # b
-    lr: float = 0.05  # η (plain SGD, as in the paper's analysis)
+    lr: float = 0.2  # η (plain SGD, as in the paper's analysis)
     slots: int = 5  # clients trained together in one forward/backward
     eval_every: int = 4  # E
     seed: int = 0
