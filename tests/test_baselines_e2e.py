@@ -128,7 +128,7 @@ def test_fedstacklora_merge_keeps_the_model_function():
     from fedlora.models import load_model
 
     model, _ = load_model("tiny-llama", dtype="fp32")
-    lora = inject_lora(model, LoraConfig(rank=GAMMA, alpha=8.0), slots=1, seed=0)
+    lora = inject_lora(model, LoraConfig(rank=GAMMA, alpha=8.0, layers="all"), slots=1, seed=0)
     gen = torch.Generator().manual_seed(0)
     state = {k: torch.randn(v.shape, generator=gen) * 0.2 for k, v in lora.global_state().items()}
     lora.load_global(state)

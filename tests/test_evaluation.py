@@ -105,7 +105,7 @@ def test_slot_lora_model_scores_equal_reference() -> None:
     from fedlora.lora import inject_lora
 
     model, tok = load_model("tiny-llama", dtype="fp32", progress=False)
-    lora = inject_lora(model, LoraConfig(rank=4), slots=2, seed=0)
+    lora = inject_lora(model, LoraConfig(rank=4, layers="all"), slots=2, seed=0)
     gen = torch.Generator().manual_seed(0)
     state = {k: torch.randn(v.shape, generator=gen) * 0.5 for k, v in lora.global_state().items()}
     lora.load_global(state)

@@ -260,13 +260,13 @@ def test_add_to_base_changes_the_frozen_weight(base):
 def test_bad_inputs(base):
     model = copy.deepcopy(base[0])
     with pytest.raises(ConfigError, match=r"lora.target_modules.*q_proj.*v_proj"):
-        inject_lora(model, LoraConfig(target_modules=("qkv",)), slots=1)
+        inject_lora(model, LoraConfig(target_modules=("qkv",), layers="all"), slots=1)
     with pytest.raises(ConfigError, match="lora.layers"):
         inject_lora(model, LoraConfig(layers=3), slots=1)
     with pytest.raises(ConfigError, match="lora.rank"):
         LoraConfig(rank=0)
     with pytest.raises(ConfigError, match="training.slots"):
-        inject_lora(model, LoraConfig(), slots=0)
+        inject_lora(model, LoraConfig(layers="all"), slots=0)
     lora = inject_lora(model, LoraConfig(rank=RANK, layers="all"), slots=2)
     with pytest.raises(ConfigError, match=r"expected \(c, 4\) with 1 <= c <= slots = 2"):
         lora.set_clients(torch.ones(3, RANK))
