@@ -4,8 +4,9 @@ Prints, in one run:
 - client-steps/s of whole rounds, and the share of round time spent outside local training
   (planning, aggregation, round-time computation, metrics, checkpoints; evaluation is
   reported separately);
-- peak RSS of a process that builds a run and trains rounds with N = 50 and N = 1,000
-  clients (memory must not grow with N beyond indices and profiles).
+- peak RSS of a process that builds a run and trains 2 rounds with N = 50 and N = 1,000
+  clients and q_n = 4/N (so the same work; memory must not grow with N beyond indices and
+  profiles).
 
     python bench/engine.py                      # the demo model (smollm2-135m), 3 rounds
     python bench/engine.py --model tiny-llama   # quick
@@ -87,7 +88,9 @@ def measure_rss(args: argparse.Namespace, n_clients: int) -> dict:
     from fedlora.config import load_config
     from fedlora.engine import prepare_run_dir, run_experiment
 
-    cfg = load_config(None, _overrides(args, n_clients, 2) + ["data.eval_limit=8"])
+    # the same expected number of participants (4) for every N: memory, not work, is measured
+    extra = ["data.eval_limit=8", f"method.q_fixed={4 / n_clients}", "data.min_client_examples=1"]
+    cfg = load_config(None, _overrides(args, n_clients, 2) + extra)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         prepare_run_dir(cfg, run_dir)
