@@ -597,28 +597,39 @@ def _target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
     return bool(target) and progress.last_accuracy is not None and progress.last_accuracy >= target
 
 
-def _one_round(run: Run, plan: RoundPlan, progress: Progress) -> dict[str, Any]:
-    cfg, r = run.cfg, plan.round
-    line: dict[str, Any] = {
-        "round": r + 1,
+def round_header(plan: RoundPlan) -> dict[str, Any]:
+    """The first fields of a round's metrics line: who was asked to train, with which k."""
+    return {
+        "round": plan.round + 1,
         "participants": plan.participants,
         "n_participants": len(plan.tasks),
         "k": [t.rank_used for t in plan.tasks],
     }
-    if plan.tasks:
-        states, losses = train_participants(run, plan)
-        global_state = _to_numpy(run.lora.global_state())
-        agg = run.method.aggregate(global_state, plan, states)
-        run.lora.load_global(_to_torch(agg.global_state))
-        if agg.base_delta:
-            run.lora.add_to_base(_to_torch(agg.base_delta))
-            for name, delta in agg.base_delta.items():
-                run.base_delta[name] = run.base_delta.get(name, 0) + delta
-        train_loss: float | None = float(losses.mean())
-    else:
-        progress.empty_rounds += 1
-        train_loss = None
-    cost = round_cost(cfg, run.profiles, plan, run.method, run.shapes, r)
+
+
+def apply_aggregate(
+    run: Run, plan: RoundPlan, global_state: dict[str, np.ndarray], states: list
+) -> None:
+    """The method's aggregate becomes the global adapter (and, for FedStackLoRA, the base)."""
+    agg = run.method.aggregate(global_state, plan, states)
+    run.lora.load_global(_to_torch(agg.global_state))
+    if agg.base_delta:
+        run.lora.add_to_base(_to_torch(agg.base_delta))
+        for name, delta in agg.base_delta.items():
+            run.base_delta[name] = run.base_delta.get(name, 0) + delta
+
+
+def close_round(
+    run: Run,
+    cost_plan: RoundPlan,
+    progress: Progress,
+    line: dict[str, Any],
+    train_loss: float | None,
+) -> dict[str, Any]:
+    """Advance the clock by the round time of `cost_plan` (who actually sent), record the
+    bits and the loss, and evaluate every E rounds and at the last round."""
+    cfg, r = run.cfg, cost_plan.round
+    cost = round_cost(cfg, run.profiles, cost_plan, run.method, run.shapes, r)
     progress.sim_time_s += cost.round_time_s
     progress.uplink_bits += cost.uplink_bits
     progress.downlink_bits += cost.downlink_bits
@@ -640,6 +651,18 @@ def _one_round(run: Run, plan: RoundPlan, progress: Progress) -> dict[str, Any]:
         if target and acc >= target and progress.time_to_target_s is None:
             progress.time_to_target_s = progress.sim_time_s
     return line
+
+
+def _one_round(run: Run, plan: RoundPlan, progress: Progress) -> dict[str, Any]:
+    line = round_header(plan)
+    train_loss: float | None = None
+    if plan.tasks:
+        states, losses = train_participants(run, plan)
+        apply_aggregate(run, plan, _to_numpy(run.lora.global_state()), states)
+        train_loss = float(losses.mean())
+    else:
+        progress.empty_rounds += 1
+    return close_round(run, plan, progress, line, train_loss)
 
 
 def describe(summary: dict[str, Any]) -> str:

@@ -40,13 +40,15 @@ from fedlora.engine import (
     _to_numpy,
     _to_torch,
     _truncate_metrics,
+    apply_aggregate,
     build_run,
+    close_round,
     derive_rng,
     evaluate_global,
     load_checkpoint,
     load_run_config,
     prepare_run_dir,
-    round_cost,
+    round_header,
     run_dir_for,
     save_checkpoint,
     write_clients_csv,
@@ -396,12 +398,7 @@ def _flower_round(
     log: Log,
 ) -> dict[str, Any]:
     cfg, r = run.cfg, plan.round
-    line: dict[str, Any] = {
-        "round": r + 1,
-        "participants": plan.participants,
-        "n_participants": len(plan.tasks),
-        "k": [t.rank_used for t in plan.tasks],
-    }
+    line = round_header(plan)
     dropouts: list[int] = []
     effective = RoundPlan(r, ())
     train_loss: float | None = None
@@ -425,38 +422,13 @@ def _flower_round(
             tasks = [dataclasses.replace(t, weight=t.weight / rate[t.client]) for t in tasks]
         effective = RoundPlan(r, tuple(tasks))
         if states:
-            agg = run.method.aggregate(global_state, effective, states)
-            run.lora.load_global(_to_torch(agg.global_state))
-            if agg.base_delta:
-                run.lora.add_to_base(_to_torch(agg.base_delta))
-                for name, delta in agg.base_delta.items():
-                    run.base_delta[name] = run.base_delta.get(name, 0) + delta
+            apply_aggregate(run, effective, global_state, states)
             train_loss = float(np.mean(losses))
     if not plan.tasks:
         progress.empty_rounds += 1
     # The clock counts the updates that arrived (a dropout sends nothing on the uplink).
-    cost = round_cost(cfg, run.profiles, effective, run.method, run.shapes, r)
-    progress.sim_time_s += cost.round_time_s
-    progress.uplink_bits += cost.uplink_bits
-    progress.downlink_bits += cost.downlink_bits
-    line.update(
-        round_time_s=cost.round_time_s,
-        sim_time_s=progress.sim_time_s,
-        uplink_bits=cost.uplink_bits,
-        downlink_bits=cost.downlink_bits,
-        train_loss=train_loss,
-        dropouts=dropouts,
-    )
-    last = r + 1 == cfg.training.rounds
-    if (r + 1) % cfg.training.eval_every == 0 or last:
-        accs = evaluate_global(run)
-        acc = _mean(accs)
-        line.update(eval_accuracy=acc, eval=accs)
-        progress.last_accuracy = acc
-        progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
-        target = cfg.training.target_accuracy
-        if target and acc >= target and progress.time_to_target_s is None:
-            progress.time_to_target_s = progress.sim_time_s
+    close_round(run, effective, progress, line, train_loss)
+    line["dropouts"] = dropouts
     return line
 
 
