@@ -114,7 +114,11 @@ class DataConfig:
     """Tasks, the federated partition and the evaluation subset."""
 
     data_dir: str = ""  # LLM-Adapters layout; "" = $FEDLORA_DATA, else the hub
-    tasks: tuple[str, ...] = ("arc-e", "arc-c", "obqa")  # training mix (add "boolq" for the full offline mix)
+    tasks: tuple[str, ...] = (
+        "arc-e",
+        "arc-c",
+        "obqa",
+    )  # training mix (add "boolq" for the full offline mix)
     task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
     eval_tasks: tuple[str, ...] = ("arc-e",)
     eval_limit: int = 100  # examples per eval task (seeded subset); 0 = whole test set
