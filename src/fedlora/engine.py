@@ -570,14 +570,24 @@ def run_experiment(
     reporter.close()
     save_checkpoint(run_dir, _checkpoint_state(run, progress))
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
-    summary = {
+    summary = summarize(cfg, progress, stop_reason, wall_start)
+    summary["calibration_sim_time_s"] = calibration_s
+    _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    return summary
+
+
+def summarize(
+    cfg: ExperimentConfig, progress: Progress, stop_reason: str, wall_start: float
+) -> dict[str, Any]:
+    """The fields of summary.json every runtime writes (the engine's and Flower's)."""
+    return {
         "stop_reason": stop_reason,
         "rounds": progress.round,
         "sim_time_s": progress.sim_time_s,
         "initial_accuracy": progress.initial_accuracy,
         "final_accuracy": progress.last_accuracy,
         "best_accuracy": progress.best_accuracy,
-        "target_accuracy": tcfg.target_accuracy or None,
+        "target_accuracy": cfg.training.target_accuracy or None,
         "time_to_target_s": progress.time_to_target_s,
         "total_uplink_bits": progress.uplink_bits,
         "total_downlink_bits": progress.downlink_bits,
@@ -585,11 +595,8 @@ def run_experiment(
         "compute_s": progress.compute_s,
         "wall_s": time.perf_counter() - wall_start,
         "method": cfg.method.name,
-        "seed": tcfg.seed,
-        "calibration_sim_time_s": calibration_s,
+        "seed": cfg.training.seed,
     }
-    _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
-    return summary
 
 
 def _target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:

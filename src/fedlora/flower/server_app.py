@@ -51,6 +51,7 @@ from fedlora.engine import (
     round_header,
     run_dir_for,
     save_checkpoint,
+    summarize,
     write_clients_csv,
 )
 from fedlora.errors import ConfigError, DataError
@@ -363,26 +364,8 @@ def _run_server(
             stop_reason = "target_accuracy"
     checkpoint()
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
-    summary = {
-        "stop_reason": stop_reason,
-        "rounds": progress.round,
-        "sim_time_s": progress.sim_time_s,
-        "initial_accuracy": progress.initial_accuracy,
-        "final_accuracy": progress.last_accuracy,
-        "best_accuracy": progress.best_accuracy,
-        "target_accuracy": tcfg.target_accuracy or None,
-        "time_to_target_s": progress.time_to_target_s,
-        "total_uplink_bits": progress.uplink_bits,
-        "total_downlink_bits": progress.downlink_bits,
-        "empty_rounds": progress.empty_rounds,
-        "compute_s": progress.compute_s,
-        "wall_s": time.perf_counter() - wall_start,
-        "method": cfg.method.name,
-        "seed": tcfg.seed,
-        "runtime": "flower",
-        "total_dropouts": total_dropouts,
-        "availability": opts.availability,
-    }
+    summary = summarize(cfg, progress, stop_reason, wall_start)
+    summary.update(runtime="flower", total_dropouts=total_dropouts, availability=opts.availability)
     _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 

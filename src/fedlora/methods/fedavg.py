@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
-from fedlora.sketch import truncation_scale_vectors
+from fedlora.sketch import check_k, truncation_scale_vectors
 
 
 def uniform_subset(n: int, m: int, rng: np.random.Generator) -> np.ndarray:
@@ -50,21 +50,32 @@ def weighted_mean(client_states: list[Adapter], weights: np.ndarray) -> Adapter:
     return out
 
 
-class FedAvg(Method):
-    name = "fedavg"
+class RankTruncationMethod(Method):
+    """Base of the uniformly sampled methods whose clients train their first r_n rank
+    components: FedAvg (r_n = γ), HeteroLoRA, FlexLoRA, FedStackLoRA."""
 
-    def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
+    def __init__(
+        self, *, a: np.ndarray, ranks: np.ndarray, gamma: int, clients_per_round: int = 0
+    ) -> None:
         self.a = np.asarray(a, dtype=float)
+        self.ranks = check_k(ranks, gamma, name="method.ranks")
         self.gamma = gamma
         self.clients_per_round = clients_per_round
 
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
     ) -> RoundPlan:
-        full = np.full(self.a.size, self.gamma)
         return truncated_rank_plan(
-            round_index, self.a, full, self.gamma, self.clients_per_round, rng_sampling
+            round_index, self.a, self.ranks, self.gamma, self.clients_per_round, rng_sampling
         )
+
+
+class FedAvg(RankTruncationMethod):
+    name = "fedavg"
+
+    def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
+        ranks = np.full(len(a), gamma)
+        super().__init__(a=a, ranks=ranks, gamma=gamma, clients_per_round=clients_per_round)
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]

@@ -27,14 +27,12 @@ from fedlora.methods.base import (
     Aggregation,
     ClientTask,
     LayerShapes,
-    Method,
     Payload,
     RoundPlan,
     sketch_payload_params,
 )
-from fedlora.methods.fedavg import truncated_rank_plan
+from fedlora.methods.fedavg import RankTruncationMethod
 from fedlora.methods.heterolora import lora_modules
-from fedlora.sketch import check_k
 
 INIT_STREAM = 0x5743  # keeps the fresh-init draws apart from the engine's streams
 
@@ -56,7 +54,7 @@ def fresh_adapter(template: Adapter, seed: int, round_index: int) -> Adapter:
     return out
 
 
-class FedStackLoRA(Method):
+class FedStackLoRA(RankTruncationMethod):
     name = "fedstacklora"
 
     def __init__(
@@ -69,19 +67,9 @@ class FedStackLoRA(Method):
         seed: int = 0,
         clients_per_round: int = 0,
     ) -> None:
-        self.a = np.asarray(a, dtype=float)
-        self.ranks = check_k(ranks, gamma, name="method.ranks")
-        self.gamma = gamma
+        super().__init__(a=a, ranks=ranks, gamma=gamma, clients_per_round=clients_per_round)
         self.scaling = float(scaling)
         self.seed = seed
-        self.clients_per_round = clients_per_round
-
-    def plan_round(
-        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
-    ) -> RoundPlan:
-        return truncated_rank_plan(
-            round_index, self.a, self.ranks, self.gamma, self.clients_per_round, rng_sampling
-        )
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.methods.base import Adapter, Aggregation, Method, RoundPlan
-from fedlora.methods.fedavg import truncated_rank_plan
+from fedlora.methods.base import Adapter, Aggregation, RoundPlan
+from fedlora.methods.fedavg import RankTruncationMethod
 from fedlora.methods.heterolora import lora_modules
-from fedlora.sketch import check_k
 
 
 def truncated_svd_factors(
@@ -46,23 +45,8 @@ def truncated_svd_factors(
     return b, a
 
 
-class FlexLoRA(Method):
+class FlexLoRA(RankTruncationMethod):
     name = "flexlora"
-
-    def __init__(
-        self, *, a: np.ndarray, ranks: np.ndarray, gamma: int, clients_per_round: int = 0
-    ) -> None:
-        self.a = np.asarray(a, dtype=float)
-        self.ranks = check_k(ranks, gamma, name="method.ranks")
-        self.gamma = gamma
-        self.clients_per_round = clients_per_round
-
-    def plan_round(
-        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
-    ) -> RoundPlan:
-        return truncated_rank_plan(
-            round_index, self.a, self.ranks, self.gamma, self.clients_per_round, rng_sampling
-        )
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]

@@ -26,9 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from fedlora.errors import bad_value
-from fedlora.methods.base import Adapter, Aggregation, Method, RoundPlan
-from fedlora.methods.fedavg import truncated_rank_plan, weighted_mean
-from fedlora.sketch import check_k
+from fedlora.methods.base import Adapter, Aggregation, RoundPlan
+from fedlora.methods.fedavg import RankTruncationMethod, weighted_mean
 
 WEIGHTINGS = ("sparsity", "data")
 
@@ -44,7 +43,7 @@ def product_fro_norm(b: np.ndarray, a: np.ndarray) -> float:
     return float(np.sqrt(max(np.sum((b.T @ b) * (a @ a.T)), 0.0)))
 
 
-class HeteroLoRA(Method):
+class HeteroLoRA(RankTruncationMethod):
     name = "heterolora"
 
     def __init__(
@@ -58,18 +57,8 @@ class HeteroLoRA(Method):
     ) -> None:
         if weighting not in WEIGHTINGS:
             raise bad_value("heterolora weighting", weighting, f"one of {', '.join(WEIGHTINGS)}")
-        self.a = np.asarray(a, dtype=float)
-        self.ranks = check_k(ranks, gamma, name="method.ranks")
-        self.gamma = gamma
-        self.clients_per_round = clients_per_round
+        super().__init__(a=a, ranks=ranks, gamma=gamma, clients_per_round=clients_per_round)
         self.weighting = weighting
-
-    def plan_round(
-        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
-    ) -> RoundPlan:
-        return truncated_rank_plan(
-            round_index, self.a, self.ranks, self.gamma, self.clients_per_round, rng_sampling
-        )
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
