@@ -357,12 +357,6 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
         except TrainingError as e:
             clients = [t.client for t in chunk]
             raise TrainingDiverged(f"round {r + 1}, clients {clients}: {e}") from None
-        if not np.all(np.isfinite(chunk_losses)):
-            bad = [chunk[i].client for i in np.flatnonzero(~np.isfinite(chunk_losses).all(1))]
-            raise TrainingDiverged(
-                f"round {r + 1}: non-finite training loss on client(s) {bad}; "
-                f"lower training.lr (now {cfg.training.lr})"
-            )
         for i in range(len(chunk)):
             states.append(_to_numpy(run.lora.slot_state(i)))
         losses.extend(np.asarray(chunk_losses).mean(axis=1).tolist())
@@ -536,23 +530,14 @@ def run_experiment(
     reporter = _Reporter(tcfg.rounds, progress.round, quiet)
     try:
         while progress.round < tcfg.rounds:
-            if _target_reached(cfg, progress):
-                stop_reason = "target_accuracy"
+            early = stop_before_round(cfg, progress)
+            if early:
+                stop_reason = early
                 break
-            if tcfg.time_budget_s and progress.sim_time_s >= tcfg.time_budget_s:
-                stop_reason = "time_budget"
-                break
-            r = progress.round
-            plan = run.method.plan_round(
-                r, derive_rng(tcfg.seed, "sampling", r), derive_rng(tcfg.seed, "sketch", r)
-            )
+            plan = plan_next_round(run, progress)
             t0 = time.perf_counter()
             line = _one_round(run, plan, progress)
-            line["compute_s"] = time.perf_counter() - t0
-            progress.compute_s += line["compute_s"]
-            _append_metrics(metrics_path, line)
-            progress.metrics_lines += 1
-            progress.round += 1
+            record_round(metrics_path, progress, line, time.perf_counter() - t0)
             reporter.update(line, progress)
             if stop is not None and stop(line):
                 stop_reason = "stop_condition"
@@ -574,6 +559,33 @@ def run_experiment(
     summary["calibration_sim_time_s"] = calibration_s
     _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
+
+
+def stop_before_round(cfg: ExperimentConfig, progress: Progress) -> str | None:
+    """The reason to stop before the next round (target reached, time budget spent), if any."""
+    if _target_reached(cfg, progress):
+        return "target_accuracy"
+    budget = cfg.training.time_budget_s
+    if budget and progress.sim_time_s >= budget:
+        return "time_budget"
+    return None
+
+
+def plan_next_round(run: Run, progress: Progress) -> RoundPlan:
+    """The method's plan for the next round, from the round's derived generators."""
+    seed, r = run.cfg.training.seed, progress.round
+    return run.method.plan_round(r, derive_rng(seed, "sampling", r), derive_rng(seed, "sketch", r))
+
+
+def record_round(
+    metrics_path: Path, progress: Progress, line: dict[str, Any], compute_s: float
+) -> None:
+    """Append a finished round's metrics line and advance the progress past it."""
+    line["compute_s"] = compute_s
+    progress.compute_s += compute_s
+    _append_metrics(metrics_path, line)
+    progress.metrics_lines += 1
+    progress.round += 1
 
 
 def summarize(

@@ -43,14 +43,16 @@ from fedlora.engine import (
     apply_aggregate,
     build_run,
     close_round,
-    derive_rng,
     evaluate_global,
     load_checkpoint,
     load_run_config,
+    plan_next_round,
     prepare_run_dir,
+    record_round,
     round_header,
     run_dir_for,
     save_checkpoint,
+    stop_before_round,
     summarize,
     write_clients_csv,
 )
@@ -335,24 +337,15 @@ def _run_server(
     tcfg = cfg.training
     stop_reason = "max_rounds"
     while progress.round < tcfg.rounds:
-        if _target_reached(cfg, progress):
-            stop_reason = "target_accuracy"
+        early = stop_before_round(cfg, progress)
+        if early:
+            stop_reason = early
             break
-        if tcfg.time_budget_s and progress.sim_time_s >= tcfg.time_budget_s:
-            stop_reason = "time_budget"
-            break
-        r = progress.round
-        plan = run.method.plan_round(
-            r, derive_rng(tcfg.seed, "sampling", r), derive_rng(tcfg.seed, "sketch", r)
-        )
+        plan = plan_next_round(run, progress)
         t0 = time.perf_counter()
         line = _flower_round(grid, run, plan, progress, clients, avail, opts, log)
-        line["compute_s"] = time.perf_counter() - t0
         total_dropouts += len(line["dropouts"])
-        progress.compute_s += line["compute_s"]
-        _append_metrics(metrics_path, line)
-        progress.metrics_lines += 1
-        progress.round += 1
+        record_round(metrics_path, progress, line, time.perf_counter() - t0)
         log(
             f"round {line['round']}: n={line['n_participants']} dropouts={line['dropouts']} "
             f"loss={line['train_loss']}"
