@@ -333,10 +333,13 @@ class EvaluationConfig:
     scoring: str = "label"
     batch_size: int = 16  # questions (with all their candidates) per forward pass
     predictions: bool = True  # write every question's prediction to predictions.jsonl
+    # with lora.layers = K: memory bound (MB) of the eval set's frozen-layer cache; 0 = off
+    cache_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         _check_choice("evaluation.scoring", self.scoring, SCORINGS)
         _check_int("evaluation.batch_size", self.batch_size, lo=1)
+        _check_number("evaluation.cache_mb", self.cache_mb, lo=0)
         if not isinstance(self.predictions, bool):
             raise bad_value("evaluation.predictions", self.predictions, "true or false")
 

@@ -367,10 +367,12 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
     """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
     import torch
 
-    from fedlora.evaluation import evaluate
+    from fedlora.evaluation import eval_cache_for, evaluate
 
     ecfg = run.cfg.evaluation
     run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
+    # lora.layers = K: the eval set's frozen lower layers once per run (same results)
+    cache = eval_cache_for(run.model, run.lora, ecfg.cache_mb)
     return {
         task: evaluate(
             run.model,
@@ -379,6 +381,7 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
             batch_size=ecfg.batch_size,
             scoring=ecfg.scoring,
             task=task,
+            cache=cache,
         )
         for task, examples in run.fed.eval_sets.items()
     }
