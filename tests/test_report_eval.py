@@ -112,13 +112,18 @@ def test_report_sections_plots_and_cli(tmp_path: Path, capsys) -> None:
     assert "| a | 10.0 | 1.2000 |" in text
     assert "| b | >= 20.0 (1/1 not reached) | 1.3000 |" in text
     # a right only on none, b right only on q3, q4, q6: p = 2 * 1/8
-    assert "| a | b | 0 | arc-e | 8 | 5 | 0 | 3 | 0 | 62.5% | 100.0% | 0.25 |" in text
+    assert "| a | b | arc-e | 8 | 5 | 0 | 3 | 0 | 62.5% | 100.0% | 0.25 |" in text
     code = main(
         ["report", str(tmp_path / "s" / "a-seed0"), str(tmp_path / "s" / "b-seed0"), "--target",
          "arc-e=0.5", "--mcnemar", "--target-loss", "1.25", "--out", str(tmp_path / "cli")]
     )  # fmt: skip
     assert code == 0
     assert "## Paired test (McNemar)" in (tmp_path / "cli" / "report.md").read_text()
+    # two runs of the same label from different suites (and seeds) are still a pair
+    other = make_run(tmp_path / "t", "a-seed1", pts, correct=[0] * 8, seed=1)
+    write_report([load_run(a), load_run(other)], {"arc-e": 0.5}, tmp_path / "o2", mcnemar=True)
+    text = (tmp_path / "o2" / "report.md").read_text()
+    assert "| s/a-seed0 | t/a-seed1 | arc-e | 8 | 0 | 5 | 0 | 3 |" in text
     capsys.readouterr()
     code = main(["report", str(a), "--target", "arc-e=0.5", "--target-loss", "-1"])
     assert code == 2

@@ -622,31 +622,44 @@ def _baseline_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]
 
 
 def _mcnemar_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
-    """Every pair of runs with the same seed (the same eval questions), different labels."""
-    rows = []
+    """Two runs: that pair. More: every two runs of the same seed (the same eval subset) and
+    different labels."""
     ordered = [r for label in labels for r in runs if r.label == label]
-    for i, a in enumerate(ordered):
-        for b in ordered[i + 1 :]:
-            if a.seed != b.seed or a.label == b.label:
-                continue
-            if not read_predictions(a.path) or not read_predictions(b.path):
-                continue
-            for t in paired_tests(a.path, b.path):
-                rows.append(
-                    f"| {a.label} | {b.label} | {a.seed} | {t.task} | {t.n} | {t.both} | "
-                    f"{t.a_only} | {t.b_only} | {t.neither} | {100 * t.accuracy_a:.1f}% | "
-                    f"{100 * t.accuracy_b:.1f}% | {t.p_value:.4g} |"
-                )
+    if len(ordered) == 2:
+        pairs = [(ordered[0], ordered[1])]
+    else:
+        pairs = [
+            (a, b)
+            for i, a in enumerate(ordered)
+            for b in ordered[i + 1 :]
+            if a.seed == b.seed and a.label != b.label
+        ]
+    unique = len({r.label for r in ordered}) == len(ordered)
+
+    def name(r: RunRecord) -> str:
+        return r.label if unique else f"{r.path.parent.name}/{r.path.name}"
+
+    rows = []
+    for a, b in pairs:
+        if not read_predictions(a.path) or not read_predictions(b.path):
+            continue
+        for t in paired_tests(a.path, b.path):
+            rows.append(
+                f"| {name(a)} | {name(b)} | {t.task} | {t.n} | {t.both} | {t.a_only} | "
+                f"{t.b_only} | {t.neither} | {100 * t.accuracy_a:.1f}% | "
+                f"{100 * t.accuracy_b:.1f}% | {t.p_value:.4g} |"
+            )
     out = ["", "## Paired test (McNemar)", ""]
     if not rows:
-        return out + ["No two runs of the same seed wrote predictions.jsonl.", ""]
+        return out + ["No pair of runs (of the same seed) wrote predictions.jsonl.", ""]
     return out + [
-        "Last evaluation of each run, on the questions both scored. A only / B only: the "
-        "discordant questions; p: exact two-sided McNemar (binomial on the discordant pairs).",
+        "Last evaluation of each run, on the questions both scored (matched by question id). "
+        "A only / B only: the discordant questions; p: exact two-sided McNemar (binomial on "
+        "the discordant pairs).",
         "",
-        "| run A | run B | seed | task | n | both right | A only | B only | neither | "
+        "| run A | run B | task | n | both right | A only | B only | neither | "
         "accuracy A | accuracy B | p |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 
