@@ -377,3 +377,22 @@ def test_eval_cache_is_bounded_and_off_when_nothing_is_frozen() -> None:
         got = evaluate(model, tok, CACHE_EXAMPLES, batch_size=4, cache=cache)
         np.testing.assert_allclose(got.nll, ref.nll, atol=1e-5)
     assert len(cache) == 1 and cache.nbytes <= cache.max_bytes and cache.evictions == 0
+
+
+def test_write_predictions_replaces_rounds_a_resumed_run_repeats(tmp_path: Path) -> None:
+    from fedlora.engine import write_predictions
+    from fedlora.evaluation import EvalResult
+
+    def result(pred: int) -> EvalResult:
+        return EvalResult(
+            "arc-e", 1.0, 1, (0.2, 1.0), 0.0, ids=["q"], predictions=[pred], correct=[True],
+            nll=[0.5],
+        )  # fmt: skip
+
+    for r in (0, 4, 8):
+        write_predictions(tmp_path, r, {"arc-e": result(r)})
+    with open(tmp_path / "predictions.jsonl", "a") as f:
+        f.write('{"round": 12, "task": "ar')  # torn by a kill
+    write_predictions(tmp_path, 8, {"arc-e": result(99)})  # resumed after round 4
+    lines = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [(x["round"], x["pred"]) for x in lines] == [(0, [0]), (4, [4]), (8, [99])]
