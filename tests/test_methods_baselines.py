@@ -167,11 +167,12 @@ def test_heterolora_plan_truncates_to_the_rank_budget():
     method = HeteroLoRA(a=np.array([0.2, 0.8]), ranks=np.array([1, 3]), gamma=3)
     plan = method.plan_round(0, _rng(), _rng())
     assert plan.participants == [0, 1]
-    assert plan.tasks[0].scale.tolist() == [1, 0, 0] and plan.tasks[0].rank_used == 1
+    # scale γ/r_n on the first r_n: the client's forward factor is α/r_n (HetLoRA)
+    assert plan.tasks[0].scale.tolist() == [3, 0, 0] and plan.tasks[0].rank_used == 1
     assert plan.tasks[1].scale.tolist() == [1, 1, 1] and plan.tasks[1].weight == 0.8
 
 
-def test_heterolora_zero_pads_and_averages_with_data_weights():
+def test_heterolora_zero_pads_the_updates_and_averages_with_data_weights():
     # Prepare: γ = 3, client 0 has rank 1 (its rows/columns 1, 2 are the untouched global
     # values 1), client 1 rank 3; data weights 1 and 3 → p = 0.25, 0.75.
     method = HeteroLoRA(a=np.array([1.0, 3.0]), ranks=np.array([1, 3]), gamma=3, weighting="data")
@@ -181,9 +182,10 @@ def test_heterolora_zero_pads_and_averages_with_data_weights():
     plan = method.plan_round(0, _rng(), _rng())
     # Execute
     agg = method.aggregate(global_state, plan, [c0, c1])
-    # Assert: row 0 = .25·2 + .75·4 = 3.5; rows 1, 2 = .25·0 (padding) + .75·5 / .75·6
-    assert np.allclose(agg.global_state["m.lora_A"], [[3.5, 3.5], [3.75, 3.75], [4.5, 4.5]])
-    assert np.allclose(agg.global_state["m.lora_B"], [[3.5, 3.75, 4.5]])
+    # Assert: X + Σ p_n pad(X_n − X): row 0 = 1 + .25·1 + .75·3 = 3.5; rows 1, 2 get client 0's
+    # padded update 0: 1 + .75·4 = 4, 1 + .75·5 = 4.75
+    assert np.allclose(agg.global_state["m.lora_A"], [[3.5, 3.5], [4, 4], [4.75, 4.75]])
+    assert np.allclose(agg.global_state["m.lora_B"], [[3.5, 4, 4.75]])
     assert agg.info["weights"]["m"] == [0.25, 0.75]
 
 
@@ -198,10 +200,10 @@ def test_heterolora_sparsity_weights_are_frobenius_norms_of_padded_products():
     plan = method.plan_round(0, _rng(), _rng())
     # Execute
     agg = method.aggregate(global_state, plan, [c0, c1])
-    # Assert: B = .6·[3, 0, 0] + .4·[1, 1, 0]; A = .6·[1, 0, 0] + .4·[1, 1, 0]
+    # Assert: B = 9 + .6·[3 − 9, 0, 0] + .4·[1 − 9, 1 − 9, 0]; A likewise with [1, 9, 9], [1, 1, 9]
     assert np.allclose(agg.info["weights"]["m"], [0.6, 0.4])
-    assert np.allclose(agg.global_state["m.lora_B"], [[2.2, 0.4, 0.0]])
-    assert np.allclose(agg.global_state["m.lora_A"], [[1.0], [0.4], [0.0]])
+    assert np.allclose(agg.global_state["m.lora_B"], [[2.2, 5.8, 9.0]])
+    assert np.allclose(agg.global_state["m.lora_A"], [[1.0], [5.8], [9.0]])
 
 
 def test_heterolora_sparsity_falls_back_to_data_weights_when_all_products_vanish():
@@ -439,3 +441,140 @@ def test_full_rank_heterolora_and_fslora_reduce_to_fedavg():
     out = fs.aggregate(global_state, fs.plan_round(0, _rng(), _rng()), states).global_state
     expected = weighted_mean(states, np.ones(3))
     assert all(np.allclose(out[k], expected[k]) for k in expected)
+
+
+# ----------------------------------------------------------------------------- issue 12: HetLoRA
+
+
+def _live_rank(state: dict[str, np.ndarray], mod: str = "l") -> int:
+    """Components j with both B[:, j] and A[j] non-zero (the others get no gradient again)."""
+    a, b = state[f"{mod}.lora_A"], state[f"{mod}.lora_B"]
+    return int(np.sum((np.abs(a).sum(axis=1) > 0) & (np.abs(b).sum(axis=0) > 0)))
+
+
+def test_heterolora_pads_updates_so_untrained_components_keep_their_global_values():
+    # Prepare: γ = 3, both participants have rank 1 (no one trains components 1, 2);
+    # global A rows 1, 2 and B columns 1, 2 are 7 (client uploads carry them unchanged)
+    method = HeteroLoRA(a=np.array([1.0, 3.0]), ranks=np.array([1, 1]), gamma=3, weighting="data")
+    g = _state([[1, 1], [7, 7], [7, 7]], [[1, 7, 7]])
+    c0 = _state([[2, 2], [7, 7], [7, 7]], [[3, 7, 7]])
+    c1 = _state([[4, 4], [7, 7], [7, 7]], [[5, 7, 7]])
+    plan = method.plan_round(0, _rng(), _rng())
+    # Execute
+    out = method.aggregate(g, plan, [c0, c1]).global_state
+    # Assert: X + Σ p_n pad(X_n − X): row 0 = 1 + .25·1 + .75·3 = 3.5; rows 1, 2 stay 7
+    # (padding the modules would make them .25·0 + .75·0 = 0, dead for ever)
+    assert np.allclose(out["m.lora_A"], [[3.5, 3.5], [7, 7], [7, 7]])
+    assert np.allclose(out["m.lora_B"], [[1 + 0.25 * 2 + 0.75 * 4, 7, 7]])
+
+
+def test_heterolora_keeps_the_live_rank_under_partial_participation():
+    # Prepare: N = 10, γ = 16, 2 clients per round, ranks 3..11 (the run in the issue lost 10
+    # of 16 components by round 4). Each "training" moves the client's active components.
+    rng = _rng(0)
+    gamma, ranks = 16, np.array([11, 5, 9, 10, 6, 9, 5, 6, 3, 8])
+    method = HeteroLoRA(a=np.full(10, 0.1), ranks=ranks, gamma=gamma, clients_per_round=2)
+    g = {"l.lora_A": rng.normal(size=(gamma, 6)), "l.lora_B": rng.normal(size=(5, gamma))}
+    for r in range(20):
+        plan = method.plan_round(r, _rng(r), _rng(r))
+        states = []
+        for t in plan.tasks:
+            m = t.scale != 0
+            s = {k: v.copy() for k, v in g.items()}
+            s["l.lora_A"][m] += 0.1 * rng.normal(size=(m.sum(), 6))
+            s["l.lora_B"][:, m] += 0.1 * rng.normal(size=(5, m.sum()))
+            states.append(s)
+        g = method.aggregate(g, plan, states).global_state
+    # Assert: every component is still alive
+    assert _live_rank(g) == gamma
+
+
+def test_heterolora_modules_padding_is_kept_as_an_option():
+    method = HeteroLoRA(
+        a=np.array([1.0, 3.0]), ranks=np.array([1, 3]), gamma=3, weighting="data",
+        padding="modules", scaling="global",
+    )  # fmt: skip
+    g = _state([[1, 1], [1, 1], [1, 1]], [[1, 1, 1]])
+    c0 = _state([[2, 2], [1, 1], [1, 1]], [[2, 1, 1]])
+    c1 = _state([[4, 4], [5, 5], [6, 6]], [[4, 5, 6]])
+    out = method.aggregate(g, method.plan_round(0, _rng(), _rng()), [c0, c1]).global_state
+    assert np.allclose(out["m.lora_A"], [[3.5, 3.5], [3.75, 3.75], [4.5, 4.5]])
+
+
+def test_heterolora_scales_each_client_by_alpha_over_its_own_rank():
+    # the slot computes (α/γ)·B diag(s) A; s = γ/r_n on the first r_n gives α/r_n (HetLoRA:
+    # every client is a LoRA of rank r_n with the same α)
+    method = HeteroLoRA(a=np.ones(2), ranks=np.array([2, 4]), gamma=4)
+    plan = method.plan_round(0, _rng(), _rng())
+    assert plan.tasks[0].scale.tolist() == [2, 2, 0, 0] and plan.tasks[0].rank_used == 2
+    assert plan.tasks[1].scale.tolist() == [1, 1, 1, 1]
+    legacy = HeteroLoRA(a=np.ones(2), ranks=np.array([2, 4]), gamma=4, scaling="global")
+    assert legacy.plan_round(0, _rng(), _rng()).tasks[0].scale.tolist() == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"padding": "zeros"}, "padding = 'zeros'.*updates, modules"),
+        ({"scaling": "rs"}, "scaling = 'rs'.*rank, global"),
+        ({"pruning": 1.0}, r"method.heterolora_pruning = 1.0.*0 \(off\) or in \(0, 1\)"),
+        ({"pruning": -0.5}, r"method.heterolora_pruning = -0.5"),
+    ],
+)
+def test_heterolora_rejects_bad_options(kw, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        HeteroLoRA(a=np.ones(1), ranks=np.ones(1, dtype=int), gamma=1, **kw)
+
+
+def _tail_state(gamma: int, rank: int, head: float, tail: float) -> dict[str, np.ndarray]:
+    """A rank-γ adapter whose first components are `head` and the HetLoRA tail `tail`."""
+    a = np.zeros((gamma, 2))
+    b = np.zeros((2, gamma))
+    keep = int(np.floor(0.5 * rank))
+    a[:keep], b[:, :keep] = head, head
+    a[keep:rank], b[:, keep:rank] = tail, tail
+    return {"l.lora_A": a, "l.lora_B": b}
+
+
+def test_heterolora_self_pruning_shrinks_a_rank_when_its_tail_norm_falls():
+    # Prepare: decay 0.5, one client of rank 4: the tail is components 2, 3.
+    # Round 0: tail entries 1 → ‖B_tail‖·‖A_tail‖ = 2·2 = 4 (remembered, no pruning yet).
+    # Round 1: tail 0.5 → 1 < 4: the rank becomes ⌊0.5·4⌋ = 2. Round 2: tail 2.0 (of rank 2:
+    # component 1) — first value at the new rank, remembered; round 3: larger → kept.
+    method = HeteroLoRA(a=np.ones(1), ranks=np.array([4]), gamma=4, pruning=0.5)
+    g = _tail_state(4, 4, 0.0, 0.0)
+    ranks = []
+    for r, tail in enumerate([1.0, 0.5, 2.0, 3.0]):
+        plan = method.plan_round(r, _rng(), _rng())
+        agg = method.aggregate(g, plan, [_tail_state(4, int(method.ranks[0]), 1.0, tail)])
+        ranks.append(int(method.ranks[0]))
+    # Assert
+    assert ranks == [4, 2, 2, 2]
+    assert agg.info["ranks"] == [2]
+    # the state survives a checkpoint
+    again = HeteroLoRA(a=np.ones(1), ranks=np.array([4]), gamma=4, pruning=0.5)
+    again.load_state_dict(method.state_dict())
+    assert again.ranks.tolist() == [2] and again.state_dict() == method.state_dict()
+
+
+def test_heterolora_never_prunes_below_rank_one_and_is_off_by_default():
+    method = HeteroLoRA(a=np.ones(1), ranks=np.array([1]), gamma=2, pruning=0.5)
+    g = _tail_state(2, 1, 0.0, 0.0)
+    for r, tail in enumerate([1.0, 0.1, 0.01]):
+        method.aggregate(g, method.plan_round(r, _rng(), _rng()), [_tail_state(2, 1, 1.0, tail)])
+    assert method.ranks.tolist() == [1]
+    off = HeteroLoRA(a=np.ones(1), ranks=np.array([2]), gamma=2)
+    for r, tail in enumerate([1.0, 0.1, 0.01]):
+        off.aggregate(g, off.plan_round(r, _rng(), _rng()), [_tail_state(2, 2, 1.0, tail)])
+    assert off.ranks.tolist() == [2]
+
+
+def test_make_method_passes_heterolora_pruning():
+    cfg = load_config(
+        None,
+        ['method.name="heterolora"', "data.n_clients=2", "method.ranks=[2, 4]",
+         "method.heterolora_pruning=0.75"],
+    )  # fmt: skip
+    assert make_method(cfg, np.full(2, 0.5), _rng()).pruning == 0.75
+    with pytest.raises(ConfigError, match="method.heterolora_pruning = 1.5"):
+        load_config(None, ["method.heterolora_pruning=1.5"])

@@ -254,6 +254,9 @@ class MethodConfig:
     # rank budgets r_n of fslora (its k_n), heterolora, fedstacklora, flexlora: "capability"
     # (from each device's compute time), a k strategy, a .json/.csv file, or a list
     ranks: Union[str, tuple[int, ...]] = "capability"  # noqa: UP007
+    # heterolora: HetLoRA's rank self-pruning decay factor d (r_n -> floor(d r_n) when the
+    # tail norm falls); 0 = off
+    heterolora_pruning: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("method.name", self.name, METHODS)
@@ -262,6 +265,9 @@ class MethodConfig:
         _check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
         _check_int("method.clients_per_round", self.clients_per_round, lo=0)
         _check_vector_or_strategy("method.ranks", self.ranks, RANK_STRATEGIES, integer=True)
+        _check_number(
+            "method.heterolora_pruning", self.heterolora_pruning, lo=0, hi=1, hi_open=True
+        )
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,13 @@ def make_method(
         if m.name == "fslora":
             return FSLoRA(k=ranks, gamma=gamma, clients_per_round=per_round)
         if m.name == "heterolora":
-            return HeteroLoRA(a=a, ranks=ranks, gamma=gamma, clients_per_round=per_round)
+            return HeteroLoRA(
+                a=a,
+                ranks=ranks,
+                gamma=gamma,
+                clients_per_round=per_round,
+                pruning=m.heterolora_pruning,
+            )
         if m.name == "flexlora":
             return FlexLoRA(a=a, ranks=ranks, gamma=gamma, clients_per_round=per_round)
         return FedStackLoRA(
