@@ -322,11 +322,11 @@ def test_flexlora_hand_computed_svd_redistribution():
     agg = method.aggregate(global_state, plan, [c0, c1])
     b, a = agg.global_state["m.lora_B"], agg.global_state["m.lora_A"]
     # Assert: B A = W; the rank-1 client gets the best rank-1 part [[1, 0], [0, 0]];
-    # B = U√Σ has squared column norms σ = 1, .5 and so has A = √ΣVᵀ (rows)
+    # B = UΣ has column norms σ = 1, .5; A = Vᵀ has unit rows
     assert np.allclose(b @ a, [[1, 0], [0, 0.5]])
     assert np.allclose(b[:, :1] @ a[:1], [[1, 0], [0, 0]])
-    assert np.allclose(np.sum(b**2, axis=0), [1, 0.5])
-    assert np.allclose(np.sum(a**2, axis=1), [1, 0.5])
+    assert np.allclose(np.linalg.norm(b, axis=0), [1, 0.5])
+    assert np.allclose(np.linalg.norm(a, axis=1), [1, 1])
     assert np.allclose(agg.info["singular_values"]["m"], [1, 0.5])
 
 
@@ -356,14 +356,15 @@ def test_flexlora_gives_each_client_the_best_rank_r_approximation():
         assert np.linalg.norm(w - got) == pytest.approx(np.sqrt(np.sum(sv[r:] ** 2)), abs=1e-9)
 
 
-def test_truncated_svd_pads_with_zeros_when_w_has_low_rank():
-    # one rank-1 product, γ = 3: components 1 and 2 are zero, B A = W exactly
+def test_truncated_svd_completes_a_with_orthonormal_rows_when_w_has_low_rank():
+    # one rank-1 product, γ = 3: B's components 1 and 2 are zero (σ = 0) but A's rows are an
+    # orthonormal basis (V of a full SVD), so those components can still be trained
     b_stack, a_stack = np.array([[1.0], [2.0]]), np.array([[3.0, 0.0, 4.0]])
-    b, a = truncated_svd_factors(b_stack, a_stack, 3)
+    b, a = truncated_svd_factors(b_stack, a_stack, 3, rng=_rng())
     assert b.shape == (2, 3) and a.shape == (3, 3)
     assert np.allclose(b @ a, b_stack @ a_stack)
-    assert np.allclose(b[:, 1:], 0) and np.allclose(a[1:], 0)
-    assert np.sum(b[:, 0] ** 2) == pytest.approx(np.sqrt(5) * 5)  # σ = ‖[1, 2]‖·‖[3, 0, 4]‖
+    assert np.allclose(b[:, 1:], 0) and np.allclose(a @ a.T, np.eye(3))
+    assert np.linalg.norm(b[:, 0]) == pytest.approx(np.sqrt(5) * 5)  # σ = ‖[1, 2]‖·‖[3, 0, 4]‖
 
 
 # ----------------------------------------------------------------------------- shared
@@ -578,3 +579,68 @@ def test_make_method_passes_heterolora_pruning():
     assert make_method(cfg, np.full(2, 0.5), _rng()).pruning == 0.75
     with pytest.raises(ConfigError, match="method.heterolora_pruning = 1.5"):
         load_config(None, ["method.heterolora_pruning=1.5"])
+
+
+# ----------------------------------------------------------------------------- issue 12: FlexLoRA
+
+
+def _flex_round(gamma: int, ranks: list[int], seed: int = 0):
+    """One FlexLoRA aggregation of random client uploads; returns (method, W, global)."""
+    rng = _rng(seed)
+    ranks_arr = np.array(ranks)
+    a = np.full(len(ranks), 1.0 / len(ranks))
+    method = FlexLoRA(a=a, ranks=ranks_arr, gamma=gamma, seed=seed)
+    g = {"l.lora_A": rng.normal(size=(gamma, 24)), "l.lora_B": np.zeros((20, gamma))}
+    states = [
+        {"l.lora_A": rng.normal(size=(gamma, 24)), "l.lora_B": rng.normal(size=(20, gamma))}
+        for _ in ranks
+    ]
+    plan = method.plan_round(0, _rng(), _rng())
+    w = sum(p * s["l.lora_B"][:, :r] @ s["l.lora_A"][:r] for p, r, s in zip(a, ranks, states))
+    return method, w, method.aggregate(g, plan, states)
+
+
+def test_flexlora_splits_w_as_u_sigma_and_v_transpose():
+    # FlexLoRA's reference: W_g = UΣVᵀ, client n gets B = U_r Σ_r, A = V_rᵀ
+    _, w, agg = _flex_round(8, [2, 3, 4])
+    b, a = agg.global_state["l.lora_B"], agg.global_state["l.lora_A"]
+    u, sv, vt = np.linalg.svd(w)
+    for r in (2, 3, 4, 8):  # each client's slice = the reference split (up to signs)
+        ref_b, ref_a = u[:, :r] * sv[:r], vt[:r]
+        signs = np.sign(np.sum(a[:r] * ref_a, axis=1))
+        assert np.allclose(b[:, :r] * signs, ref_b, atol=1e-10)
+        assert np.allclose(a[:r] * signs[:, None], ref_a, atol=1e-10)
+    assert np.allclose(a @ a.T, np.eye(8), atol=1e-10)  # A = V_γᵀ: orthonormal rows
+    assert np.allclose(np.linalg.norm(b, axis=0), sv[:8], atol=1e-10)  # ‖U_j σ_j‖ = σ_j
+    assert np.allclose(agg.info["singular_values"]["l"], sv[:8], atol=1e-10)
+
+
+def test_flexlora_keeps_every_component_trainable_when_ranks_sum_below_gamma():
+    # Prepare: participants of ranks 3 and 2, γ = 16: W has rank 5 (the issue's case)
+    _, w, agg = _flex_round(16, [3, 2])
+    b, a = agg.global_state["l.lora_B"], agg.global_state["l.lora_A"]
+    # Execute: the gradient of a loss L(W0 + B A) w.r.t. B is G Aᵀ (G = ∂L/∂W, generic)
+    g = _rng(9).normal(size=w.shape)
+    grad_b = g @ a.T  # (out, γ)
+    # Assert: every component of a rank-16 client gets a non-zero gradient, and B A = W
+    assert np.all(np.linalg.norm(grad_b, axis=0) > 1e-3)
+    assert np.allclose(b @ a, w, atol=1e-10)
+    assert np.allclose(b[:, 5:], 0, atol=1e-10)  # σ_j = 0 beyond rank(W)
+    assert np.allclose(a @ a.T, np.eye(16), atol=1e-10)
+
+
+def test_flexlora_reports_what_the_rank_gamma_global_loses():
+    # Σ r_n = 9 > γ = 4: the global adapter is W's best rank-4 part; clients (r_n <= γ) get
+    # exactly the reference's per-client truncation of the full W
+    _, w, agg = _flex_round(4, [3, 3, 3])
+    sv = np.linalg.svd(w, compute_uv=False)
+    lost = np.sqrt(np.sum(sv[4:] ** 2)) / np.sqrt(np.sum(sv**2))
+    assert agg.info["truncation_loss"]["l"] == pytest.approx(lost, rel=1e-9)
+    _, _, agg = _flex_round(8, [2, 3])
+    assert agg.info["truncation_loss"]["l"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_flexlora_null_components_are_seeded():
+    one = _flex_round(16, [3, 2], seed=1)[2].global_state["l.lora_A"]
+    two = _flex_round(16, [3, 2], seed=1)[2].global_state["l.lora_A"]
+    assert np.array_equal(one, two)

@@ -53,7 +53,13 @@ def make_method(
                 pruning=m.heterolora_pruning,
             )
         if m.name == "flexlora":
-            return FlexLoRA(a=a, ranks=ranks, gamma=gamma, clients_per_round=per_round)
+            return FlexLoRA(
+                a=a,
+                ranks=ranks,
+                gamma=gamma,
+                clients_per_round=per_round,
+                seed=cfg.training.seed,
+            )
         return FedStackLoRA(
             a=a,
             ranks=ranks,
