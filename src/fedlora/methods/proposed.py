@@ -255,9 +255,14 @@ def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[d
         constants = nonnegative_constants(observations, gamma, a)
         fit = f"nonnegative (the SVD fit was refused: {e})"
     if cfg.planner.optimize == "qk":
-        result = pl.alternate(problem, constants, options)
+        result = pl.multi_start(problem, constants, options)
         q, k = result.q, result.k
-        extra = {"iterations": result.iterations, "stop_reason": result.stop_reason}
+        extra = {
+            "iterations": result.iterations,
+            "stop_reason": result.stop_reason,
+            "start": result.start,
+            "starts": result.starts,
+        }
     else:
         from fedlora.engine import derive_rng
         from fedlora.methods.strategies import resolve_k, resolve_q
