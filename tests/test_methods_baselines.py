@@ -396,7 +396,7 @@ def test_make_method_builds_each_baseline_with_shared_budgets(name, cls):
     cfg = load_config(
         None,
         [f'method.name="{name}"', "data.n_clients=4", "lora.rank=8", "lora.alpha=4.0",
-         "method.clients_per_round=2"],
+         "method.clients_per_round=2", 'method.fslora_k="ranks"'],
     )  # fmt: skip
     tau = np.array([1.0, 2.0, 4.0, 0.5])
     method = make_method(cfg, np.full(4, 0.25), _rng(), tau_full_s=tau)
@@ -644,3 +644,47 @@ def test_flexlora_null_components_are_seeded():
     one = _flex_round(16, [3, 2], seed=1)[2].global_state["l.lora_A"]
     two = _flex_round(16, [3, 2], seed=1)[2].global_state["l.lora_A"]
     assert np.array_equal(one, two)
+
+
+# ----------------------------------------------------------------------------- issue 12: FSLoRA
+
+
+def test_fslora_default_draws_k_uniformly_in_4_to_gamma_as_its_reference():
+    cfg = load_config(None, ['method.name="fslora"', "data.n_clients=2000", "lora.rank=16"])
+    assert cfg.method.fslora_k == "reference"
+    # Execute
+    method = make_method(cfg, np.full(2000, 1 / 2000), _rng(3))
+    again = make_method(cfg, np.full(2000, 1 / 2000), _rng(3))
+    # Assert: integers 4..16, each with probability 1/13, reproducible from the seed
+    counts = np.bincount(method.k, minlength=17)
+    assert method.k.min() == 4 and method.k.max() == 16 and counts[:4].sum() == 0
+    assert np.all(np.abs(counts[4:] - 2000 / 13) < 4 * np.sqrt(2000 / 13))
+    assert np.array_equal(method.k, again.k)
+
+
+def test_fslora_k_from_the_shared_rank_budgets_and_small_gamma():
+    base = ['method.name="fslora"', "data.n_clients=3", "lora.rank=3"]
+    ranks = make_method(load_config(None, [*base, "method.ranks=[1, 2, 3]",
+                                           'method.fslora_k="ranks"']), np.ones(3) / 3, _rng())  # fmt: skip
+    assert ranks.k.tolist() == [1, 2, 3]
+    # γ < 4: the reference's range [4, γ] is empty; every client sketches all γ
+    small = make_method(load_config(None, base), np.ones(3) / 3, _rng())
+    assert small.k.tolist() == [3, 3, 3]
+    with pytest.raises(ConfigError, match="method.fslora_k = 'paper'.*reference, ranks"):
+        load_config(None, ['method.fslora_k="paper"'])
+
+
+def test_docs_reference_tables_name_existing_tests():
+    # docs/methods.md: "reference behaviour | fedlora | test" per baseline; every test it names
+    # must exist, so the tables cannot drift from the suite
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "methods.md").read_text(encoding="utf-8")
+    section = doc[doc.index("## Reference behaviour, step by step") : doc.index("## Exact payloads")]
+    named = re.findall(r"`(?:(tests/\w+\.py)::)?(test_\w+)`", section)
+    assert len(named) > 20
+    for path, name in named:
+        text = (root / (path or "tests/test_methods_baselines.py")).read_text(encoding="utf-8")
+        assert f"def {name}(" in text, f"docs/methods.md names {path or ''}::{name}"

@@ -257,6 +257,9 @@ class MethodConfig:
     # heterolora: HetLoRA's rank self-pruning decay factor d (r_n -> floor(d r_n) when the
     # tail norm falls); 0 = off
     heterolora_pruning: float = 0.0
+    # fslora's sketch sizes: "reference" (k_n uniform on [4, γ], FSLoRA's code) or "ranks"
+    # (the shared budgets of method.ranks)
+    fslora_k: str = "reference"
 
     def __post_init__(self) -> None:
         _check_choice("method.name", self.name, METHODS)
@@ -268,6 +271,7 @@ class MethodConfig:
         _check_number(
             "method.heterolora_pruning", self.heterolora_pruning, lo=0, hi=1, hi_open=True
         )
+        _check_choice("method.fslora_k", self.fslora_k, ("reference", "ranks"))
 
 
 @dataclass(frozen=True)
