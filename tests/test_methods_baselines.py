@@ -682,7 +682,9 @@ def test_docs_reference_tables_name_existing_tests():
 
     root = Path(__file__).resolve().parents[1]
     doc = (root / "docs" / "methods.md").read_text(encoding="utf-8")
-    section = doc[doc.index("## Reference behaviour, step by step") : doc.index("## Exact payloads")]
+    section = doc[
+        doc.index("## Reference behaviour, step by step") : doc.index("## Exact payloads")
+    ]
     named = re.findall(r"`(?:(tests/\w+\.py)::)?(test_\w+)`", section)
     assert len(named) > 20
     for path, name in named:
