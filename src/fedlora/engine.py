@@ -208,6 +208,7 @@ def round_cost(
         t = profiles.t_full[clients] * comm_factor(ranks, gamma, net.comm_cost)
     if net.fading == "rayleigh" and profiles.has_channel:
         gains = rayleigh_gains(profiles.n, derive_rng(cfg.training.seed, "fading", round_index))
+        gains = np.maximum(gains, net.fading_floor)  # the outage floor (0: none)
         faded = spectral_efficiency(profiles.snr_db, gains)[clients]
         t = t * profiles.spectral_efficiency[clients] / faded
     round_time_s, f = allocate_bandwidth(tau, t, net.f_tot_hz)
