@@ -448,9 +448,10 @@ def test_full_rank_heterolora_and_fslora_reduce_to_fedavg():
 
 
 def _live_rank(state: dict[str, np.ndarray], mod: str = "l") -> int:
-    """Components j with both B[:, j] and A[j] non-zero (the others get no gradient again)."""
+    """Components j with B[:, j] or A[j] non-zero; with both zero, neither gets a gradient
+    (∂/∂B_j ∝ A_j, ∂/∂A_j ∝ B_j) and the component is dead for ever."""
     a, b = state[f"{mod}.lora_A"], state[f"{mod}.lora_B"]
-    return int(np.sum((np.abs(a).sum(axis=1) > 0) & (np.abs(b).sum(axis=0) > 0)))
+    return int(np.sum((np.abs(a).sum(axis=1) > 0) | (np.abs(b).sum(axis=0) > 0)))
 
 
 def test_heterolora_pads_updates_so_untrained_components_keep_their_global_values():
