@@ -426,10 +426,9 @@ def test_worker_trains_exactly_like_the_in_process_node(tmp_path: Path) -> None:
 
 
 def _final_global(run_dir: Path) -> dict[str, np.ndarray]:
-    import torch
+    from fedlora.rundir import load_checkpoint
 
-    ckpt = sorted((run_dir / "checkpoints").glob("round-*.pt"))[-1]
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = load_checkpoint(run_dir)
     return {k: np.asarray(v) for k, v in state["global"].items()}
 
 

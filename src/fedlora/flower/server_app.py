@@ -39,7 +39,6 @@ from fedlora.engine import (
     _target_reached,
     _to_numpy,
     _to_torch,
-    _truncate_metrics,
     apply_aggregate,
     build_run,
     close_round,
@@ -49,6 +48,7 @@ from fedlora.engine import (
     plan_next_round,
     prepare_run_dir,
     record_round,
+    restore_metrics,
     round_header,
     run_dir_for,
     save_checkpoint,
@@ -308,7 +308,7 @@ def _run_server(
             log(f"resuming {run_dir} after round {progress.round}")
         else:
             log(f"no usable checkpoint in {run_dir}: starting from round 0")
-        _truncate_metrics(metrics_path, progress.metrics_lines)
+        restore_metrics(metrics_path, state, warn=log)
     else:
         metrics_path.unlink(missing_ok=True)
     write_clients_csv(run_dir, run.fed, run.profiles)
