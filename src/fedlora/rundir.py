@@ -86,7 +86,7 @@ def os_error_message(e: OSError) -> str:
     """One line for an OSError; a full disk is named as such."""
     where = f" {e.filename!r}" if e.filename else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space left on device while writing{where}: free some space and resume the run"
+        return f"no space left on device while writing{where}: free some space, then run again (--resume DIR continues a run that had started)"
     return f"{e.strerror or e}:{where}" if where else f"{e.strerror or e}"
 
 
