@@ -125,7 +125,9 @@ def _malicious_checkpoint(tmp: Path) -> None:
     run = tmp / "run"
     for p in (run / "checkpoints").iterdir():
         p.unlink()
-    torch.save({"round": 9, "global": _Evil(str(tmp / MARKER))}, run / "checkpoints/round-000009.pt")
+    torch.save(
+        {"round": 9, "global": _Evil(str(tmp / MARKER))}, run / "checkpoints/round-000009.pt"
+    )
 
 
 def _hold_lock(tmp: Path):
@@ -269,12 +271,16 @@ CASES: list[Case] = [
         needs_run=True,
     ),
     Case(
-        "--resume with --overwrite", ["run", "--resume", "{run}", "--overwrite"], "--overwrite",
+        "--resume with --overwrite",
+        ["run", "--resume", "{run}", "--overwrite"],
+        "--overwrite",
         needs_run=True,
     ),
     Case("--force without --resume", [*RUN, "--out", "{tmp}/n", "--force"], "--force"),
     # run --resume
-    Case("--resume a directory that does not exist", ["run", "--resume", "/nonexistent"], "no such"),
+    Case(
+        "--resume a directory that does not exist", ["run", "--resume", "/nonexistent"], "no such"
+    ),
     Case(
         "--resume a directory that is not a run",
         ["run", "--resume", "{tmp}/D"],
@@ -373,8 +379,12 @@ CASES: list[Case] = [
     ),
     Case("report a directory that does not exist", ["report", "/nonexistent"], "no such"),
     Case("report without a target", ["report", "{run}"], "no target", needs_run=True),
-    Case("report a target above 1", ["report", "{run}", "--target", "arc-e=2"], "(0, 1]",
-         needs_run=True),  # fmt: skip
+    Case(
+        "report a target above 1",
+        ["report", "{run}", "--target", "arc-e=2"],
+        "(0, 1]",
+        needs_run=True,
+    ),  # fmt: skip
     # plan
     Case(
         "plan with calibration = 5",
@@ -421,9 +431,7 @@ CASES: list[Case] = [
         ),
     ),
     Case("plan of a file that does not exist", ["plan", "/nonexistent.json"], "cannot read"),
-    Case(
-        "plan of invalid JSON", ["plan", "{tmp}/p.json"], "invalid JSON", _write("p.json", "{")
-    ),
+    Case("plan of invalid JSON", ["plan", "{tmp}/p.json"], "invalid JSON", _write("p.json", "{")),
     Case(
         "plan --output under /proc",
         ["plan", "{tmp}/p.json", "--output", "/proc/fedlora-x/plan.json"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from reliability_cases import CASES, DATA, make_finished_run, message, run_case
 
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
