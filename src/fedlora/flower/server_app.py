@@ -68,6 +68,7 @@ from fedlora.flower.common import (
     record_to_adapter,
 )
 from fedlora.methods import RoundPlan
+from fedlora.rundir import check_run_dir, run_dir_lock
 
 apply_safe_env()
 
@@ -267,16 +268,19 @@ def run_server(
     wall_start = time.perf_counter()
     check_flower_method(cfg)
     run_dir = run_dir_for(cfg, opts.out_dir or None)
-    if resume:
-        cfg = load_run_config(run_dir, cfg)
-        (run_dir / "error.txt").unlink(missing_ok=True)
-    else:
-        prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
-    try:
-        return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
-    except Exception as e:  # leave a trace in the run directory for whoever waits on it
-        _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
-        raise
+    if not resume:
+        check_run_dir(run_dir, overwrite=opts.overwrite)
+    with run_dir_lock(run_dir):  # one writer: a second server on the directory is refused
+        if resume:
+            cfg = load_run_config(run_dir, cfg)
+            (run_dir / "error.txt").unlink(missing_ok=True)
+        else:
+            prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
+        try:
+            return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
+        except Exception as e:  # leave a trace in the run directory for whoever waits on it
+            _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
+            raise
 
 
 def _run_server(
