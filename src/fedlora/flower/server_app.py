@@ -268,7 +268,9 @@ def run_server(
     wall_start = time.perf_counter()
     check_flower_method(cfg)
     run_dir = run_dir_for(cfg, opts.out_dir or None)
-    if not resume:
+    if resume:
+        load_run_config(run_dir)  # a missing or foreign directory: refused before the lock
+    else:
         check_run_dir(run_dir, overwrite=opts.overwrite)
     with run_dir_lock(run_dir):  # one writer: a second server on the directory is refused
         if resume:
