@@ -652,7 +652,7 @@ def test_ray_simulation_matches_the_engine_on_loopback_and_resumes(tmp_path: Pat
     # Prepare: a crash after round 1 (round 2's checkpoint and summary lost; its metrics line
     # written, so resume must cut it)
     before = _metrics(out)
-    (out / "checkpoints" / "round-000002.pt").unlink()
+    (out / "checkpoints" / "round-000002.safetensors").unlink()
     (out / "summary.json").unlink()
     # Execute
     seen, _ = _simulate(["--resume", str(out)], tmp_path / "resume.log")
