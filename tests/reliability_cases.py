@@ -167,6 +167,16 @@ def _disk_full(tmp: Path):
     return cleanup
 
 
+def _link_to_dev_full(rel: str) -> Setup:
+    """`rel` is a symlink to /dev/full: writing it fails with a real ENOSPC from the kernel."""
+
+    def setup(tmp: Path) -> None:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).symlink_to("/dev/full")
+
+    return setup
+
+
 def _problem(**change) -> str:
     base = {
         "gamma": 16,
@@ -233,6 +243,13 @@ CASES: list[Case] = [
         needs_run=True,
     ),
     Case("disk full", [*RUN, "--out", "{tmp}/new"], "no space left", _disk_full),
+    Case(
+        "disk full while resuming (a real ENOSPC)",
+        ["run", "--resume", "{run}", "-q"],
+        "no space left",
+        _link_to_dev_full("run/metrics.jsonl.tmp"),
+        needs_run=True,
+    ),
     # run: inputs checked before the model loads
     Case("unknown training task", [*RUN, 'data.tasks=["arc-x"]'], "arc-x"),
     Case("unknown eval task", [*RUN, 'data.eval_tasks=["nope"]'], "nope"),
@@ -377,6 +394,13 @@ CASES: list[Case] = [
         "cannot write",
         needs_run=True,
     ),
+    Case(
+        "report --out on a full disk (a real ENOSPC)",
+        ["report", "{run}", *REPORT_TARGET, "--out", "{tmp}/r"],
+        "No space left",
+        _link_to_dev_full("r/report.md"),
+        needs_run=True,
+    ),
     Case("report a directory that does not exist", ["report", "/nonexistent"], "no such"),
     Case("report without a target", ["report", "{run}"], "no target", needs_run=True),
     Case(
@@ -429,6 +453,12 @@ CASES: list[Case] = [
                 options={"q_lower_bound": "paper"},
             ),
         ),
+    ),
+    Case(
+        "plan --output on a full disk (a real ENOSPC)",
+        ["plan", "{tmp}/p.json", "--output", "/dev/full"],
+        "No space left",
+        _write("p.json", _problem()),
     ),
     Case("plan of a file that does not exist", ["plan", "/nonexistent.json"], "cannot read"),
     Case("plan of invalid JSON", ["plan", "{tmp}/p.json"], "invalid JSON", _write("p.json", "{")),
