@@ -73,12 +73,20 @@ def run_dir_for(cfg: ExperimentConfig, out: str | None = None) -> Path:
     return Path(cfg.output.dir) / name
 
 
+def _named(e: OSError, path: Path) -> OSError:
+    """`e` with the file named (a failed write or fsync does not name it)."""
+    return e if e.filename else OSError(e.errno, e.strerror, str(path))
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise _named(e, path) from None
     os.replace(tmp, path)
 
 
@@ -86,7 +94,10 @@ def os_error_message(e: OSError) -> str:
     """One line for an OSError; a full disk is named as such."""
     where = f" {e.filename!r}" if e.filename else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space left on device while writing{where}: free some space, then run again (--resume DIR continues a run that had started)"
+        return (
+            f"no space left on device while writing{where}: free some space, then run again "
+            "(--resume DIR continues a run that had started)"
+        )
     return f"{e.strerror or e}:{where}" if where else f"{e.strerror or e}"
 
 
@@ -319,10 +330,13 @@ def resume_config(
 
 
 def _append_metrics(path: Path, line: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise _named(e, path) from None
 
 
 def read_metrics_lines(path: Path) -> list[str]:
