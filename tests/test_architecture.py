@@ -1,0 +1,172 @@
+"""The package's shape (issue 11, docs/architecture.md): no import cycles between fedlora
+modules, no import of another module's `_private` name, no module over MAX_LINES lines.
+
+An ast walk over src/fedlora: every `import`/`from ... import` counts, including those inside
+functions (a lazy import hides a cycle from Python, not from the reader). The known size
+violators are listed by name; the list must shrink: a new violator fails, and so does a listed
+module that no longer violates (remove it from the list).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_LINES = 400
+
+# Today's modules over MAX_LINES (issue 11: split them, then delete their rows).
+KNOWN_OVERSIZE = {
+    "fedlora.config",
+    "fedlora.data",
+    "fedlora.engine",
+    "fedlora.evaluation",
+    "fedlora.flower.common",
+    "fedlora.flower.server_app",
+    "fedlora.planner",
+    "fedlora.report",
+    "fedlora.rundir",
+    "fedlora.train",
+}
+# Today's import cycles, each as the sorted tuple of its modules (issue 11: break them).
+KNOWN_CYCLES: set[tuple[str, ...]] = {
+    ("fedlora.data", "fedlora.evaluation"),
+    ("fedlora.engine", "fedlora.methods", "fedlora.methods.proposed"),
+    ("fedlora.flower.common", "fedlora.flower.worker"),
+}
+# Today's imports of another module's private name: (importer, module, name).
+KNOWN_PRIVATE: set[tuple[str, str, str]] = {
+    ("fedlora.evaluation", "fedlora.train", "_decoder_and_head"),
+    ("fedlora.engine", "fedlora.rundir", "_append_metrics"),
+    ("fedlora.engine", "fedlora.rundir", "_atomic_write"),
+    ("fedlora.engine", "fedlora.rundir", "_checkpoint_paths"),
+    ("fedlora.engine", "fedlora.rundir", "_truncate_metrics"),
+    ("fedlora.preflight", "fedlora.models", "_looks_like_hub_id"),
+    ("fedlora.train", "fedlora.lora", "_layer_index"),
+    ("fedlora.flower.server_app", "fedlora.engine", "_append_metrics"),
+    ("fedlora.flower.server_app", "fedlora.engine", "_atomic_write"),
+    ("fedlora.flower.server_app", "fedlora.engine", "_checkpoint_state"),
+    ("fedlora.flower.server_app", "fedlora.engine", "_mean"),
+    ("fedlora.flower.server_app", "fedlora.engine", "_target_loss_reached"),
+    ("fedlora.flower.server_app", "fedlora.engine", "_target_reached"),
+    ("fedlora.flower.server_app", "fedlora.engine", "_to_numpy"),
+    ("fedlora.flower.server_app", "fedlora.engine", "_to_torch"),
+}
+
+
+def _modules(src: Path = SRC) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package's __init__)."""
+    out = {}
+    for path in sorted((src / "fedlora").rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+def _imports(modules: dict[str, tuple[Path, bool]]) -> tuple[dict[str, set[str]], set[tuple]]:
+    """The import graph over fedlora modules and the private names imported across modules."""
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    private: set[tuple[str, str, str]] = set()
+    for name, (path, is_pkg) in modules.items():
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges[name] |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                if source not in modules:
+                    continue
+                for alias in node.names:
+                    sub = f"{source}.{alias.name}"
+                    target = sub if sub in modules else source
+                    if target != name:
+                        edges[name].add(target)
+                    dunder = alias.name.startswith("__") and alias.name.endswith("__")
+                    if target == source != name and alias.name.startswith("_") and not dunder:
+                        private.add((name, source, alias.name))
+    return edges, private
+
+
+def _cycles(edges: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: set[tuple[str, ...]] = set()
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.append(top)
+                    if top == node:
+                        break
+                if len(comp) > 1:
+                    found.add(tuple(sorted(comp)))
+    return found
+
+
+def test_the_walk_sees_a_cycle_and_a_private_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "fedlora"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from fedlora.sub.b import _hidden\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from .. import c\n_hidden = 1\n")
+    (pkg / "c.py").write_text("import fedlora.a\nfrom fedlora import __version__\n")
+    edges, private = _imports(_modules(tmp_path))
+    assert edges["fedlora.sub.b"] == {"fedlora.c"}
+    assert _cycles(edges) == {("fedlora.a", "fedlora.c", "fedlora.sub.b")}
+    assert private == {("fedlora.a", "fedlora.sub.b", "_hidden")}
+
+
+def test_no_new_import_cycle() -> None:
+    cycles = _cycles(_imports(_modules())[0])
+    assert cycles - KNOWN_CYCLES == set(), "new import cycle(s)"
+    assert KNOWN_CYCLES - cycles == set(), "broken cycle(s): delete them from KNOWN_CYCLES"
+
+
+def test_no_new_private_import() -> None:
+    private = _imports(_modules())[1]
+    assert private - KNOWN_PRIVATE == set(), "import of another module's _private name"
+    assert KNOWN_PRIVATE - private == set(), "gone: delete them from KNOWN_PRIVATE"
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_module_size(name: str) -> None:
+    path = _modules()[name][0]
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    if name in KNOWN_OVERSIZE:
+        assert lines > MAX_LINES, f"{name} has {lines} lines now: delete it from KNOWN_OVERSIZE"
+    else:
+        assert lines <= MAX_LINES, f"{name} has {lines} lines (at most {MAX_LINES})"
