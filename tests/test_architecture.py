@@ -34,7 +34,6 @@ KNOWN_OVERSIZE = {
 KNOWN_CYCLES: set[tuple[str, ...]] = {
     ("fedlora.data", "fedlora.evaluation"),
     ("fedlora.engine", "fedlora.methods", "fedlora.methods.proposed"),
-    ("fedlora.flower.common", "fedlora.flower.worker"),
 }
 # Today's imports of another module's private name: (importer, module, name).
 KNOWN_PRIVATE: set[tuple[str, str, str]] = {

@@ -37,7 +37,8 @@ import numpy as np
 from fedlora.config import ExperimentConfig, load_config
 from fedlora.errors import ConfigError, bad_value
 
-LOOPBACK = "127.0.0.1"
+# the worker's socket layer owns the loopback rule; re-exported here for older callers
+from fedlora.flower.worker import LOOPBACK, check_loopback, wait_ready
 
 SAFE_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -64,13 +65,6 @@ def safe_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, s
     env.update(SAFE_ENV)
     env.update(extra)
     return env
-
-
-def check_loopback(address: str, what: str) -> None:
-    """Refuse any address other than 127.0.0.1:<port>."""
-    host, _, port = address.rpartition(":")
-    if host != LOOPBACK or not port.isdigit():
-        raise bad_value(what, address, f"an address {LOOPBACK}:<port> (loopback only)")
 
 
 def free_port() -> int:
@@ -315,8 +309,6 @@ class LocalDeployment:
             self.worker_addresses.append(address)
 
     def _wait_workers(self) -> None:
-        from fedlora.flower.worker import wait_ready
-
         for proc, address in zip(self.workers, self.worker_addresses, strict=True):
             wait_ready(address, self.worker_timeout_s, alive=lambda p=proc: p.poll() is None)
 

@@ -32,7 +32,16 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
-from fedlora.flower.common import LOOPBACK, check_loopback
+
+LOOPBACK = "127.0.0.1"
+
+
+def check_loopback(address: str, what: str) -> None:
+    """Refuse any address other than 127.0.0.1:<port>."""
+    host, _, port = address.rpartition(":")
+    if host != LOOPBACK or not port.isdigit():
+        raise bad_value(what, address, f"an address {LOOPBACK}:<port> (loopback only)")
+
 
 MAGIC = b"FLW1"
 _PREFIX = struct.Struct("<4sIQ")  # magic, header bytes, body bytes
