@@ -475,6 +475,46 @@ class TokenizedSet:
         return len(self.input_ids)
 
 
+def parse_options(ex: Example) -> tuple[str, ...]:
+    """The option texts of `ex`, aligned with `ex.labels`.
+
+    Reads ``Label: text`` markers (case-insensitive, e.g. ``Answer1: ...``) in label order;
+    a label's text runs to the next marker or the ``Answer format`` line. When no label has
+    a marker (true/false tasks), the labels are their own texts."""
+    text = ex.instruction
+    fmt = re.search(r"\n?\s*Answer format:", text, re.IGNORECASE)
+    body_end = fmt.start() if fmt else len(text)
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for label in ex.labels:
+        pat = re.compile(rf"(?<![A-Za-z0-9]){re.escape(label)}\s*:", re.IGNORECASE)
+        m = pat.search(text, pos, body_end)
+        if m is None:
+            spans.append((-1, -1))
+            continue
+        spans.append((m.start(), m.end()))
+        pos = m.end()
+    found = [s for s in spans if s[0] >= 0]
+    if not found:
+        return tuple(ex.labels)
+    if len(found) != len(spans):
+        missing = [lab for lab, s in zip(ex.labels, spans) if s[0] < 0]
+        raise DataError(
+            f"task {ex.task!r}: cannot parse the options of instruction {ex.instruction!r:.100}: "
+            f"no '{missing[0]}:' marker (labels {list(ex.labels)})"
+        )
+    options = []
+    for i, (_, end) in enumerate(spans):
+        stop = spans[i + 1][0] if i + 1 < len(spans) else body_end
+        option = text[end:stop].strip()
+        if not option:
+            raise DataError(
+                f"task {ex.task!r}: option {ex.labels[i]!r} is empty in {ex.instruction!r:.100}"
+            )
+        options.append(option)
+    return tuple(options)
+
+
 def response_text(ex: Example, response: str = "label") -> str:
     """The training target of `ex`: its LLM-Adapters output ("the correct answer is answer2")
     for ``response="label"``, or "the correct answer is " + the correct option's text for
@@ -482,8 +522,6 @@ def response_text(ex: Example, response: str = "label") -> str:
     if response == "label":
         return ex.output
     if response == "option":
-        from fedlora.evaluation import parse_options  # noqa: PLC0415 (evaluation imports data)
-
         return RESPONSE_PREFIX + parse_options(ex)[ex.labels.index(ex.answer)]
     raise DataError(f"data.response = {response!r} is invalid: allowed: label, option")
 

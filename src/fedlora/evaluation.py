@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import time
 import weakref
 from collections import Counter
@@ -43,6 +42,7 @@ from fedlora.data import (
     encode_continuation,
     encode_prompt,
     format_prompt,
+    parse_options,  # lived here before issue 11; still importable from this module
 )
 from fedlora.errors import DataError
 
@@ -100,46 +100,6 @@ def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]
     center = (p + z2 / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
     return max(0.0, center - half), min(1.0, center + half)
-
-
-def parse_options(ex: Example) -> tuple[str, ...]:
-    """The option texts of `ex`, aligned with `ex.labels`.
-
-    Reads ``Label: text`` markers (case-insensitive, e.g. ``Answer1: ...``) in label order;
-    a label's text runs to the next marker or the ``Answer format`` line. When no label has
-    a marker (true/false tasks), the labels are their own texts."""
-    text = ex.instruction
-    fmt = re.search(r"\n?\s*Answer format:", text, re.IGNORECASE)
-    body_end = fmt.start() if fmt else len(text)
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    for label in ex.labels:
-        pat = re.compile(rf"(?<![A-Za-z0-9]){re.escape(label)}\s*:", re.IGNORECASE)
-        m = pat.search(text, pos, body_end)
-        if m is None:
-            spans.append((-1, -1))
-            continue
-        spans.append((m.start(), m.end()))
-        pos = m.end()
-    found = [s for s in spans if s[0] >= 0]
-    if not found:
-        return tuple(ex.labels)
-    if len(found) != len(spans):
-        missing = [lab for lab, s in zip(ex.labels, spans) if s[0] < 0]
-        raise DataError(
-            f"task {ex.task!r}: cannot parse the options of instruction {ex.instruction!r:.100}: "
-            f"no '{missing[0]}:' marker (labels {list(ex.labels)})"
-        )
-    options = []
-    for i, (_, end) in enumerate(spans):
-        stop = spans[i + 1][0] if i + 1 < len(spans) else body_end
-        option = text[end:stop].strip()
-        if not option:
-            raise DataError(
-                f"task {ex.task!r}: option {ex.labels[i]!r} is empty in {ex.instruction!r:.100}"
-            )
-        options.append(option)
-    return tuple(options)
 
 
 def _candidates(
