@@ -154,15 +154,15 @@ def _disk_full(tmp: Path):
     """Every atomic write fails as on a full disk."""
     import fedlora.rundir as rundir
 
-    original = rundir._atomic_write
+    original = rundir.atomic_write
 
     def full(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    rundir._atomic_write = full
+    rundir.atomic_write = full
 
     def cleanup() -> None:
-        rundir._atomic_write = original
+        rundir.atomic_write = original
 
     return cleanup
 

@@ -34,24 +34,8 @@ KNOWN_OVERSIZE = {
 KNOWN_CYCLES: set[tuple[str, ...]] = {
     ("fedlora.engine", "fedlora.methods", "fedlora.methods.proposed"),
 }
-# Today's imports of another module's private name: (importer, module, name).
-KNOWN_PRIVATE: set[tuple[str, str, str]] = {
-    ("fedlora.evaluation", "fedlora.train", "_decoder_and_head"),
-    ("fedlora.engine", "fedlora.rundir", "_append_metrics"),
-    ("fedlora.engine", "fedlora.rundir", "_atomic_write"),
-    ("fedlora.engine", "fedlora.rundir", "_checkpoint_paths"),
-    ("fedlora.engine", "fedlora.rundir", "_truncate_metrics"),
-    ("fedlora.preflight", "fedlora.models", "_looks_like_hub_id"),
-    ("fedlora.train", "fedlora.lora", "_layer_index"),
-    ("fedlora.flower.server_app", "fedlora.engine", "_append_metrics"),
-    ("fedlora.flower.server_app", "fedlora.engine", "_atomic_write"),
-    ("fedlora.flower.server_app", "fedlora.engine", "_checkpoint_state"),
-    ("fedlora.flower.server_app", "fedlora.engine", "_mean"),
-    ("fedlora.flower.server_app", "fedlora.engine", "_target_loss_reached"),
-    ("fedlora.flower.server_app", "fedlora.engine", "_target_reached"),
-    ("fedlora.flower.server_app", "fedlora.engine", "_to_numpy"),
-    ("fedlora.flower.server_app", "fedlora.engine", "_to_torch"),
-}
+# Imports of another module's private name: (importer, module, name); none since issue 11.
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 
 
 def _modules(src: Path = SRC) -> dict[str, tuple[Path, bool]]:

@@ -335,7 +335,7 @@ class _Killer:
     def __init__(self, monkeypatch) -> None:
         self.events = 0
         self.kill_at: int | None = None
-        fsync, replace, append = os.fsync, os.replace, engine._append_metrics
+        fsync, replace, append = os.fsync, os.replace, engine.append_metrics
 
         def hit() -> bool:
             self.events += 1
@@ -361,7 +361,7 @@ class _Killer:
 
         monkeypatch.setattr(os, "fsync", k_fsync)
         monkeypatch.setattr(os, "replace", k_replace)
-        monkeypatch.setattr(engine, "_append_metrics", k_append)
+        monkeypatch.setattr(engine, "append_metrics", k_append)
 
     def run(self, cfg, run_dir: Path, *, resume: bool, kill_at: int | None) -> bool:
         """True when the run finished, False when it was killed."""

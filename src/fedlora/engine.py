@@ -45,10 +45,9 @@ from fedlora.network import (
 # Run directories, checkpoints and metrics files live in fedlora.rundir; re-exported here
 # because the Flower ServerApp and older callers import them from the engine.
 from fedlora.rundir import (
-    _append_metrics,
-    _atomic_write,
-    _checkpoint_paths,  # noqa: F401
-    _truncate_metrics,  # noqa: F401
+    append_metrics,
+    atomic_write,
+    checkpoint_paths,  # noqa: F401
     load_checkpoint,
     load_run_config,  # noqa: F401
     prepare_run_dir,  # noqa: F401
@@ -56,6 +55,7 @@ from fedlora.rundir import (
     run_dir_for,  # noqa: F401
     run_dir_lock,
     save_checkpoint,
+    truncate_metrics,  # noqa: F401
 )
 
 STREAMS = {
@@ -195,7 +195,7 @@ def write_clients_csv(run_dir: Path, fed: Any, profiles: ClientProfiles) -> None
     for i, row in enumerate(rows):
         values = [i, len(fed.client_indices[i]), repr(float(fed.a[i])), *map(repr, row.values())]
         lines.append(",".join(str(v) for v in values))
-    _atomic_write(run_dir / "clients.csv", ("\n".join(lines) + "\n").encode())
+    atomic_write(run_dir / "clients.csv", ("\n".join(lines) + "\n").encode())
 
 
 def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
@@ -227,11 +227,11 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
 # ----------------------------------------------------------------------------- one round
 
 
-def _to_numpy(state: dict[str, Any]) -> dict[str, np.ndarray]:
+def to_numpy(state: dict[str, Any]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
 
 
-def _to_torch(state: dict[str, np.ndarray]) -> dict[str, Any]:
+def to_torch(state: dict[str, np.ndarray]) -> dict[str, Any]:
     import torch
 
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
@@ -285,7 +285,7 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
             clients = [t.client for t in chunk]
             raise TrainingDiverged(f"round {r + 1}, clients {clients}: {e}") from None
         for i in range(len(chunk)):
-            states.append(_to_numpy(run.lora.slot_state(i)))
+            states.append(to_numpy(run.lora.slot_state(i)))
         losses.extend(np.asarray(chunk_losses).mean(axis=1).tolist())
     return states, np.array(losses)
 
@@ -346,14 +346,14 @@ def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) 
             "nll": [round(x, 6) for x in r.nll],
         }
         kept.append(json.dumps(line))
-    _atomic_write(path, "".join(line + "\n" for line in kept).encode())
+    atomic_write(path, "".join(line + "\n" for line in kept).encode())
 
 
 def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[str, Any]) -> dict:
     """The metrics-line fields of an evaluation beside the accuracy (eval_loss, intervals,
     majority-label and chance scores, n); updates the loss in `progress` and writes the
     per-question predictions."""
-    loss = _mean({t: r.loss for t, r in results.items()})
+    loss = mean_over_tasks({t: r.loss for t, r in results.items()})
     if progress.initial_eval_loss is None:
         progress.initial_eval_loss = loss
     progress.last_eval_loss = loss
@@ -416,7 +416,7 @@ class Progress:
     last_eval: dict[str, Any] | None = None
 
 
-def _mean(values: dict[str, float]) -> float:
+def mean_over_tasks(values: dict[str, float]) -> float:
     return float(np.mean(list(values.values())))
 
 
@@ -455,7 +455,7 @@ class _Reporter:
             self.bar.close()
 
 
-def _checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
+def checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
     return {
         "round": progress.round,
         "progress": progress.__dict__.copy(),
@@ -515,7 +515,7 @@ def _run_experiment(
             run.lora.load_global(state["global"])
             run.base_delta = state.get("base_delta") or {}
             if run.base_delta:
-                run.lora.add_to_base(_to_torch(run.base_delta))
+                run.lora.add_to_base(to_torch(run.base_delta))
             run.method.load_state_dict(state.get("method", {}))
             log(f"resuming {run_dir} after round {progress.round}")
         else:
@@ -528,7 +528,7 @@ def _run_experiment(
     if progress.metrics_lines == 0:  # round 0: the untrained adapter, before any time passes
         results = evaluate_tasks(run)
         accs = {task: r.accuracy for task, r in results.items()}
-        progress.initial_accuracy = progress.last_accuracy = _mean(accs)
+        progress.initial_accuracy = progress.last_accuracy = mean_over_tasks(accs)
         progress.best_accuracy = progress.initial_accuracy
         line0 = {
             "round": 0,
@@ -546,7 +546,7 @@ def _run_experiment(
             **eval_fields(run, progress, 0, results),
             "compute_s": 0.0,
         }
-        _append_metrics(metrics_path, line0)
+        append_metrics(metrics_path, line0)
         progress.metrics_lines = 1
 
     tcfg = cfg.training
@@ -567,11 +567,11 @@ def _run_experiment(
                 stop_reason = "stop_condition"
                 break
             if progress.round % tcfg.checkpoint_every == 0:
-                save_checkpoint(run_dir, _checkpoint_state(run, progress))
+                save_checkpoint(run_dir, checkpoint_state(run, progress))
         else:
-            if _target_reached(cfg, progress):
+            if target_reached(cfg, progress):
                 stop_reason = "target_accuracy"
-            elif _target_loss_reached(cfg, progress):
+            elif target_loss_reached(cfg, progress):
                 stop_reason = "target_loss"
     except TrainingDiverged as e:
         reporter.close()
@@ -579,19 +579,19 @@ def _run_experiment(
             f"{e}. The run stopped; its last good checkpoint is kept in {run_dir / 'checkpoints'}"
         ) from None
     reporter.close()
-    save_checkpoint(run_dir, _checkpoint_state(run, progress))
+    save_checkpoint(run_dir, checkpoint_state(run, progress))
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)
     summary["calibration_sim_time_s"] = calibration_s
-    _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 
 
 def stop_before_round(cfg: ExperimentConfig, progress: Progress) -> str | None:
     """The reason to stop before the next round (target reached, time budget spent), if any."""
-    if _target_reached(cfg, progress):
+    if target_reached(cfg, progress):
         return "target_accuracy"
-    if _target_loss_reached(cfg, progress):
+    if target_loss_reached(cfg, progress):
         return "target_loss"
     budget = cfg.training.time_budget_s
     if budget and progress.sim_time_s >= budget:
@@ -611,7 +611,7 @@ def record_round(
     """Append a finished round's metrics line and advance the progress past it."""
     line["compute_s"] = compute_s
     progress.compute_s += compute_s
-    _append_metrics(metrics_path, line)
+    append_metrics(metrics_path, line)
     progress.metrics_lines += 1
     progress.round += 1
 
@@ -646,12 +646,12 @@ def summarize(
     }
 
 
-def _target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
+def target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
     target = cfg.training.target_accuracy
     return bool(target) and progress.last_accuracy is not None and progress.last_accuracy >= target
 
 
-def _target_loss_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
+def target_loss_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
     target = cfg.training.target_loss
     return (
         bool(target) and progress.last_eval_loss is not None and progress.last_eval_loss <= target
@@ -673,9 +673,9 @@ def apply_aggregate(
 ) -> None:
     """The method's aggregate becomes the global adapter (and, for FedStackLoRA, the base)."""
     agg = run.method.aggregate(global_state, plan, states)
-    run.lora.load_global(_to_torch(agg.global_state))
+    run.lora.load_global(to_torch(agg.global_state))
     if agg.base_delta:
-        run.lora.add_to_base(_to_torch(agg.base_delta))
+        run.lora.add_to_base(to_torch(agg.base_delta))
         for name, delta in agg.base_delta.items():
             run.base_delta[name] = run.base_delta.get(name, 0) + delta
 
@@ -706,7 +706,7 @@ def close_round(
     if (r + 1) % cfg.training.eval_every == 0 or last:
         results = evaluate_tasks(run)
         accs = {task: res.accuracy for task, res in results.items()}
-        acc = _mean(accs)
+        acc = mean_over_tasks(accs)
         line.update(eval_accuracy=acc, eval=accs, **eval_fields(run, progress, r + 1, results))
         progress.last_accuracy = acc
         progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
@@ -721,7 +721,7 @@ def _one_round(run: Run, plan: RoundPlan, progress: Progress) -> dict[str, Any]:
     train_loss: float | None = None
     if plan.tasks:
         states, losses = train_participants(run, plan)
-        apply_aggregate(run, plan, _to_numpy(run.lora.global_state()), states)
+        apply_aggregate(run, plan, to_numpy(run.lora.global_state()), states)
         train_loss = float(losses.mean())
     else:
         progress.empty_rounds += 1
@@ -776,3 +776,12 @@ def describe_eval(summary: dict[str, Any]) -> list[str]:
             + ("not reached" if ttl is None else f"{ttl:.1f} s")
         )
     return lines
+
+
+# Names before issue 11 (code in flight may still use them; remove once none does).
+_to_numpy = to_numpy
+_to_torch = to_torch
+_mean = mean_over_tasks
+_checkpoint_state = checkpoint_state
+_target_reached = target_reached
+_target_loss_reached = target_loss_reached

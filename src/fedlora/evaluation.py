@@ -245,9 +245,9 @@ def _score_packed(
     LoRA layer come from the cache after the first evaluation."""
     import torch
 
-    from fedlora.train import _decoder_and_head
+    from fedlora.train import decoder_and_head
 
-    _, head = _decoder_and_head(model)
+    _, head = decoder_and_head(model)
     seqs, poss, segs = [], [], []
     where: list[list[int]] = []  # per candidate row: the packed index predicting each token
     for context, tails in items:

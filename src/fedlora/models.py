@@ -309,7 +309,7 @@ def _load_pretrained(name_or_path: str, dtype: str):
     return model, tokenizer
 
 
-def _looks_like_hub_id(spec: str) -> bool:
+def looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
     return (
         len(parts) == 2
@@ -347,7 +347,7 @@ def load_model(
                 "model.name", spec, f"the directory has no config.json; accepted: {ACCEPTED_FORMS}"
             )
         return _finish(*_load_pretrained(str(path), dtype))
-    if _looks_like_hub_id(spec):
+    if looks_like_hub_id(spec):
         try:
             return _finish(*_load_pretrained(spec, dtype))
         except OSError as e:
@@ -356,3 +356,7 @@ def load_model(
                 f"(offline or unknown id): {str(e).splitlines()[0] if str(e) else e!r}"
             ) from None
     raise bad_value("model.name", spec, f"accepted: {ACCEPTED_FORMS}")
+
+
+# Names before issue 11 (code in flight may still use them; remove once none does).
+_looks_like_hub_id = looks_like_hub_id

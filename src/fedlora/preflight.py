@@ -32,8 +32,8 @@ def model_config(spec: str, cache_dir: str = "") -> dict[str, Any] | None:
         ACCEPTED_FORMS,
         SMOLLM2_SPEC,
         TINY_MODELS,
-        _looks_like_hub_id,
         default_cache_dir,
+        looks_like_hub_id,
         tiny_config,
     )
 
@@ -53,7 +53,7 @@ def model_config(spec: str, cache_dir: str = "") -> dict[str, Any] | None:
                 "model.name", spec, f"the directory has no config.json; accepted: {ACCEPTED_FORMS}"
             )
         return _read_json(path / "config.json")
-    if _looks_like_hub_id(spec):
+    if looks_like_hub_id(spec):
         try:
             from huggingface_hub import try_to_load_from_cache
 

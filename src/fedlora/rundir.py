@@ -78,7 +78,7 @@ def _named(e: OSError, path: Path) -> OSError:
     return e if e.filename else OSError(e.errno, e.strerror, str(path))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -257,7 +257,7 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
             else:
                 p.unlink()
     make_run_dir(run_dir)
-    _atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
+    atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
 
 
 # ----------------------------------------------------------------------------- config
@@ -292,7 +292,7 @@ def load_run_config(
                 "resume (the checkpoints and the data partition depend on them); start a new "
                 "run with --out instead"
             )
-        _atomic_write(path, dump_toml(given).encode())
+        atomic_write(path, dump_toml(given).encode())
         return given
     return saved
 
@@ -329,7 +329,7 @@ def resume_config(
 # ----------------------------------------------------------------------------- metrics
 
 
-def _append_metrics(path: Path, line: dict[str, Any]) -> None:
+def append_metrics(path: Path, line: dict[str, Any]) -> None:
     try:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
@@ -362,7 +362,7 @@ def read_metrics_lines(path: Path) -> list[str]:
     return lines
 
 
-def _truncate_metrics(path: Path, lines: int) -> None:
+def truncate_metrics(path: Path, lines: int) -> None:
     """Cut metrics.jsonl back to its first `lines` lines (those a checkpoint recorded).
 
     Refuses (`DataError`) when fewer complete lines are there: rounds would be missing."""
@@ -376,7 +376,7 @@ def _truncate_metrics(path: Path, lines: int) -> None:
             "fedlora, does not hold them: restore the file from a backup, or start the run "
             "again with --overwrite"
         )
-    _atomic_write(path, "".join(line + "\n" for line in kept[:lines]).encode())
+    atomic_write(path, "".join(line + "\n" for line in kept[:lines]).encode())
 
 
 def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> None:
@@ -384,13 +384,13 @@ def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> Non
 
     A checkpoint holds its metrics lines: they are written back exactly (whatever happened
     to the file since). Without a checkpoint the run starts over (the file is emptied); an
-    old checkpoint without lines falls back to `_truncate_metrics`."""
+    old checkpoint without lines falls back to `truncate_metrics`."""
     if state is None:
         path.unlink(missing_ok=True)
         return
     lines = state.get("metrics")
     if lines is None:
-        _truncate_metrics(path, int(state["progress"]["metrics_lines"]))
+        truncate_metrics(path, int(state["progress"]["metrics_lines"]))
         return
     try:
         current = read_metrics_lines(path)
@@ -398,13 +398,13 @@ def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> Non
         current = []
     if current[: len(lines)] != lines:
         warn(f"{path} did not match the checkpoint: rewrote its {len(lines)} lines from it")
-    _atomic_write(path, "".join(line + "\n" for line in lines).encode())
+    atomic_write(path, "".join(line + "\n" for line in lines).encode())
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _checkpoint_paths(run_dir: Path) -> list[Path]:
+def checkpoint_paths(run_dir: Path) -> list[Path]:
     """Every checkpoint file, newest round first (both formats)."""
     ckpt = run_dir / "checkpoints"
     paths = [*ckpt.glob("round-*.safetensors"), *ckpt.glob("round-*.pt")]
@@ -449,7 +449,7 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    for old in _checkpoint_paths(run_dir)[keep:]:
+    for old in checkpoint_paths(run_dir)[keep:]:
         old.unlink(missing_ok=True)
     return path
 
@@ -501,7 +501,7 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
     (starting over silently would throw the run's progress away)."""
     import pickle
 
-    paths = _checkpoint_paths(Path(run_dir))
+    paths = checkpoint_paths(Path(run_dir))
     for path in paths:
         try:
             if path.suffix == ".safetensors":
@@ -527,3 +527,10 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
             "start this run over from round 0, or start a new run"
         )
     return None
+
+
+# Names before issue 11 (code in flight may still use them; remove once none does).
+_append_metrics = append_metrics
+_atomic_write = atomic_write
+_checkpoint_paths = checkpoint_paths
+_truncate_metrics = truncate_metrics

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from fedlora.errors import ConfigError, DataError, FedloraError, bad_value
-from fedlora.lora import SlotLora, _layer_index
+from fedlora.lora import SlotLora, layer_index
 
 __all__ = [
     "TrainingError",
@@ -88,7 +88,7 @@ def collate_clients(
     return {k: torch.cat(v) for k, v in parts.items()}, b  # each (c*b, T)
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if decoder is None or head is None:
@@ -111,7 +111,7 @@ def cacheable_layers(model: torch.nn.Module, lora: SlotLora) -> tuple[int, str]:
     """(L, reason): the decoder layers 0..L-1 below the lowest LoRA layer, which a
     `LayerCache` can compute once per example; L = 0 with the reason when nothing can be cached.
     """
-    decoder, _ = _decoder_and_head(model)
+    decoder, _ = decoder_and_head(model)
     name = type(decoder).__name__
     if name not in _CACHEABLE_DECODERS:
         return 0, f"decoder {name} is not one of {', '.join(_CACHEABLE_DECODERS)}"
@@ -119,7 +119,7 @@ def cacheable_layers(model: torch.nn.Module, lora: SlotLora) -> tuple[int, str]:
     if set(types) - {"full_attention", "sliding_attention"}:
         return 0, f"unsupported attention layer types {sorted(set(types))}"
     prefix = getattr(model, "base_model_prefix", "model") + ".layers."
-    indices = [_layer_index(n) if n.startswith(prefix) else None for n in lora.names]
+    indices = [layer_index(n) if n.startswith(prefix) else None for n in lora.names]
     if any(i is None for i in indices):
         return 0, "a LoRA target lies outside the decoder layers"
     lowest = min(i for i in indices if i is not None)
@@ -174,7 +174,7 @@ class LayerCache:
             raise ConfigError(f"the frozen-layer cache cannot be used: {reason}")
         # weak: the cache lives in a WeakKeyDictionary keyed by `lora` (see layer_cache_for)
         self._model_ref, self._lora_ref = weakref.ref(model), weakref.ref(lora)
-        self.decoder, _ = _decoder_and_head(model)
+        self.decoder, _ = decoder_and_head(model)
         self.first_layer = first  # L: layers 0..L-1 are cached
         self.max_bytes = int(max_mb * 2**20)
         self.dtype = dtype
@@ -493,7 +493,7 @@ def target_token_loss(
     per group (groups,)). Equals the cross-entropy of the full logits over the same targets.
     With `cache`, the frozen lower layers' hidden states come from it (same result).
     """
-    decoder, head = _decoder_and_head(model)
+    decoder, head = decoder_and_head(model)
     if cache is not None:
         hidden = cache.last_hidden_state(batch["input_ids"], batch["attention_mask"])
     else:
@@ -584,3 +584,7 @@ def local_train(
     finally:
         lora.train(False)
     return losses
+
+
+# Names before issue 11 (code in flight may still use them; remove once none does).
+_decoder_and_head = decoder_and_head

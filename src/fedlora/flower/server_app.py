@@ -32,21 +32,17 @@ from fedlora.config import ExperimentConfig
 from fedlora.engine import (
     Progress,
     TrainingDiverged,
-    _append_metrics,
-    _atomic_write,
-    _checkpoint_state,
-    _mean,
-    _target_loss_reached,
-    _target_reached,
-    _to_numpy,
-    _to_torch,
+    append_metrics,
     apply_aggregate,
+    atomic_write,
     build_run,
+    checkpoint_state,
     close_round,
     eval_fields,
     evaluate_tasks,
     load_checkpoint,
     load_run_config,
+    mean_over_tasks,
     plan_next_round,
     prepare_run_dir,
     record_round,
@@ -56,6 +52,10 @@ from fedlora.engine import (
     save_checkpoint,
     stop_before_round,
     summarize,
+    target_loss_reached,
+    target_reached,
+    to_numpy,
+    to_torch,
     write_clients_csv,
 )
 from fedlora.errors import ConfigError, DataError
@@ -283,7 +283,7 @@ def run_server(
         try:
             return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
         except Exception as e:  # leave a trace in the run directory for whoever waits on it
-            _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
+            atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
             raise
 
 
@@ -304,7 +304,7 @@ def _run_server(
             run.lora.load_global(state["global"])
             run.base_delta = state.get("base_delta") or {}
             if run.base_delta:
-                run.lora.add_to_base(_to_torch(run.base_delta))
+                run.lora.add_to_base(to_torch(run.base_delta))
             run.method.load_state_dict(state.get("method", {}))
             flower = state.get("flower") or {}
             if "asked" in flower:
@@ -322,7 +322,7 @@ def _run_server(
     write_clients_csv(run_dir, run.fed, run.profiles)
 
     def checkpoint() -> None:
-        state = _checkpoint_state(run, progress)
+        state = checkpoint_state(run, progress)
         state["flower"] = {
             "asked": avail.asked.tolist(),
             "answered": avail.answered.tolist(),
@@ -333,14 +333,16 @@ def _run_server(
     if progress.metrics_lines == 0:  # round 0: the untrained adapter
         results = evaluate_tasks(run)
         accs = {task: r.accuracy for task, r in results.items()}
-        progress.initial_accuracy = progress.last_accuracy = progress.best_accuracy = _mean(accs)
+        progress.initial_accuracy = progress.last_accuracy = progress.best_accuracy = (
+            mean_over_tasks(accs)
+        )
         line0 = {
             "round": 0, "participants": [], "n_participants": 0, "k": [], "round_time_s": 0.0,
             "sim_time_s": 0.0, "uplink_bits": 0, "downlink_bits": 0, "train_loss": None,
             "eval_accuracy": progress.initial_accuracy, "eval": accs,
             **eval_fields(run, progress, 0, results), "compute_s": 0.0, "dropouts": [],
         }  # fmt: skip
-        _append_metrics(metrics_path, line0)
+        append_metrics(metrics_path, line0)
         progress.metrics_lines = 1
 
     tcfg = cfg.training
@@ -362,15 +364,15 @@ def _run_server(
         if progress.round % tcfg.checkpoint_every == 0:
             checkpoint()
     else:
-        if _target_reached(cfg, progress):
+        if target_reached(cfg, progress):
             stop_reason = "target_accuracy"
-        elif _target_loss_reached(cfg, progress):
+        elif target_loss_reached(cfg, progress):
             stop_reason = "target_loss"
     checkpoint()
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)
     summary.update(runtime="flower", total_dropouts=total_dropouts, availability=opts.availability)
-    _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 
 
@@ -390,7 +392,7 @@ def _flower_round(
     effective = RoundPlan(r, ())
     train_loss: float | None = None
     if plan.tasks:
-        global_state = _to_numpy(run.lora.global_state())
+        global_state = to_numpy(run.lora.global_state())
         got, states, losses, dropouts = train_remote(
             grid, cfg, plan, global_state, clients, opts, log
         )
