@@ -13,6 +13,7 @@ import pytest
 from scipy.optimize import brentq
 
 from fedlora.errors import ConfigError
+from fedlora.files import load_profiles
 from fedlora.network import (
     ClientProfiles,
     allocate_bandwidth,
@@ -20,10 +21,10 @@ from fedlora.network import (
     comp_factor,
     expected_max_tau,
     generate_profiles,
-    load_profiles,
     profiles_from_rows,
     profiles_to_rows,
     rayleigh_gains,
+    round_time,
     round_time_bound,
     round_time_upper_bound,
     spectral_efficiency,
@@ -603,3 +604,34 @@ def test_proposed_plans_with_the_fading_aware_upload_time():
     )
     given = {"t_full": np.array([2.0, 3.0]), "snr_db": np.array([np.nan, np.nan])}
     np.testing.assert_array_equal(planning_t_full(faded, given), [2.0, 3.0])  # no channel data
+
+
+def test_round_time_one_client_by_hand() -> None:
+    # one client: T = τ + t / f_tot; τ = 2 · (0.5 + 0.5 · 8/16) = 1.5 s
+    args = (np.array([2.0]), np.array([8e6]), np.array([8]), 16)
+    kw = dict(comp_cost="affine", rho=0.5, f_tot_hz=1e6)
+    t_linear, f = round_time(*args, comm_cost="linear", **kw)
+    assert t_linear == pytest.approx(1.5 + 4.0) and f.tolist() == pytest.approx([1e6])
+    assert round_time(*args, comm_cost="quadratic", **kw)[0] == pytest.approx(1.5 + 2.0)
+    # exact with the payload: t = 8e6 · 3/4; without it, exact = linear
+    exact = round_time(*args, comm_cost="exact", uplink_bits=np.array([3.0]), full_bits=4.0, **kw)
+    assert exact[0] == pytest.approx(1.5 + 6.0)
+    assert round_time(*args, comm_cost="exact", **kw)[0] == pytest.approx(1.5 + 4.0)
+    # a faded channel at half the nominal efficiency doubles the upload time
+    faded = round_time(
+        *args, comm_cost="linear", efficiency=(np.array([2.0]), np.array([1.0])), **kw
+    )
+    assert faded[0] == pytest.approx(1.5 + 8.0)
+
+
+def test_round_time_matches_allocate_bandwidth_and_rejects_bad_models() -> None:
+    tau, t, k = np.array([1.0, 3.0]), np.array([4e6, 2e6]), np.array([16, 4])
+    got = round_time(
+        tau, t, k, 16, comm_cost="quadratic", comp_cost="linear", rho=0.0, f_tot_hz=2e6
+    )
+    want = allocate_bandwidth(tau * k / 16, t * (k / 16) ** 2, 2e6)
+    assert got[0] == want[0] and got[1].tolist() == want[1].tolist()
+    with pytest.raises(ConfigError, match="comm_cost.*'cubic'"):
+        round_time(tau, t, k, 16, comm_cost="cubic", comp_cost="linear", rho=0.0, f_tot_hz=1.0)
+    with pytest.raises(ConfigError, match="comp_cost.*'cubic'"):
+        round_time(tau, t, k, 16, comm_cost="linear", comp_cost="cubic", rho=0.0, f_tot_hz=1.0)

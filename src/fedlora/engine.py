@@ -29,16 +29,14 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError, FedloraError
+from fedlora.files import load_profiles
 from fedlora.methods import Method, RoundPlan, make_method
 from fedlora.network import (
     ClientProfiles,
-    allocate_bandwidth,
-    comm_factor,
-    comp_factor,
     generate_profiles,
-    load_profiles,
     profiles_to_rows,
     rayleigh_gains,
+    round_time,
     spectral_efficiency,
 )
 
@@ -119,17 +117,25 @@ def round_cost(
     up_bits = np.array([p.uplink_params for p in payloads], dtype=float) * net.bits_per_param
     down_bits = np.array([p.downlink_params for p in payloads], dtype=float) * net.bits_per_param
     full_bits = gamma * sum(o + i for o, i in shapes.values()) * net.bits_per_param
-    tau = profiles.tau_full_s[clients] * comp_factor(ranks, gamma, net.comp_cost, net.rho)
-    if net.comm_cost == "exact":
-        t = profiles.t_full[clients] * up_bits / full_bits
-    else:
-        t = profiles.t_full[clients] * comm_factor(ranks, gamma, net.comm_cost)
+    efficiency = None
     if net.fading == "rayleigh" and profiles.has_channel:
         gains = rayleigh_gains(profiles.n, derive_rng(cfg.training.seed, "fading", round_index))
         gains = np.maximum(gains, net.fading_floor)  # the outage floor (0: none)
         faded = spectral_efficiency(profiles.snr_db, gains)[clients]
-        t = t * profiles.spectral_efficiency[clients] / faded
-    round_time_s, f = allocate_bandwidth(tau, t, net.f_tot_hz)
+        efficiency = (profiles.spectral_efficiency[clients], faded)
+    round_time_s, f = round_time(
+        profiles.tau_full_s[clients],
+        profiles.t_full[clients],
+        ranks,
+        gamma,
+        comm_cost=net.comm_cost,
+        comp_cost=net.comp_cost,
+        rho=net.rho,
+        f_tot_hz=net.f_tot_hz,
+        uplink_bits=up_bits,
+        full_bits=full_bits,
+        efficiency=efficiency,
+    )
     downlink_s = 0.0
     if net.downlink_rate_bps > 0:  # a broadcast before local training: the largest download
         downlink_s = float(down_bits.max()) / net.downlink_rate_bps

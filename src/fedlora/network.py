@@ -5,17 +5,14 @@ Units: τ (`tau_s`) is seconds of local computation per round. t (`t`) is the up
 client's payload with one unit of bandwidth, i.e. ``payload_bits / spectral_efficiency`` in
 bit/(bit/s/Hz) = s·Hz, so that with f_n Hz the upload takes t_n / f_n seconds.
 
-Pure numpy; no torch, no I/O except `load_profiles` / `profiles_to_rows`.
+Pure numpy; no torch, no I/O (a profiles file is read by `fedlora.files.load_profiles`).
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -125,6 +122,38 @@ def allocate_bandwidth(
         round_time = float(other.max())
         f[sends] = ts / (round_time - taus)
     return float(round_time), f
+
+
+def round_time(
+    tau_full_s: np.ndarray,
+    t_full: np.ndarray,
+    k: np.ndarray | Sequence[int],
+    gamma: int,
+    *,
+    comm_cost: str,
+    comp_cost: str,
+    rho: float,
+    f_tot_hz: float,
+    uplink_bits: np.ndarray | None = None,
+    full_bits: float | None = None,
+    efficiency: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[float, np.ndarray]:
+    """The round time T (s) of the participants and each one's band (Hz): the ONE round-time
+    formula (PAPER_NOTES #4–#6, #15), used by the engine and by report's re-clocking.
+
+    τ_n = tau_full_s · comp_factor(k_n). t_n = t_full · uplink_bits / full_bits for
+    comm_cost = exact when the payload bits are given, else t_full · comm_factor(k_n).
+    `efficiency` = (nominal, faded) spectral efficiencies: t_n scales by nominal / faded
+    (Rayleigh fading). The downlink broadcast is not included (the caller adds it).
+    """
+    tau = tau_full_s * comp_factor(k, gamma, comp_cost, rho)
+    if comm_cost == "exact" and uplink_bits is not None and full_bits is not None:
+        t = t_full * uplink_bits / full_bits
+    else:
+        t = t_full * comm_factor(k, gamma, comm_cost)
+    if efficiency is not None:
+        t = t * efficiency[0] / efficiency[1]
+    return allocate_bandwidth(tau, t, f_tot_hz)
 
 
 # ----------------------------------------------------------------------------- bounds
@@ -347,35 +376,6 @@ def profiles_from_rows(rows: Sequence[dict], source: str = "profiles") -> Client
                 )
             cols[c].append(value)
     return ClientProfiles(**{c: np.asarray(v, dtype=float) for c, v in cols.items()})
-
-
-def load_profiles(path: str | Path) -> ClientProfiles:
-    """Read per-client profiles from a CSV (header row) or JSON (a list of objects)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # -sig: spreadsheets prepend a BOM
-    except OSError as e:
-        raise ConfigError(
-            f"network.profiles_file = {str(p)!r}: cannot read: {e.strerror or e}"
-        ) from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"network.profiles_file = {str(p)!r}: not UTF-8 text") from None
-    if p.suffix.lower() == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"{p}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
-            ) from None
-        if isinstance(rows, dict) and "clients" in rows:
-            rows = rows["clients"]
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise ConfigError(f"{p}: expected a list of objects, one per client")
-    elif p.suffix.lower() == ".csv":
-        rows = list(csv.DictReader(text.splitlines()))
-    else:
-        raise bad_value("network.profiles_file", str(p), "a .csv or .json file")
-    return profiles_from_rows(rows, source=str(p))
 
 
 def profiles_to_rows(profiles: ClientProfiles) -> list[dict[str, float]]:

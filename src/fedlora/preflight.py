@@ -132,9 +132,9 @@ def check_data(cfg: ExperimentConfig) -> None:
 
 def check_clients(cfg: ExperimentConfig) -> None:
     """The client profiles file and the method's per-client files (q, k, ranks)."""
+    from fedlora.files import load_profiles
     from fedlora.methods.ranks import resolve_ranks
     from fedlora.methods.strategies import resolve_k, resolve_q
-    from fedlora.network import load_profiles
 
     n, m = cfg.data.n_clients, cfg.method
     if cfg.network.profiles_file:

@@ -28,6 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from fedlora.config import LoraConfig, NetworkConfig
 from fedlora.errors import ConfigError, DataError, bad_value
 
 MEAN_TASK = "mean"  # the mean over data.eval_tasks (metrics "eval_accuracy")
@@ -396,7 +397,7 @@ def _reclock_lines(
     """Round times recomputed from each line's participants and k under another cost model."""
     import numpy as np
 
-    from fedlora.network import allocate_bandwidth, comm_factor, comp_factor
+    from fedlora.network import round_time
 
     net = config.get("network", {})
     # the downlink's broadcast time does not depend on the cost model: runs record it per
@@ -411,8 +412,9 @@ def _reclock_lines(
             f"or one recorded per round (got fading = {net.get('fading')!r}, "
             f"downlink_rate_bps = {net.get('downlink_rate_bps')!r})"
         )
-    gamma = int(config.get("lora", {}).get("rank", 16))
-    f_tot = float(net.get("f_tot_hz", 20e6))
+    # a key missing from an old run's config.toml had the config's default
+    gamma = int(config.get("lora", {}).get("rank", LoraConfig.rank))
+    f_tot = float(net.get("f_tot_hz", NetworkConfig.f_tot_hz))
     comm, comp, rho = cost
     tau_full, t_full = (np.asarray(x) for x in _clients(clients))
     out, clock = [], start_s
@@ -421,9 +423,11 @@ def _reclock_lines(
         who = np.asarray(line.get("participants") or [], dtype=int)
         if line.get("round", 0) >= 1 and who.size:
             k = np.asarray(line["k"], dtype=float)
-            tau = tau_full[who] * comp_factor(k, gamma, comp, rho)
-            t = t_full[who] * comm_factor(k, gamma, comm)  # exact = linear: uplink ∝ k
-            line["round_time_s"] = float(allocate_bandwidth(tau, t, f_tot)[0])
+            # no payload bits recorded: exact = linear (a sketch's uplink ∝ k)
+            line["round_time_s"] = round_time(
+                tau_full[who], t_full[who], k, gamma,
+                comm_cost=comm, comp_cost=comp, rho=rho, f_tot_hz=f_tot,
+            )[0]  # fmt: skip
             line["round_time_s"] += float(line.get("downlink_s", 0.0)) if paid_downlink else 0.0
         elif line.get("round", 0) >= 1:
             line["round_time_s"] = 0.0
@@ -448,7 +452,7 @@ def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = 
     if comp_cost not in ("affine", "linear", "quadratic"):
         raise bad_value("--comp-cost", comp_cost, "allowed: affine, linear, quadratic")
     net = run.config.get("network", {})
-    cost = (comm_cost, comp_cost, float(net.get("rho", 0.9) if rho is None else rho))
+    cost = (comm_cost, comp_cost, float(net.get("rho", NetworkConfig.rho) if rho is None else rho))
     start = 0.0
     calib = run.path / "calibration"
     if run.calibration_time_s > 0 and calib.is_dir():
