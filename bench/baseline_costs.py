@@ -20,9 +20,9 @@ import os
 
 import numpy as np
 
-from fedlora.engine import build_profiles, derive_rng, round_cost
-from fedlora.experiments import load_suite
-from fedlora.methods import make_method
+from fedlora.federation.engine import build_profiles, derive_rng, round_cost
+from fedlora.federation.methods import make_method
+from fedlora.studies.experiments import load_suite
 
 METHODS = {  # label -> overrides of the suite's config
     "fedavg": ("method.name=fedavg",),

@@ -42,14 +42,14 @@ def _overrides(args: argparse.Namespace, n_clients: int, rounds: int) -> list[st
 
 
 def measure_rounds(args: argparse.Namespace) -> dict:
-    import fedlora.evaluation
-    import fedlora.train
+    import fedlora.llm.evaluation
+    import fedlora.llm.train
     from fedlora.config import load_config
-    from fedlora.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import prepare_run_dir, run_experiment
 
     timers = {"train_s": 0.0, "steps": 0}
     evals: list[float] = []  # evaluations: round 0 (outside any round) and the last round
-    real_train, real_eval = fedlora.train.local_train, fedlora.evaluation.evaluate
+    real_train, real_eval = fedlora.llm.train.local_train, fedlora.llm.evaluation.evaluate
 
     def timed_train(model, lora, batches, lr, **kw):
         t0 = time.perf_counter()
@@ -64,8 +64,8 @@ def measure_rounds(args: argparse.Namespace) -> dict:
         evals.append(time.perf_counter() - t0)
         return out
 
-    fedlora.train.local_train = timed_train
-    fedlora.evaluation.evaluate = timed_eval
+    fedlora.llm.train.local_train = timed_train
+    fedlora.llm.evaluation.evaluate = timed_eval
     cfg = load_config(None, _overrides(args, args.clients, args.rounds))
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
@@ -86,7 +86,7 @@ def measure_rounds(args: argparse.Namespace) -> dict:
 
 def measure_rss(args: argparse.Namespace, n_clients: int) -> dict:
     from fedlora.config import load_config
-    from fedlora.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import prepare_run_dir, run_experiment
 
     # the same expected number of participants (4) for every N: memory, not work, is measured
     extra = ["data.eval_limit=8", f"method.q_fixed={4 / n_clients}", "data.min_client_examples=1"]

@@ -44,10 +44,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from fedlora.config import LoraConfig
-    from fedlora.data import load_task, resolve_data_dir, seeded_subset, stream_rng
-    from fedlora.evaluation import eval_cache_for, evaluate
-    from fedlora.lora import inject_lora
-    from fedlora.models import load_model
+    from fedlora.llm.data import load_task, resolve_data_dir, seeded_subset, stream_rng
+    from fedlora.llm.evaluation import eval_cache_for, evaluate
+    from fedlora.llm.lora import inject_lora
+    from fedlora.llm.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,8 +1,8 @@
 """Per-round overhead of Flower (loopback SuperLink + SuperNodes) vs fedlora's own engine.
 
 Runs the same tiny configuration (tiny-llama, 2 clients, real data) twice: with
-`fedlora.engine.run_experiment`, then on a loopback deployment started by
-`fedlora.flower.LocalDeployment`; compares the per-round wall time (`compute_s` of each
+`fedlora.federation.engine.run_experiment`, then on a loopback deployment started by
+`fedlora.federation.flower.LocalDeployment`; compares the per-round wall time (`compute_s` of each
 metrics line: local training + aggregation for the engine; message round trip, node-side
 ClientApp process start, training and aggregation for Flower). By default each SuperNode
 forwards to a persistent fedlora worker; `--no-workers` trains inside Flower's per-message
@@ -61,8 +61,8 @@ def _round_times(run_dir: Path) -> np.ndarray:
 
 def main() -> None:
     from fedlora.config import load_config
-    from fedlora.engine import prepare_run_dir, run_experiment
-    from fedlora.flower.common import LocalDeployment, wait_for_file
+    from fedlora.federation.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.flower.common import LocalDeployment, wait_for_file
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -102,8 +102,8 @@ def main() -> None:
         flower_dir = tmp_path / "flower"
         t0 = time.perf_counter()
         if args.simulation:
-            from fedlora.flower.common import FlowerOptions
-            from fedlora.flower.simulation import run_simulation
+            from fedlora.federation.flower.common import FlowerOptions
+            from fedlora.federation.flower.simulation import run_simulation
 
             t_started = t0
             run_simulation(cfg, FlowerOptions(out_dir=str(flower_dir)), num_cpus=2)

@@ -34,7 +34,7 @@ from train_step import make_batches, smollm2_shaped  # noqa: E402
 
 def run(model, lora, batches, lr: float, cache) -> tuple[float, np.ndarray, list[dict]]:
     """Seconds, losses (c, H) and slot states of one `local_train` call from the global adapter."""
-    from fedlora.train import local_train
+    from fedlora.llm.train import local_train
 
     lora.set_clients(torch.ones(len(batches), lora.rank))
     t0 = time.perf_counter()
@@ -67,8 +67,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from fedlora.config import LoraConfig
-    from fedlora.lora import inject_lora
-    from fedlora.train import LayerCache
+    from fedlora.llm.lora import inject_lora
+    from fedlora.llm.train import LayerCache
 
     load = os.getloadavg()
     print(

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from fedlora.planner import Constants, PlanOptions, PlanProblem, alternate
+from fedlora.system.planner import Constants, PlanOptions, PlanProblem, alternate
 
 
 def instance(n: int, seed: int = 0) -> PlanProblem:

@@ -122,8 +122,8 @@ def bench_swap(base, batches, rank, lr, bf16) -> float:
 
 def bench_fedlora(base, batches, rank, lr, bf16, slots: int) -> float:
     from fedlora.config import LoraConfig
-    from fedlora.lora import inject_lora
-    from fedlora.train import local_train
+    from fedlora.llm.lora import inject_lora
+    from fedlora.llm.train import local_train
 
     model = copy.deepcopy(base)
     cfg = LoraConfig(rank=rank, alpha=2.0 * rank, layers="all")  # q,v on all 30 layers

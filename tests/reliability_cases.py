@@ -97,7 +97,7 @@ def _old_format_checkpoint(tmp: Path, *, metrics: bytes | None) -> None:
     lines, and replace metrics.jsonl with `metrics`."""
     import torch
 
-    from fedlora.rundir import load_checkpoint
+    from fedlora.federation.rundir import load_checkpoint
 
     run = tmp / "run"
     state = load_checkpoint(run, warn=lambda m: None)
@@ -152,7 +152,7 @@ def _hold_lock(tmp: Path):
 
 def _disk_full(tmp: Path):
     """Every atomic write fails as on a full disk."""
-    import fedlora.rundir as rundir
+    import fedlora.federation.rundir as rundir
 
     original = rundir.atomic_write
 

@@ -14,9 +14,9 @@ import torch
 
 from fedlora.cli import main
 from fedlora.config import load_config
-from fedlora.engine import load_checkpoint, prepare_run_dir, run_experiment
-from fedlora.methods.fedstacklora import FedStackLoRA
-from fedlora.methods.ranks import capability_ranks
+from fedlora.federation.engine import load_checkpoint, prepare_run_dir, run_experiment
+from fedlora.federation.methods.fedstacklora import FedStackLoRA
+from fedlora.federation.methods.ranks import capability_ranks
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -126,8 +126,8 @@ def test_fedstacklora_merge_keeps_the_model_function():
     # Prepare: a tiny model whose adapter is a trained-looking B, A (one client, rank γ,
     # weight 1): base + scaling·B A must equal (base + base_delta) + fresh adapter (B = 0).
     from fedlora.config import LoraConfig
-    from fedlora.lora import inject_lora
-    from fedlora.models import load_model
+    from fedlora.llm.lora import inject_lora
+    from fedlora.llm.models import load_model
 
     model, _ = load_model("tiny-llama", dtype="fp32")
     lora = inject_lora(model, LoraConfig(rank=GAMMA, alpha=8.0, layers="all"), slots=1, seed=0)

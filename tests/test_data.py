@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from fedlora.config import DataConfig
-from fedlora.data import (
+from fedlora.errors import DataError
+from fedlora.llm.data import (
     IGNORE_INDEX,
     Example,
     FederatedData,
@@ -32,7 +33,6 @@ from fedlora.data import (
     tokenize_examples,
     training_mix,
 )
-from fedlora.errors import DataError
 
 DATA = os.environ.get("FEDLORA_DATA", "")
 needs_data = pytest.mark.skipif(

@@ -17,7 +17,7 @@ import torch
 
 from fedlora.cli import main
 from fedlora.config import load_config
-from fedlora.engine import (
+from fedlora.federation.engine import (
     TrainingDiverged,
     build_run,
     load_checkpoint,
@@ -25,9 +25,9 @@ from fedlora.engine import (
     run_experiment,
     train_participants,
 )
-from fedlora.methods.base import ClientTask, RoundPlan, sketch_payload_params
-from fedlora.network import allocate_bandwidth, comp_factor
-from fedlora.sketch import sample_participants, unbiased_aggregate
+from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
+from fedlora.system.network import allocate_bandwidth, comp_factor
+from fedlora.system.sketch import sample_participants, unbiased_aggregate
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -202,10 +202,10 @@ def test_target_accuracy_and_time_budget_stop(tmp_path):
 def test_nan_loss_stops_with_clear_message_and_keeps_checkpoint(tmp_path, monkeypatch):
     # Prepare: local training diverges in round 2 (train.py raises TrainingError on a
     # non-finite loss; tests/test_train.py covers that detection itself)
-    import fedlora.train
-    from fedlora.train import TrainingError
+    import fedlora.llm.train
+    from fedlora.llm.train import TrainingError
 
-    real = fedlora.train.local_train
+    real = fedlora.llm.train.local_train
     calls = {"n": 0}
 
     def diverging(model, lora, batches, lr, **kw):
@@ -216,7 +216,7 @@ def test_nan_loss_stops_with_clear_message_and_keeps_checkpoint(tmp_path, monkey
             )
         return real(model, lora, batches, lr, **kw)
 
-    monkeypatch.setattr(fedlora.train, "local_train", diverging)
+    monkeypatch.setattr(fedlora.llm.train, "local_train", diverging)
     cfg = _cfg("training.rounds=3", "method.q=full")
     run_dir = tmp_path / "nan"
     prepare_run_dir(cfg, run_dir)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from fedlora.cli import main
-from fedlora.data import load_task_file, seeded_subset, stream_rng
-from fedlora.evaluation import evaluate, wilson_interval
-from fedlora.models import load_model
+from fedlora.llm.data import load_task_file, seeded_subset, stream_rng
+from fedlora.llm.evaluation import evaluate, wilson_interval
+from fedlora.llm.models import load_model
 
 DATA = os.environ.get("FEDLORA_DATA", "")
 

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from fedlora.config import load_config
-from fedlora.data import (
+from fedlora.errors import ConfigError, DataError
+from fedlora.llm.data import (
     RESPONSE_PREFIX,
     Example,
     encode_continuation,
     response_text,
     tokenize_examples,
 )
-from fedlora.errors import ConfigError, DataError
-from fedlora.evaluation import (
+from fedlora.llm.evaluation import (
     candidate_logprobs,
     candidate_token_logprobs,
     chance_score,
@@ -30,7 +30,7 @@ from fedlora.evaluation import (
     majority_score,
     question_id,
 )
-from fedlora.models import load_model
+from fedlora.llm.models import load_model
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 
@@ -256,7 +256,7 @@ TINY = [
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None:
-    from fedlora.engine import describe, prepare_run_dir, run_experiment
+    from fedlora.federation.engine import describe, prepare_run_dir, run_experiment
 
     cfg = load_config(None, [*TINY, "evaluation.scoring=option_norm", "data.response=option"])
     run_dir = tmp_path / "run"
@@ -289,7 +289,7 @@ def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_target_loss_stops_the_run(tmp_path: Path) -> None:
-    from fedlora.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import prepare_run_dir, run_experiment
 
     cfg = load_config(None, [*TINY, "training.rounds=5", "training.target_loss=1000.0"])
     run_dir = tmp_path / "run"
@@ -321,8 +321,8 @@ CACHE_EXAMPLES = [
 @pytest.mark.parametrize("scoring", ["label", "option_norm"])
 def test_cached_evaluation_equals_uncached(name: str, scoring: str) -> None:
     from fedlora.config import LoraConfig
-    from fedlora.evaluation import eval_cache_for
-    from fedlora.lora import inject_lora
+    from fedlora.llm.evaluation import eval_cache_for
+    from fedlora.llm.lora import inject_lora
 
     model, tok = load_model(name, dtype="fp32", progress=False)
     lora = inject_lora(model, LoraConfig(rank=4, layers=1), slots=2, seed=0)
@@ -356,8 +356,8 @@ def test_cached_evaluation_equals_uncached(name: str, scoring: str) -> None:
 
 def test_eval_cache_is_bounded_and_off_when_nothing_is_frozen() -> None:
     from fedlora.config import LoraConfig
-    from fedlora.evaluation import eval_cache_for
-    from fedlora.lora import inject_lora
+    from fedlora.llm.evaluation import eval_cache_for
+    from fedlora.llm.lora import inject_lora
 
     model, tok = load_model("tiny-llama", dtype="fp32", progress=False)
     lora_all = inject_lora(model, LoraConfig(rank=2, layers="all"), slots=1, seed=0)
@@ -380,8 +380,8 @@ def test_eval_cache_is_bounded_and_off_when_nothing_is_frozen() -> None:
 
 
 def test_write_predictions_replaces_rounds_a_resumed_run_repeats(tmp_path: Path) -> None:
-    from fedlora.engine import write_predictions
-    from fedlora.evaluation import EvalResult
+    from fedlora.federation.engine import write_predictions
+    from fedlora.llm.evaluation import EvalResult
 
     def result(pred: int) -> EvalResult:
         return EvalResult(

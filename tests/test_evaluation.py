@@ -9,10 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from fedlora.data import RESPONSE_PREFIX, Example, encode_continuation, encode_prompt, format_prompt
 from fedlora.errors import DataError
-from fedlora.evaluation import candidate_logprobs, evaluate, parse_options, wilson_interval
-from fedlora.models import load_model
+from fedlora.llm.data import (
+    RESPONSE_PREFIX,
+    Example,
+    encode_continuation,
+    encode_prompt,
+    format_prompt,
+)
+from fedlora.llm.evaluation import candidate_logprobs, evaluate, parse_options, wilson_interval
+from fedlora.llm.models import load_model
 
 
 def mc(q: str, options: list[str], answer: int, task: str = "t") -> Example:
@@ -100,9 +106,9 @@ def test_bf16_model_scores_close_to_its_own_reference() -> None:
 
 
 def test_slot_lora_model_scores_equal_reference() -> None:
-    """The engine evaluates the global adapter through fedlora.lora's slot hooks."""
+    """The engine evaluates the global adapter through fedlora.llm.lora's slot hooks."""
     from fedlora.config import LoraConfig
-    from fedlora.lora import inject_lora
+    from fedlora.llm.lora import inject_lora
 
     model, tok = load_model("tiny-llama", dtype="fp32", progress=False)
     lora = inject_lora(model, LoraConfig(rank=4, layers="all"), slots=2, seed=0)

@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedlora import engine
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.experiments import SUITES, load_suite
-from fedlora.methods import make_method
-from fedlora.methods.proposed import (
+from fedlora.federation import engine
+from fedlora.federation.methods import make_method
+from fedlora.federation.methods.proposed import (
     Proposed,
     calibration_config,
     calibration_settings,
@@ -23,6 +22,7 @@ from fedlora.methods.proposed import (
     rounds_to_loss,
     smoothed_losses,
 )
+from fedlora.studies.experiments import SUITES, load_suite
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -245,7 +245,7 @@ def test_quick_suite_writes_a_report_with_every_method(tmp_path, suite, capsys, 
     # loss barely moves, so its calibration rounds are noise that the planner rightly refuses;
     # the estimate alone is replaced by known constants (tested above with known R_i): the
     # calibration runs, the plan and the training with it are real.
-    from fedlora import planner
+    from fedlora.system import planner
 
     known = planner.Constants(105.0, 1.0, 0.05, 0.0125)
     monkeypatch.setattr(planner, "estimate_constants", lambda *a, **k: known)
@@ -297,7 +297,7 @@ def test_quick_suite_writes_a_report_with_every_method(tmp_path, suite, capsys, 
 
 def test_run_suite_refuses_to_resume_a_partial_run_with_another_config(tmp_path):
     from fedlora.config import dump_toml
-    from fedlora.experiments import run_suite
+    from fedlora.studies.experiments import run_suite
 
     spec = load_suite("table1", _suite_file(tmp_path, "[suite]\ntargets = {arc-e = 0.5}\n"),
                       methods=["fslora"])  # fmt: skip
@@ -310,8 +310,8 @@ def test_run_suite_refuses_to_resume_a_partial_run_with_another_config(tmp_path)
 
 
 def test_nonnegative_constants_fallback():
-    from fedlora.methods.proposed import nonnegative_constants
-    from fedlora.planner import Observation
+    from fedlora.federation.methods.proposed import nonnegative_constants
+    from fedlora.system.planner import Observation
 
     a = np.array([0.1, 0.2, 0.3, 0.4])
 

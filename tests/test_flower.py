@@ -25,8 +25,8 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.flower import worker
-from fedlora.flower.common import (
+from fedlora.federation.flower import worker
+from fedlora.federation.flower.common import (
     LOOPBACK,
     SAFE_ENV,
     FlowerOptions,
@@ -128,12 +128,12 @@ def test_bad_run_config_names_the_field(run_config: dict, field: str) -> None:
 def test_pyproject_declares_the_flower_app_and_every_run_config_key() -> None:
     import tomllib
 
-    from fedlora.flower.common import RUN_CONFIG_KEYS
+    from fedlora.federation.flower.common import RUN_CONFIG_KEYS
 
     app = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     assert app["components"] == {
-        "serverapp": "fedlora.flower.server_app:app",
-        "clientapp": "fedlora.flower.client_app:app",
+        "serverapp": "fedlora.federation.flower.server_app:app",
+        "clientapp": "fedlora.federation.flower.client_app:app",
     }
     assert set(app["config"]) == set(RUN_CONFIG_KEYS)
     # the declared defaults are valid
@@ -150,8 +150,8 @@ def test_safe_env_turns_off_telemetry_update_check_and_ray_stats() -> None:
 
 
 def test_importing_the_apps_sets_the_safe_env() -> None:
-    import fedlora.flower.client_app  # noqa: F401
-    import fedlora.flower.server_app  # noqa: F401
+    import fedlora.federation.flower.client_app  # noqa: F401
+    import fedlora.federation.flower.server_app  # noqa: F401
 
     for key, value in SAFE_ENV.items():
         assert os.environ[key] == value
@@ -160,9 +160,9 @@ def test_importing_the_apps_sets_the_safe_env() -> None:
 def test_client_app_imports_only_light_modules() -> None:
     # Flower starts a fresh ClientApp process per message: its imports are paid every round
     code = (
-        "import sys, fedlora.flower.client_app; "
-        "print(sorted(m for m in ('torch', 'transformers', 'fedlora.engine', 'fedlora.data', "
-        "'fedlora.methods', 'scipy') if m in sys.modules))"
+        "import sys, fedlora.federation.flower.client_app; "
+        "print(sorted(m for m in ('torch', 'transformers', 'fedlora.federation.engine', 'fedlora.llm.data', "
+        "'fedlora.federation.methods', 'scipy') if m in sys.modules))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=safe_env()
@@ -219,7 +219,7 @@ def test_local_deployment_rejects_bad_sizes(tmp_path: Path) -> None:
 def test_flower_refuses_methods_it_cannot_run_like_the_engine(
     tmp_path: Path, overrides: list[str], allowed: bool
 ) -> None:
-    from fedlora.flower.common import check_flower_method
+    from fedlora.federation.flower.common import check_flower_method
 
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
@@ -347,7 +347,7 @@ def test_cli_worker_with_a_bad_port_exits_2(capsys: pytest.CaptureFixture[str]) 
 def test_client_app_reads_and_checks_the_worker_address() -> None:
     from types import SimpleNamespace
 
-    from fedlora.flower.client_app import worker_address
+    from fedlora.federation.flower.client_app import worker_address
 
     assert worker_address(SimpleNamespace(node_config={})) is None
     ctx = SimpleNamespace(node_config={"worker-address": "127.0.0.1:7001"})
@@ -396,7 +396,7 @@ def test_worker_answers_ping_and_reports_bad_ops_without_dying() -> None:
 def test_worker_trains_exactly_like_the_in_process_node(tmp_path: Path) -> None:
     # Prepare: the tiny config, the untrained global adapter, client 1's task in round 0
     from fedlora.config import dump_toml
-    from fedlora.flower import node
+    from fedlora.federation.flower import node
 
     cfg = load_config(_write_config(tmp_path, rounds=1, q='"full"'))
     state = node.client_state(cfg)
@@ -426,7 +426,7 @@ def test_worker_trains_exactly_like_the_in_process_node(tmp_path: Path) -> None:
 
 
 def _final_global(run_dir: Path) -> dict[str, np.ndarray]:
-    from fedlora.rundir import load_checkpoint
+    from fedlora.federation.rundir import load_checkpoint
 
     state = load_checkpoint(run_dir)
     return {k: np.asarray(v) for k, v in state["global"].items()}
@@ -438,7 +438,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _engine_run(config_path: Path, tmp_path: Path) -> Path:
     """fedlora's own engine on the same config (run once per test)."""
-    from fedlora.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import prepare_run_dir, run_experiment
 
     ref = tmp_path / "engine-run"
     if not (ref / "summary.json").exists():
@@ -568,7 +568,7 @@ def test_proc_net_addresses_are_decoded() -> None:
 
 
 def test_ray_backend_config_is_loopback_without_dashboard() -> None:
-    from fedlora.flower.simulation import RAY_ENV, ray_backend_config
+    from fedlora.federation.flower.simulation import RAY_ENV, ray_backend_config
 
     bc = ray_backend_config(num_cpus=2, client_num_cpus=1.0)
     assert bc["init_args"]["_node_ip_address"] == LOOPBACK
@@ -587,7 +587,7 @@ def test_ray_backend_config_is_loopback_without_dashboard() -> None:
      ({"object_store_mb": 10}, "object_store_mb")],
 )  # fmt: skip
 def test_ray_backend_config_rejects_bad_resources(kwargs: dict, field: str) -> None:
-    from fedlora.flower.simulation import ray_backend_config
+    from fedlora.federation.flower.simulation import ray_backend_config
 
     with pytest.raises(ConfigError, match=field):
         ray_backend_config(**kwargs)
@@ -605,7 +605,7 @@ def _run_python(code: str) -> str:
 def test_ray_env_makes_ray_resolve_the_node_to_loopback() -> None:
     # Execute: in fresh processes (Ray reads the variable when imported); Ray is not started
     with_env = _run_python(
-        "from fedlora.flower.simulation import apply_ray_env; apply_ray_env(); "
+        "from fedlora.federation.flower.simulation import apply_ray_env; apply_ray_env(); "
         "from ray._private import ray_constants, services; "
         "print(ray_constants.ENABLE_RAY_CLUSTER, services.resolve_ip_for_localhost('127.0.0.1'))"
     )
@@ -622,7 +622,7 @@ def test_ray_imported_in_cluster_mode_is_refused() -> None:
     out = _run_python(
         "import ray\n"
         "from fedlora.errors import ConfigError\n"
-        "from fedlora.flower.simulation import apply_ray_env\n"
+        "from fedlora.federation.flower.simulation import apply_ray_env\n"
         "try:\n    apply_ray_env()\n    print('accepted')\n"
         "except ConfigError as e:\n    print('refused:', e)"
     )

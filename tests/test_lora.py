@@ -11,9 +11,9 @@ import torch
 
 from fedlora.config import LoraConfig
 from fedlora.errors import ConfigError
-from fedlora.lora import inject_lora
-from fedlora.models import load_model
-from fedlora.sketch import sketch_scale_vectors, truncation_scale_vectors
+from fedlora.llm.lora import inject_lora
+from fedlora.llm.models import load_model
+from fedlora.system.sketch import sketch_scale_vectors, truncation_scale_vectors
 
 RANK = 4
 

@@ -9,14 +9,14 @@ import pytest
 from numpy.testing import assert_allclose
 
 from fedlora.config import load_config
-from fedlora.engine import derive_rng, round_cost
 from fedlora.errors import ConfigError
-from fedlora.methods import make_method
-from fedlora.methods.base import ClientTask, RoundPlan, sketch_payload_params
-from fedlora.methods.fedavg import FedAvg
-from fedlora.methods.sketched import Sketched
-from fedlora.methods.strategies import resolve_k, resolve_q
-from fedlora.network import ClientProfiles, allocate_bandwidth
+from fedlora.federation.engine import derive_rng, round_cost
+from fedlora.federation.methods import make_method
+from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
+from fedlora.federation.methods.fedavg import FedAvg
+from fedlora.federation.methods.sketched import Sketched
+from fedlora.federation.methods.strategies import resolve_k, resolve_q
+from fedlora.system.network import ClientProfiles, allocate_bandwidth
 
 SHAPES = {"m.q_proj": (3, 2), "m.v_proj": (1, 2)}  # (out, in)
 

@@ -11,13 +11,13 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.methods import make_method
-from fedlora.methods.base import ClientTask, RoundPlan, sketch_payload_params
-from fedlora.methods.fedstacklora import FedStackLoRA, fresh_adapter
-from fedlora.methods.flexlora import FlexLoRA, truncated_svd_factors
-from fedlora.methods.fslora import FSLoRA
-from fedlora.methods.heterolora import HeteroLoRA, lora_modules, product_fro_norm
-from fedlora.methods.ranks import capability_ranks, resolve_ranks
+from fedlora.federation.methods import make_method
+from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
+from fedlora.federation.methods.fedstacklora import FedStackLoRA, fresh_adapter
+from fedlora.federation.methods.flexlora import FlexLoRA, truncated_svd_factors
+from fedlora.federation.methods.fslora import FSLoRA
+from fedlora.federation.methods.heterolora import HeteroLoRA, lora_modules, product_fro_norm
+from fedlora.federation.methods.ranks import capability_ranks, resolve_ranks
 
 SMOL_SHAPES = {  # SmolLM2-135M, q and v on 30 layers: q (576→576), v (576→192)
     **{f"layers.{i}.q_proj": (576, 576) for i in range(30)},
@@ -409,7 +409,7 @@ def test_make_method_builds_each_baseline_with_shared_budgets(name, cls):
 
 
 def test_make_method_capability_without_profiles_uses_the_engines_compute_times():
-    from fedlora.engine import build_profiles
+    from fedlora.federation.engine import build_profiles
 
     cfg = load_config(None, ['method.name="heterolora"', "data.n_clients=6", "training.seed=4"])
     method = make_method(cfg, np.full(6, 1 / 6), _rng())
@@ -428,7 +428,7 @@ def test_rank_methods_without_participants_keep_the_global(cls):
 
 def test_full_rank_heterolora_and_fslora_reduce_to_fedavg():
     # with every budget = γ there is nothing to pad or sketch: both are FedAvg's mean
-    from fedlora.methods.fedavg import weighted_mean
+    from fedlora.federation.methods.fedavg import weighted_mean
 
     rng = _rng(21)
     a = np.array([0.1, 0.6, 0.3])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedlora.errors import ConfigError
-from fedlora.models import build_tiny_tokenizer, load_model
+from fedlora.llm.models import build_tiny_tokenizer, load_model
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from scipy.optimize import brentq
 
 from fedlora.errors import ConfigError
 from fedlora.files import load_profiles
-from fedlora.network import (
+from fedlora.system.network import (
     ClientProfiles,
     allocate_bandwidth,
     comm_factor,
@@ -29,7 +29,7 @@ from fedlora.network import (
     round_time_upper_bound,
     spectral_efficiency,
 )
-from fedlora.sketch import sample_participants
+from fedlora.system.sketch import sample_participants
 
 
 def rng(seed: int = 0) -> np.random.Generator:
@@ -505,7 +505,7 @@ def _mc_gains(size: int = 400_000, seed: int = 0) -> np.ndarray:
 def test_ergodic_spectral_efficiency_matches_monte_carlo_and_the_closed_form(snr_db):
     from scipy.special import exp1
 
-    from fedlora.network import ergodic_spectral_efficiency
+    from fedlora.system.network import ergodic_spectral_efficiency
 
     s = 10 ** (snr_db / 10)
     h = _mc_gains()
@@ -521,7 +521,7 @@ def test_ergodic_spectral_efficiency_matches_monte_carlo_and_the_closed_form(snr
 
 @pytest.mark.parametrize(("snr_db", "floor"), [(3.0, 0.05), (20.0, 0.01), (-5.0, 0.2)])
 def test_fading_time_factor_with_an_outage_floor_matches_monte_carlo(snr_db, floor):
-    from fedlora.network import fading_time_factor
+    from fedlora.system.network import fading_time_factor
 
     s = 10 ** (snr_db / 10)
     h = np.maximum(_mc_gains(), floor)
@@ -532,7 +532,7 @@ def test_fading_time_factor_with_an_outage_floor_matches_monte_carlo(snr_db, flo
 
 
 def test_fading_time_factor_without_a_floor_is_infinite_and_the_sample_mean_does_not_settle():
-    from fedlora.network import fading_time_factor
+    from fedlora.system.network import fading_time_factor
 
     # E[1/log2(1 + s h)] diverges (≈ ln2 / (s h) near h = 0, and ∫ e^{-h}/h dh = ∞): the
     # function says so instead of returning a finite number
@@ -544,7 +544,7 @@ def test_fading_time_factor_without_a_floor_is_infinite_and_the_sample_mean_does
 
 
 def test_fading_functions_reject_bad_inputs():
-    from fedlora.network import fading_time_factor
+    from fedlora.system.network import fading_time_factor
 
     with pytest.raises(ConfigError, match=r"network.fading_floor = -0.1 is invalid"):
         fading_time_factor(np.array([3.0]), -0.1)
@@ -553,7 +553,7 @@ def test_fading_functions_reject_bad_inputs():
 
 
 def test_planning_time_factor_uses_the_ergodic_rate_without_a_floor():
-    from fedlora.network import (
+    from fedlora.system.network import (
         ergodic_spectral_efficiency,
         fading_time_factor,
         planning_time_factor,
@@ -569,8 +569,8 @@ def test_planning_time_factor_uses_the_ergodic_rate_without_a_floor():
 
 def test_engine_applies_the_outage_floor_to_the_fading_gains():
     from fedlora.config import load_config
-    from fedlora.engine import round_cost
-    from fedlora.methods.sketched import Sketched
+    from fedlora.federation.engine import round_cost
+    from fedlora.federation.methods.sketched import Sketched
 
     shapes = {"m": (4, 4)}
     prof = generate_profiles(
@@ -591,8 +591,8 @@ def test_engine_applies_the_outage_floor_to_the_fading_gains():
 
 def test_proposed_plans_with_the_fading_aware_upload_time():
     from fedlora.config import load_config
-    from fedlora.methods.proposed import planning_t_full
-    from fedlora.network import planning_time_factor
+    from fedlora.federation.methods.proposed import planning_t_full
+    from fedlora.system.network import planning_time_factor
 
     clients = {"t_full": np.array([2.0, 3.0]), "snr_db": np.array([5.0, 15.0])}
     plain = load_config(None, ["data.n_clients=2"])

@@ -14,10 +14,10 @@ import math
 import numpy as np
 import pytest
 
-from fedlora import planner
 from fedlora.config import NetworkConfig, PlannerConfig
 from fedlora.errors import ConfigError
-from fedlora.planner import (
+from fedlora.system import planner
+from fedlora.system.planner import (
     Constants,
     Observation,
     PlanOptions,

@@ -10,8 +10,8 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.errors import ConfigError, DataError
-from fedlora.experiments import report_suite
-from fedlora.report import (
+from fedlora.studies.experiments import report_suite
+from fedlora.studies.report import (
     collect_runs,
     load_run,
     read_metrics,

@@ -10,7 +10,7 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.errors import DataError
-from fedlora.report import (
+from fedlora.studies.report import (
     load_run,
     mcnemar_p,
     paired_tests,

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-import fedlora.engine as engine
+import fedlora.federation.engine as engine
 from fedlora.cli import main
 from fedlora.config import dump_toml, load_config, toml_string
 from fedlora.errors import ConfigError, DataError
-from fedlora.rundir import (
+from fedlora.federation.rundir import (
     load_checkpoint,
     prepare_run_dir,
     read_metrics_lines,
@@ -235,7 +235,7 @@ def test_resume_rewrites_a_damaged_metrics_file_from_the_checkpoint(finished, tm
 
 
 def test_old_checkpoint_with_missing_rounds_is_refused_naming_them(tmp_path):
-    from fedlora.rundir import restore_metrics
+    from fedlora.federation.rundir import restore_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"round": 0}\n{"round": 1}\n{"rou')
@@ -250,7 +250,7 @@ def test_old_checkpoint_with_missing_rounds_is_refused_naming_them(tmp_path):
 
 def test_lock_is_exclusive_across_processes_and_reentrant_within_one(tmp_path):
     code = (
-        "import sys; from fedlora.rundir import run_dir_lock\n"
+        "import sys; from fedlora.federation.rundir import run_dir_lock\n"
         "try:\n    with run_dir_lock(sys.argv[1]): pass\n"
         "except Exception as e: print(e); sys.exit(2)\n"
     )
@@ -294,7 +294,7 @@ def test_control_characters_survive_the_config_file(tmp_path):
 
 
 def test_plan_refuses_a_degenerate_result():
-    from fedlora.planner import Constants, PlanResult, check_plan
+    from fedlora.system.planner import Constants, PlanResult, check_plan
 
     good = PlanResult(np.array([0.5, 1.0]), np.array([2, 4]), 3.0, 1.0, 3.0,
                       Constants(1, 1, 1, 1), 1, "exact", "fixed_point")  # fmt: skip
@@ -306,12 +306,12 @@ def test_plan_refuses_a_degenerate_result():
 
 
 def test_preflight_runs_before_the_model_loads(monkeypatch, tmp_path):
-    import fedlora.models
+    import fedlora.llm.models
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(fedlora.models, "load_model", no_load)
+    monkeypatch.setattr(fedlora.llm.models, "load_model", no_load)
     for bad in ('data.tasks=["arc-x"]', "lora.layers=3", "data.eval_tasks=[]",
                 'data.task_files=["/nope.json"]', 'network.profiles_file="/nope.csv"'):  # fmt: skip
         out = tmp_path / bad[:6]

@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from fedlora.errors import ConfigError
-from fedlora.sketch import (
+from fedlora.system.sketch import (
     aggregation_weights,
     algorithm1_literal_aggregate,
     check_k,

@@ -13,9 +13,9 @@ import torch
 
 from fedlora.config import LoraConfig, TrainingConfig
 from fedlora.errors import ConfigError, DataError
-from fedlora.lora import inject_lora
-from fedlora.models import load_model
-from fedlora.train import (
+from fedlora.llm.lora import inject_lora
+from fedlora.llm.models import load_model
+from fedlora.llm.train import (
     LayerCache,
     TrainingError,
     cacheable_layers,
@@ -214,7 +214,7 @@ def deep_tiny(kind: str, layers: int = 4, **extra):
     """A `layers`-deep variant of a tiny model (seeded N(0, 0.02) weights, norms 1)."""
     from transformers import AutoModelForCausalLM
 
-    from fedlora.models import build_tiny_tokenizer, tiny_config
+    from fedlora.llm.models import build_tiny_tokenizer, tiny_config
 
     tok = build_tiny_tokenizer()
     d = tiny_config(kind, vocab_size=len(tok)).to_dict()
@@ -501,8 +501,8 @@ DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/da
 def test_engine_uses_the_cache_for_top_k_and_gets_the_same_adapters(tmp_path):
     # Prepare: real data, tiny-llama with LoRA on its top layer; the same round twice
     from fedlora.config import load_config
-    from fedlora.engine import build_run, prepare_run_dir, train_participants
-    from fedlora.methods.base import ClientTask, RoundPlan
+    from fedlora.federation.engine import build_run, prepare_run_dir, train_participants
+    from fedlora.federation.methods.base import ClientTask, RoundPlan
 
     overrides = [
         "model.name=tiny-llama",

@@ -233,7 +233,7 @@ class TrainingConfig:
 METHODS = ("sketched", "fedavg", "proposed", "fslora", "heterolora", "fedstacklora", "flexlora")
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
-RANK_STRATEGIES = ("capability", *K_STRATEGIES)  # method.ranks (fedlora.methods.ranks)
+RANK_STRATEGIES = ("capability", *K_STRATEGIES)  # method.ranks (fedlora.federation.methods.ranks)
 
 
 def _check_vector_or_strategy(
@@ -299,7 +299,7 @@ class PlannerConfig:
     grid_eps: float = 0.0  # grid step for m_search = grid; 0 = (range)/200
     max_iterations: int = 50
     calibration_loss: float = 0.0  # F_s for the `proposed` calibration runs; 0 = auto
-    # `proposed`: at most this many rounds per calibration run (fedlora.methods.proposed)
+    # `proposed`: at most this many rounds per calibration run (fedlora.federation.methods.proposed)
     calibration_rounds: int = 30
     # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
     # with q from method.q ("k", Figure 3)
@@ -340,7 +340,7 @@ SCORINGS = ("label", "option", "option_norm")
 
 @dataclass(frozen=True)
 class EvaluationConfig:
-    """How the global adapter is scored on the eval sets (fedlora.evaluation)."""
+    """How the global adapter is scored on the eval sets (fedlora.llm.evaluation)."""
 
     # label: log-likelihood of the answer label (the paper's protocol for large models);
     # option: of the option text; option_norm: of the option text per character (acc_norm)

@@ -2,7 +2,7 @@
 error style: a ConfigError naming the config key or the file, and what is wrong).
 
 Today: the client profiles (`network.profiles_file`). The vector files of `method.q` /
-`method.k` (fedlora.methods.strategies) and the planner's problem files (fedlora.planner)
+`method.k` (fedlora.federation.methods.strategies) and the planner's problem files (fedlora.system.planner)
 are still read where they are used; they move here next.
 """
 
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from fedlora.errors import ConfigError, bad_value
-from fedlora.network import ClientProfiles, profiles_from_rows
+from fedlora.system.network import ClientProfiles, profiles_from_rows
 
 
 def load_profiles(path: str | Path) -> ClientProfiles:

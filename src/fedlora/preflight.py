@@ -28,7 +28,7 @@ SMOLLM2_LAYERS = 30  # SmolLM2-135M, when its converted copy is not there yet
 def model_config(spec: str, cache_dir: str = "") -> dict[str, Any] | None:
     """The model's config.json as a dict, read without loading weights (None if unknown
     without a download, e.g. a hub id not in the local cache). Bad specs raise ConfigError."""
-    from fedlora.models import (
+    from fedlora.llm.models import (
         ACCEPTED_FORMS,
         SMOLLM2_SPEC,
         TINY_MODELS,
@@ -98,7 +98,7 @@ def check_model(cfg: ExperimentConfig) -> None:
 
 def check_data(cfg: ExperimentConfig) -> None:
     """Task names, the data directory, the eval tasks' test splits and the task files."""
-    from fedlora.data import TASK_FOLDERS, resolve_data_dir, task_available, task_path
+    from fedlora.llm.data import TASK_FOLDERS, resolve_data_dir, task_available, task_path
 
     data = cfg.data
     allowed = ", ".join(TASK_FOLDERS)
@@ -132,9 +132,9 @@ def check_data(cfg: ExperimentConfig) -> None:
 
 def check_clients(cfg: ExperimentConfig) -> None:
     """The client profiles file and the method's per-client files (q, k, ranks)."""
+    from fedlora.federation.methods.ranks import resolve_ranks
+    from fedlora.federation.methods.strategies import resolve_k, resolve_q
     from fedlora.files import load_profiles
-    from fedlora.methods.ranks import resolve_ranks
-    from fedlora.methods.strategies import resolve_k, resolve_q
 
     n, m = cfg.data.n_clients, cfg.method
     if cfg.network.profiles_file:

@@ -28,7 +28,7 @@ def parse_targets(values: list[str] | None) -> dict[str, float]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from fedlora.experiments import SUITES
+    from fedlora.studies.experiments import SUITES
 
     p = sub.add_parser(
         "compare",
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedlora.experiments import format_command, load_suite, run_suite
+    from fedlora.studies.experiments import format_command, load_suite, run_suite
 
     overrides = list(args.overrides)
     if args.data_dir:

@@ -110,7 +110,7 @@ def _apply_adapter(model, adapter: str):
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from fedlora.data import (
+    from fedlora.llm.data import (
         load_task,
         load_task_file,
         resolve_data_dir,
@@ -130,8 +130,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fedlora.evaluation import evaluate
-    from fedlora.models import load_model
+    from fedlora.llm.evaluation import evaluate
+    from fedlora.llm.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -86,8 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from fedlora.engine import prepare_run_dir
-    from fedlora.flower.common import LocalDeployment, check_flower_method, wait_for_file
+    from fedlora.federation.engine import prepare_run_dir
+    from fedlora.federation.flower.common import LocalDeployment, check_flower_method, wait_for_file
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
     check_flower_method(cfg)
@@ -119,9 +119,9 @@ def run_local(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from fedlora.flower.common import apply_safe_env
-    from fedlora.flower.node import warm_imports
-    from fedlora.flower.worker import check_serve_args, serve
+    from fedlora.federation.flower.common import apply_safe_env
+    from fedlora.federation.flower.node import warm_imports
+    from fedlora.federation.flower.worker import check_serve_args, serve
 
     check_serve_args(args.port, args.data_dir)
     apply_safe_env()
@@ -140,11 +140,11 @@ def run_worker(args: argparse.Namespace) -> int:
 def run_simulate(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from fedlora.engine import prepare_run_dir
     from fedlora.errors import ConfigError
-    from fedlora.flower.common import FlowerOptions, check_flower_method
-    from fedlora.flower.simulation import ray_backend_config, run_simulation
-    from fedlora.rundir import resume_config
+    from fedlora.federation.engine import prepare_run_dir
+    from fedlora.federation.flower.common import FlowerOptions, check_flower_method
+    from fedlora.federation.flower.simulation import ray_backend_config, run_simulation
+    from fedlora.federation.rundir import resume_config
 
     if bool(args.out) == bool(args.resume):
         raise ConfigError(

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from fedlora.planner import check_plan, load_problem, plan
+    from fedlora.system.planner import check_plan, load_problem, plan
 
     overrides: dict[str, object] = {}
     if args.solver:

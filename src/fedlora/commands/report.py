@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from fedlora.commands.compare import parse_targets
     from fedlora.errors import ConfigError
-    from fedlora.experiments import format_command, report_suite
+    from fedlora.studies.experiments import format_command, report_suite
 
     if (args.comm_cost is None) != (args.comp_cost is None):
         raise ConfigError("--comm-cost and --comp-cost go together (re-clocking needs both)")

@@ -34,10 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fedlora.config import toml_string
-    from fedlora.engine import describe, run_experiment
     from fedlora.errors import ConfigError
-    from fedlora.preflight import check_inputs
-    from fedlora.rundir import (
+    from fedlora.federation.engine import describe, run_experiment
+    from fedlora.federation.rundir import (
         check_run_dir,
         make_run_dir,
         prepare_run_dir,
@@ -45,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir_for,
         run_dir_lock,
     )
+    from fedlora.preflight import check_inputs
 
     overrides = list(args.overrides)
     if args.data_dir:

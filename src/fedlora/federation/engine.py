@@ -29,20 +29,11 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError, FedloraError
-from fedlora.files import load_profiles
-from fedlora.methods import Method, RoundPlan, make_method
-from fedlora.network import (
-    ClientProfiles,
-    generate_profiles,
-    profiles_to_rows,
-    rayleigh_gains,
-    round_time,
-    spectral_efficiency,
-)
+from fedlora.federation.methods import Method, RoundPlan, make_method
 
-# Run directories, checkpoints and metrics files live in fedlora.rundir; re-exported here
+# Run directories, checkpoints and metrics files live in fedlora.federation.rundir; re-exported here
 # because the Flower ServerApp and older callers import them from the engine.
-from fedlora.rundir import (
+from fedlora.federation.rundir import (
     append_metrics,
     atomic_write,
     checkpoint_paths,  # noqa: F401
@@ -54,6 +45,15 @@ from fedlora.rundir import (
     run_dir_lock,
     save_checkpoint,
     truncate_metrics,  # noqa: F401
+)
+from fedlora.files import load_profiles
+from fedlora.system.network import (
+    ClientProfiles,
+    generate_profiles,
+    profiles_to_rows,
+    rayleigh_gains,
+    round_time,
+    spectral_efficiency,
 )
 
 STREAMS = {
@@ -208,9 +208,9 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
     """Model, LoRA slots, federated data, client profiles and the method of one run."""
     import torch
 
-    from fedlora.data import build_federated_data
-    from fedlora.lora import inject_lora
-    from fedlora.models import load_model
+    from fedlora.llm.data import build_federated_data
+    from fedlora.llm.lora import inject_lora
+    from fedlora.llm.models import load_model
 
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
@@ -250,8 +250,8 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     """
     import torch
 
-    from fedlora.data import client_batches
-    from fedlora.train import TrainingError, layer_cache_for, local_train
+    from fedlora.llm.data import client_batches
+    from fedlora.llm.train import TrainingError, layer_cache_for, local_train
 
     cfg, seed, r = run.cfg, run.cfg.training.seed, plan.round
     pad_id = run.tokenizer.pad_token_id
@@ -300,7 +300,7 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
     """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
     import torch
 
-    from fedlora.evaluation import eval_cache_for, evaluate
+    from fedlora.llm.evaluation import eval_cache_for, evaluate
 
     ecfg = run.cfg.evaluation
     run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
@@ -469,7 +469,7 @@ def checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
         "base_delta": run.base_delta,
         "method": run.method.state_dict(),
         "seed": run.cfg.training.seed,
-        "rng": "derived from (seed, stream, round): see fedlora.engine.derive_rng",
+        "rng": "derived from (seed, stream, round): see fedlora.federation.engine.derive_rng",
     }
 
 
@@ -507,7 +507,7 @@ def _run_experiment(
     wall_start = time.perf_counter()
     calibration_s = 0.0
     if cfg.method.name == "proposed":  # Algorithm 2: calibration runs and the plan come first
-        from fedlora.methods.proposed import prepare_proposed
+        from fedlora.federation.methods.proposed import prepare_proposed
 
         cfg, calibration_s = prepare_proposed(cfg, run_dir, resume=resume, quiet=quiet, log=log)
     run = build_run(cfg, run_dir, log=log)

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.data import (
+from fedlora.errors import DataError
+from fedlora.llm.data import (
     RESPONSE_PREFIX,
     Example,
     encode_continuation,
@@ -44,7 +45,6 @@ from fedlora.data import (
     format_prompt,
     parse_options,  # lived here before issue 11; still importable from this module
 )
-from fedlora.errors import DataError
 
 SCORINGS = ("label", "option", "option_norm")
 Z95 = 1.959963984540054  # Φ^{-1}(0.975)
@@ -245,7 +245,7 @@ def _score_packed(
     LoRA layer come from the cache after the first evaluation."""
     import torch
 
-    from fedlora.train import decoder_and_head
+    from fedlora.llm.train import decoder_and_head
 
     _, head = decoder_and_head(model)
     seqs, poss, segs = [], [], []
@@ -289,7 +289,7 @@ def eval_cache_for(model: Any, lora: Any, max_mb: float) -> Any:
     run); it keeps what fits in `max_mb` and stops adding when full (no LRU thrashing on a
     set read in the same order every time). None when `max_mb` is 0 or nothing can be
     cached (LoRA on every layer, an unsupported decoder, sliding-window attention)."""
-    from fedlora.train import LayerCache, cacheable_layers
+    from fedlora.llm.train import LayerCache, cacheable_layers
 
     cache = _EVAL_CACHES.get(lora)
     if cache is not None and cache.model is model and cache.max_bytes == int(max_mb * 2**20):

@@ -8,7 +8,7 @@ sketch S_c = diag(s_c))
     y = W0 x + (α/r) · B_c diag(s_c) A_c x         for the rows of slot c,
 
 with one batched matmul over the active slots. A sketch of k-of-γ indices is
-s_c = γ/k on the sketched indices and 0 elsewhere (`fedlora.sketch.sketch_scale_vectors`);
+s_c = γ/k on the sketched indices and 0 elsewhere (`fedlora.system.sketch.sketch_scale_vectors`);
 a rank truncation is 1 on the first r_n indices (`truncation_scale_vectors`). Rank components
 with s_c[j] = 0 receive exactly zero gradient, so a client trains only its sketch.
 

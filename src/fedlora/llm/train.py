@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from fedlora.errors import ConfigError, DataError, FedloraError, bad_value
-from fedlora.lora import SlotLora, layer_index
+from fedlora.llm.lora import SlotLora, layer_index
 
 __all__ = [
     "TrainingError",

@@ -37,7 +37,7 @@ from fedlora.config import (
     read_toml,
 )
 from fedlora.errors import ConfigError, FedloraError, bad_value
-from fedlora.report import SUITE_FILE, collect_runs, reclock, write_report
+from fedlora.studies.report import SUITE_FILE, collect_runs, reclock, write_report
 
 # label -> overrides applied on top of the suite file's config
 SUITES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -211,7 +211,7 @@ def run_suite(
     A run that fails with a fedlora error is recorded (summary.json with "error") and the
     suite goes on; it is retried the next time. Returns the report's path.
     """
-    from fedlora.engine import load_run_config, prepare_run_dir, run_experiment
+    from fedlora.federation.engine import load_run_config, prepare_run_dir, run_experiment
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(out_dir)
@@ -269,7 +269,7 @@ def report_suite(
 ) -> Path:
     """Rebuild report.md and the plot from run or suite directories (metrics files only).
 
-    `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.report.reclock`).
+    `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.studies.report.reclock`).
     """
     runs, suite = collect_runs(paths)
     note = ""

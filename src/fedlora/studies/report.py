@@ -397,7 +397,7 @@ def _reclock_lines(
     """Round times recomputed from each line's participants and k under another cost model."""
     import numpy as np
 
-    from fedlora.network import round_time
+    from fedlora.system.network import round_time
 
     net = config.get("network", {})
     # the downlink's broadcast time does not depend on the cost model: runs record it per

@@ -79,7 +79,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
-from fedlora.network import comm_factor, comp_factor
+from fedlora.system.network import comm_factor, comp_factor
 
 STRICT_MARGIN = 1e-9  # relative margin that turns the paper's strict q_n > lo_n into q_n >= ...
 A_SUM_TOLERANCE = 1e-6  # |Σ a_n − 1| allowed without normalisation
@@ -992,7 +992,7 @@ def check_plan(result: PlanResult) -> None:
 
 def capability_start(problem: PlanProblem) -> np.ndarray:
     """k⁰_n = ⌈γ · τ_min / τ_n⌉ in 1..γ: rank proportional to device speed (the baselines'
-    `capability` budgets, `fedlora.methods.ranks`); τ_n = 0 gets γ."""
+    `capability` budgets, `fedlora.federation.methods.ranks`); τ_n = 0 gets γ."""
     tau, gamma = problem.tau_full_s, problem.gamma
     k = np.full(problem.n, gamma, dtype=np.int64)
     pos = tau > 0

@@ -2,10 +2,10 @@
 training across Flower's Message API (no algorithm code here; see docs/flower.md).
 
 Components (``[tool.flwr.app.components]`` in pyproject.toml):
-``fedlora.flower.server_app:app`` and ``fedlora.flower.client_app:app``.
+``fedlora.federation.flower.server_app:app`` and ``fedlora.federation.flower.client_app:app``.
 """
 
-from fedlora.flower.common import (
+from fedlora.federation.flower.common import (
     LOOPBACK,
     SAFE_ENV,
     FlowerOptions,

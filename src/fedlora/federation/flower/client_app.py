@@ -7,16 +7,16 @@ Two message types:
 - ``train``: the server sends the global adapter (ArrayRecord) and the task (client id,
   round, scale vector, rank used, weight); the node trains ONE LoRA slot for H local steps on
   ``client_batches(fed, client, H, b, derive_rng(seed, "data", r, client), pad_id)`` with
-  `fedlora.train.local_train` and returns its adapter and mean train loss.
+  `fedlora.llm.train.local_train` and returns its adapter and mean train loss.
 
 Where the work happens:
 
 - node_config ``worker-address = "127.0.0.1:<port>"``: the request is forwarded to that
-  node-local persistent worker (`fedlora flower worker`, `fedlora.flower.worker`), which keeps
+  node-local persistent worker (`fedlora flower worker`, `fedlora.federation.flower.worker`), which keeps
   the model, the LoRA slot and the tokenized partition loaded across rounds. Flower 1.41
   starts a fresh ClientApp process for every message, so this saves the torch import, the
   model load and the tokenization on every round.
-- otherwise in this process (`fedlora.flower.node`, cached at module level: in Ray
+- otherwise in this process (`fedlora.federation.flower.node`, cached at module level: in Ray
   simulation the process lives across rounds).
 
 This module imports only light modules at top level (numpy, fedlora.config, flwr); torch and
@@ -34,8 +34,8 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig, dump_toml
 from fedlora.errors import ConfigError
-from fedlora.flower import node
-from fedlora.flower.common import adapter_to_record, apply_safe_env, record_to_adapter
+from fedlora.federation.flower import node
+from fedlora.federation.flower.common import adapter_to_record, apply_safe_env, record_to_adapter
 
 apply_safe_env()
 
@@ -67,7 +67,7 @@ def node_partition(context: Context) -> tuple[int, int]:
 
 def worker_address(context: Context) -> str | None:
     """node_config ``worker-address`` (checked to be 127.0.0.1:<port>), or None."""
-    from fedlora.flower.common import check_loopback
+    from fedlora.federation.flower.common import check_loopback
 
     address = context.node_config.get("worker-address")
     if not address:
@@ -86,7 +86,7 @@ def query(message: Message, context: Context) -> Message:
     pid, n = node_partition(context)
     address = worker_address(context)
     if address:
-        from fedlora.flower import worker
+        from fedlora.federation.flower import worker
 
         reply, _ = worker.call(
             address, {"op": "query", "config_toml": dump_toml(cfg), "partition_id": pid}
@@ -114,7 +114,7 @@ def train(message: Message, context: Context) -> Message:
     global_adapter = record_to_adapter(message.content.array_records["adapter"])
     address = worker_address(context)
     if address:
-        from fedlora.flower import worker
+        from fedlora.federation.flower import worker
 
         header = {
             "op": "train",

@@ -38,7 +38,7 @@ from fedlora.config import ExperimentConfig, load_config
 from fedlora.errors import ConfigError, bad_value
 
 # the worker's socket layer owns the loopback rule; re-exported here for older callers
-from fedlora.flower.worker import LOOPBACK, check_loopback, wait_ready
+from fedlora.federation.flower.worker import LOOPBACK, check_loopback, wait_ready
 
 SAFE_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",

@@ -2,9 +2,9 @@
 one-slot LoRA and the federated data, answer the identity query, train one task.
 
 Used in-process by the ClientApp (no worker configured, or the Ray simulation, whose actors
-live across rounds) and by the persistent node worker (`fedlora.flower.worker`). Top-level
+live across rounds) and by the persistent node worker (`fedlora.federation.flower.worker`). Top-level
 imports are light (numpy, fedlora.config): torch, transformers and the data code load on the
-first `client_state` call (and fedlora.engine, for its seed derivation, on first use).
+first `client_state` call (and fedlora.federation.engine, for its seed derivation, on first use).
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def client_state(cfg: ExperimentConfig) -> ClientState:
     if key not in _CACHE:
         import torch
 
-        from fedlora.data import build_federated_data
-        from fedlora.engine import derive_seed
-        from fedlora.lora import inject_lora
-        from fedlora.models import load_model
+        from fedlora.federation.engine import derive_seed
+        from fedlora.llm.data import build_federated_data
+        from fedlora.llm.lora import inject_lora
+        from fedlora.llm.models import load_model
 
         _CACHE.clear()  # one experiment per process: free the previous model first
         if cfg.model.threads:
@@ -86,15 +86,15 @@ def train_one(
 ) -> tuple[dict[str, np.ndarray], float]:
     """Local training of one participant on slot 0; returns (adapter, mean loss over H).
 
-    The same draws as `fedlora.engine.train_participants` with ``training.slots = 1``: batches
+    The same draws as `fedlora.federation.engine.train_participants` with ``training.slots = 1``: batches
     from ``derive_rng(seed, "data", r, client)``, torch seeded with
     ``derive_seed(seed, "torch", r, index)`` (index = the task's position in the round's plan).
     """
     import torch
 
-    from fedlora.data import client_batches
-    from fedlora.engine import derive_rng, derive_seed
-    from fedlora.train import local_train
+    from fedlora.federation.engine import derive_rng, derive_seed
+    from fedlora.llm.data import client_batches
+    from fedlora.llm.train import local_train
 
     cfg, seed = state.cfg, state.cfg.training.seed
     client, r = int(task["client"]), int(task["round"])
@@ -127,7 +127,7 @@ def warm_imports() -> None:
     """Import the heavy modules now (a worker does this before it listens)."""
     import torch  # noqa: F401
 
-    import fedlora.data  # noqa: F401
-    import fedlora.lora  # noqa: F401
-    import fedlora.models  # noqa: F401
-    import fedlora.train  # noqa: F401
+    import fedlora.llm.data  # noqa: F401
+    import fedlora.llm.lora  # noqa: F401
+    import fedlora.llm.models  # noqa: F401
+    import fedlora.llm.train  # noqa: F401

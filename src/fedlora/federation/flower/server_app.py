@@ -1,7 +1,7 @@
 """fedlora's ServerApp on Flower's Message API: the engine's round loop, with local training
 moved to the SuperNodes.
 
-Per round r, exactly as `fedlora.engine.run_experiment`: the plan comes from
+Per round r, exactly as `fedlora.federation.engine.run_experiment`: the plan comes from
 ``method.plan_round(r, derive_rng(seed, "sampling", r), derive_rng(seed, "sketch", r))``;
 each participant's node gets a ``train`` message (global adapter + task); the replies are
 matched to tasks by ``reply.metadata.reply_to_message_id``; ``method.aggregate`` combines the
@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from fedlora.config import ExperimentConfig
-from fedlora.engine import (
+from fedlora.errors import ConfigError, DataError
+from fedlora.federation.engine import (
     Progress,
     TrainingDiverged,
     append_metrics,
@@ -58,8 +59,7 @@ from fedlora.engine import (
     to_torch,
     write_clients_csv,
 )
-from fedlora.errors import ConfigError, DataError
-from fedlora.flower.common import (
+from fedlora.federation.flower.common import (
     QUERY,
     TRAIN,
     FlowerOptions,
@@ -69,8 +69,8 @@ from fedlora.flower.common import (
     config_from_run_config,
     record_to_adapter,
 )
-from fedlora.methods import RoundPlan
-from fedlora.rundir import check_run_dir, run_dir_lock
+from fedlora.federation.methods import RoundPlan
+from fedlora.federation.rundir import check_run_dir, run_dir_lock
 
 apply_safe_env()
 
@@ -263,7 +263,7 @@ def run_server(
     """The engine's loop over Flower: returns the summary (also written to summary.json).
 
     With `resume`, continue the run in the run directory from its newest readable checkpoint
-    (as `fedlora.engine.run_experiment(resume=True)`): `cfg` must equal the run's saved config
+    (as `fedlora.federation.engine.run_experiment(resume=True)`): `cfg` must equal the run's saved config
     (ConfigError naming the differing fields otherwise); metrics.jsonl is cut back to the
     checkpoint's line count; the dropout counts of ``availability = "observed"`` are restored.
     """

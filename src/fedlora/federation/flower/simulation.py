@@ -1,9 +1,9 @@
 """fedlora's ServerApp and ClientApp on Flower's simulation runtime (Ray), kept on loopback.
 
-`run_simulation(cfg, opts)` runs `fedlora.flower.server_app.run_server` against
-`fedlora.flower.client_app.app` on ``data.n_clients`` virtual SuperNodes (node_config
+`run_simulation(cfg, opts)` runs `fedlora.federation.flower.server_app.run_server` against
+`fedlora.federation.flower.client_app.app` on ``data.n_clients`` virtual SuperNodes (node_config
 ``partition-id`` / ``num-partitions`` set by Flower). Ray's actors live for the whole run, so
-each keeps its model and tokenized data in memory (`fedlora.flower.node`'s cache): no worker
+each keeps its model and tokenized data in memory (`fedlora.federation.flower.node`'s cache): no worker
 processes are needed here.
 
 Loopback: `ray.init` turns ``_node_ip_address="127.0.0.1"`` into the machine's routable
@@ -22,7 +22,7 @@ from typing import Any
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError, bad_value
-from fedlora.flower.common import LOOPBACK, SAFE_ENV, FlowerOptions
+from fedlora.federation.flower.common import LOOPBACK, SAFE_ENV, FlowerOptions
 
 RAY_ENV = {
     **SAFE_ENV,
@@ -102,8 +102,8 @@ def run_simulation(
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation as flwr_run_simulation
 
-    from fedlora.flower import server_app as server_mod
-    from fedlora.flower.client_app import app as client_app
+    from fedlora.federation.flower import server_app as server_mod
+    from fedlora.federation.flower.client_app import app as client_app
 
     result: dict[str, Any] = {}
     app = ServerApp()

@@ -160,7 +160,7 @@ def wait_ready(address: str, timeout_s: float, alive: Callable[[], bool] = lambd
 
 
 class Worker:
-    """Answers ping / query / train requests with `fedlora.flower.node` (state kept across
+    """Answers ping / query / train requests with `fedlora.federation.flower.node` (state kept across
     requests). `data_dir` replaces data.data_dir in every config it receives."""
 
     def __init__(self, data_dir: str | None = None) -> None:
@@ -170,7 +170,7 @@ class Worker:
     def handle(
         self, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
     ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        from fedlora.flower import node
+        from fedlora.federation.flower import node
 
         op = header.get("op")
         self.requests += 1

@@ -9,16 +9,16 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError
-from fedlora.methods.base import Aggregation, ClientTask, Method, Payload, RoundPlan
-from fedlora.methods.fedavg import FedAvg
-from fedlora.methods.fedstacklora import FedStackLoRA
-from fedlora.methods.flexlora import FlexLoRA
-from fedlora.methods.fslora import FSLoRA
-from fedlora.methods.heterolora import HeteroLoRA
-from fedlora.methods.proposed import Proposed
-from fedlora.methods.ranks import resolve_ranks
-from fedlora.methods.sketched import Sketched
-from fedlora.methods.strategies import resolve_k, resolve_q
+from fedlora.federation.methods.base import Aggregation, ClientTask, Method, Payload, RoundPlan
+from fedlora.federation.methods.fedavg import FedAvg
+from fedlora.federation.methods.fedstacklora import FedStackLoRA
+from fedlora.federation.methods.flexlora import FlexLoRA
+from fedlora.federation.methods.fslora import FSLoRA
+from fedlora.federation.methods.heterolora import HeteroLoRA
+from fedlora.federation.methods.proposed import Proposed
+from fedlora.federation.methods.ranks import resolve_ranks
+from fedlora.federation.methods.sketched import Sketched
+from fedlora.federation.methods.strategies import resolve_k, resolve_q
 
 __all__ = ["Aggregation", "ClientTask", "Method", "Payload", "RoundPlan", "make_method"]
 
@@ -70,7 +70,9 @@ def make_method(
             seed=cfg.training.seed,
             clients_per_round=per_round,
         )
-    if m.name == "proposed":  # q, k from the plan (fedlora.methods.proposed.prepare_proposed)
+    if (
+        m.name == "proposed"
+    ):  # q, k from the plan (fedlora.federation.methods.proposed.prepare_proposed)
         q = resolve_q(m.q, a=a, q_fixed=m.q_fixed)
         k = resolve_k(m.k, n=a.size, gamma=gamma, rng=rng)
         return Proposed(a=a, q=q, k=k, gamma=gamma)
@@ -88,6 +90,6 @@ BASELINES = ("fslora", "heterolora", "fedstacklora", "flexlora")
 
 def _profile_tau(cfg: ExperimentConfig) -> np.ndarray:
     """The clients' compute times τ_n as the engine builds them (independent of payload bits)."""
-    from fedlora.engine import build_profiles  # the engine imports this package
+    from fedlora.federation.engine import build_profiles  # the engine imports this package
 
     return build_profiles(cfg, full_payload_bits=1.0).tau_full_s

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
-from fedlora.sketch import check_k, truncation_scale_vectors
+from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+from fedlora.system.sketch import check_k, truncation_scale_vectors
 
 
 def uniform_subset(n: int, m: int, rng: np.random.Generator) -> np.ndarray:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.methods.base import (
+from fedlora.federation.methods.base import (
     Adapter,
     Aggregation,
     ClientTask,
@@ -31,8 +31,8 @@ from fedlora.methods.base import (
     RoundPlan,
     sketch_payload_params,
 )
-from fedlora.methods.fedavg import RankTruncationMethod
-from fedlora.methods.heterolora import lora_modules
+from fedlora.federation.methods.fedavg import RankTruncationMethod
+from fedlora.federation.methods.heterolora import lora_modules
 
 INIT_STREAM = 0x5743  # keeps the fresh-init draws apart from the engine's streams
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.methods.base import Adapter, Aggregation, RoundPlan
-from fedlora.methods.fedavg import RankTruncationMethod
-from fedlora.methods.heterolora import lora_modules
+from fedlora.federation.methods.base import Adapter, Aggregation, RoundPlan
+from fedlora.federation.methods.fedavg import RankTruncationMethod
+from fedlora.federation.methods.heterolora import lora_modules
 
 NULL_STREAM = 0xF1E7  # keeps the null-space draws apart from the engine's streams
 

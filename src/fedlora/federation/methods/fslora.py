@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
-from fedlora.methods.fedavg import uniform_subset
-from fedlora.sketch import check_k, sketch_scale_vectors, unbiased_aggregate
+from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+from fedlora.federation.methods.fedavg import uniform_subset
+from fedlora.system.sketch import check_k, sketch_scale_vectors, unbiased_aggregate
 
 
 class FSLoRA(Method):

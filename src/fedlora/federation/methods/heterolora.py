@@ -42,8 +42,8 @@ import math
 import numpy as np
 
 from fedlora.errors import bad_value
-from fedlora.methods.base import Adapter, Aggregation, ClientTask, RoundPlan
-from fedlora.methods.fedavg import RankTruncationMethod, weighted_mean
+from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, RoundPlan
+from fedlora.federation.methods.fedavg import RankTruncationMethod, weighted_mean
 
 WEIGHTINGS = ("sparsity", "data")
 PADDINGS = ("updates", "modules")

@@ -7,9 +7,9 @@ Before the first round of a `proposed` run the engine calls `prepare_proposed`, 
    (q, k) ∈ {0.3, 0.15} × {γ, ⌈γ/4⌉} (`calibration_settings`; two k's so that D is
    identifiable, PAPER_NOTES #3). Each stops at the first round R_i whose smoothed training
    loss is <= F_s, or after `planner.calibration_rounds` rounds;
-2. estimates A–D from the observations (q_i, k_i, R_i) (`fedlora.planner.estimate_constants`);
+2. estimates A–D from the observations (q_i, k_i, R_i) (`fedlora.system.planner.estimate_constants`);
 3. plans (q*, k*) for the run's client profiles (a_n, τ_n^γ, t_n^γ from the calibration's
-   clients.csv, f_tot and the cost models of [network]) with `fedlora.planner`
+   clients.csv, f_tot and the cost models of [network]) with `fedlora.system.planner`
    (`planner.optimize`: both, q only with k from `method.k`, k only with q from `method.q`);
 4. writes `plan.json` (constants, plan, calibration observations, F_s, simulated time) in the
    run directory and returns a config whose method.q / method.k read that file.
@@ -41,7 +41,7 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError
-from fedlora.methods.sketched import Sketched
+from fedlora.federation.methods.sketched import Sketched
 
 CALIBRATION_Q = (0.3, 0.15)
 AUTO_LOSS_FRACTION = 0.5
@@ -145,12 +145,12 @@ def _read_clients(path: Path) -> dict[str, np.ndarray]:
 
 def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
     """t_full for the planner: with Rayleigh fading, the mean-SNR time times the expected
-    factor of fading (`fedlora.network.planning_time_factor`; the ergodic rate when there is
+    factor of fading (`fedlora.system.network.planning_time_factor`; the ergodic rate when there is
     no outage floor, the exact mean with one); unchanged without fading or channel data."""
     snr = clients.get("snr_db")
     if cfg.network.fading != "rayleigh" or snr is None or not np.all(np.isfinite(snr)):
         return clients["t_full"]
-    from fedlora.network import planning_time_factor
+    from fedlora.system.network import planning_time_factor
 
     return clients["t_full"] * planning_time_factor(snr, cfg.network.fading_floor)
 
@@ -165,7 +165,7 @@ def _calibrate(
     cfg: ExperimentConfig, run_dir: Path, *, quiet: bool, log
 ) -> tuple[list[dict[str, Any]], float, float]:
     """Run (or resume, or reuse) the four calibration runs; returns their records, F_s, F_s'."""
-    from fedlora.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import prepare_run_dir, run_experiment
 
     fixed = cfg.planner.calibration_loss or None
     target: dict[str, float | None] = {"loss": fixed}
@@ -226,7 +226,7 @@ def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray
     """
     from scipy.optimize import nnls
 
-    from fedlora import planner as pl
+    from fedlora.system import planner as pl
 
     a2 = np.asarray(a, dtype=float) ** 2
     rows = []
@@ -245,7 +245,7 @@ def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray
 
 
 def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[dict]) -> dict:
-    from fedlora import planner as pl
+    from fedlora.system import planner as pl
 
     n, gamma = cfg.data.n_clients, cfg.lora.rank
     a = clients["a"] / clients["a"].sum()
@@ -279,8 +279,8 @@ def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[d
             "starts": result.starts,
         }
     else:
-        from fedlora.engine import derive_rng
-        from fedlora.methods.strategies import resolve_k, resolve_q
+        from fedlora.federation.engine import derive_rng
+        from fedlora.federation.methods.strategies import resolve_k, resolve_q
 
         if cfg.planner.optimize == "q":  # Figure 2: k from method.k, q planned
             k = resolve_k(cfg.method.k, n=n, gamma=gamma,

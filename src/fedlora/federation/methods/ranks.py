@@ -19,7 +19,7 @@ import numpy as np
 
 from fedlora.config import RANK_STRATEGIES
 from fedlora.errors import ConfigError, bad_value
-from fedlora.methods.strategies import resolve_k
+from fedlora.federation.methods.strategies import resolve_k
 
 
 def capability_ranks(tau_full_s: Sequence[float] | np.ndarray, gamma: int) -> np.ndarray:

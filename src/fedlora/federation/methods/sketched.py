@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
-from fedlora.sketch import (
+from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+from fedlora.system.sketch import (
     aggregation_weights,
     check_k,
     check_q,

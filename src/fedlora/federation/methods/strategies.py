@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
-from fedlora.sketch import check_k, check_q
+from fedlora.system.sketch import check_k, check_q
 
 
 def _read_vector(path: str, column: str) -> list[float]:
