@@ -1,5 +1,6 @@
-"""The package's shape (issue 11, docs/architecture.md): no import cycles between fedlora
-modules, no import of another module's `_private` name, no module over MAX_LINES lines.
+"""The package's shape (issue 11, docs/architecture.md): the layers import only downwards,
+the system layer is numpy only, no import cycles between fedlora modules, no import of
+another module's `_private` name, no module over MAX_LINES lines.
 
 An ast walk over src/fedlora: every `import`/`from ... import` counts, including those inside
 functions (a lazy import hides a cycle from Python, not from the reader). The known size
@@ -16,6 +17,22 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 400
+
+# Who may import whom (docs/architecture.md): a module imports only from its own layer or a
+# lower one. The system layer imports only fedlora.errors and itself (no config, no I/O).
+LAYER_RANK = {
+    "errors": 0,
+    "config": 0,
+    "system": 1,
+    "files": 2,
+    "llm": 2,
+    "federation": 3,
+    "studies": 4,
+    "commands": 5,
+    "cli": 5,
+}
+SYSTEM_MAY_IMPORT = {"errors", "system"}
+NOT_IN_SYSTEM = ("torch", "transformers", "safetensors", "peft", "flwr", "pandas", "matplotlib")
 
 # Today's modules over MAX_LINES (issue 11: split them, then delete their rows).
 KNOWN_OVERSIZE = {
@@ -134,6 +151,42 @@ def test_the_walk_sees_a_cycle_and_a_private_import(tmp_path: Path) -> None:
     assert edges["fedlora.sub.b"] == {"fedlora.c"}
     assert _cycles(edges) == {("fedlora.a", "fedlora.c", "fedlora.sub.b")}
     assert private == {("fedlora.a", "fedlora.sub.b", "_hidden")}
+
+
+def _layer(module: str) -> str:
+    """fedlora.<layer>[.…] -> <layer>; the package itself (fedlora) -> "errors" (rank 0)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "errors"
+
+
+def test_every_module_has_a_layer() -> None:
+    assert {_layer(m) for m in _modules()} <= set(LAYER_RANK)
+
+
+def test_layers_import_only_downwards() -> None:
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, targets in _imports(_modules())[0].items()
+        for b in targets
+        if LAYER_RANK[_layer(b)] > LAYER_RANK[_layer(a)]
+        or (_layer(a) == "system" and _layer(b) not in SYSTEM_MAY_IMPORT)
+    )
+    assert upward == []
+
+
+def test_system_layer_is_numpy_only() -> None:
+    heavy = []
+    for name, (path, _) in _modules().items():
+        if _layer(name) != "system":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                heavy += [
+                    f"{name}: {a.name}" for a in node.names if a.name.startswith(NOT_IN_SYSTEM)
+                ]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                heavy += [f"{name}: {node.module}"] if node.module.startswith(NOT_IN_SYSTEM) else []
+    assert heavy == []
 
 
 def test_no_new_import_cycle() -> None:

@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from fedlora.config import toml_string
     from fedlora.errors import ConfigError
     from fedlora.federation.engine import describe, run_experiment
+    from fedlora.federation.preflight import check_inputs
     from fedlora.federation.rundir import (
         check_run_dir,
         make_run_dir,
@@ -44,7 +45,6 @@ def run(args: argparse.Namespace) -> int:
         run_dir_for,
         run_dir_lock,
     )
-    from fedlora.preflight import check_inputs
 
     overrides = list(args.overrides)
     if args.data_dir:

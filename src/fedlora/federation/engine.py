@@ -500,7 +500,7 @@ def _run_experiment(
     log: Callable[[str], Any] | None,
     stop: Callable[[dict[str, Any]], bool] | None,
 ) -> dict[str, Any]:
-    from fedlora.preflight import check_inputs
+    from fedlora.federation.preflight import check_inputs
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     check_inputs(cfg)  # bad inputs fail here, before the model loads

@@ -5,7 +5,7 @@ completes or leaves the directory as it was:
 
 - `prepare_run_dir` replaces an existing directory only with `overwrite`, only when it is
   recognisably a fedlora run (a full config.toml and nothing fedlora does not write), and
-  only after the caller validated the new run's inputs (`fedlora.preflight`).
+  only after the caller validated the new run's inputs (`fedlora.federation.preflight`).
 - `run_dir_lock` holds an exclusive `flock` on ``<run>/.lock`` while a run writes; a second
   process gets `ConfigError` naming the PID that holds it.
 - Checkpoints are ``checkpoints/round-NNNNNN.safetensors``: tensors in safetensors, every
@@ -242,13 +242,13 @@ def make_run_dir(run_dir: Path) -> None:
 def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
     """Create a fresh run directory; replace an existing fedlora run only with `overwrite`.
 
-    The new run's inputs are validated (`fedlora.preflight.check_inputs`) before anything is
+    The new run's inputs are validated (`fedlora.federation.preflight.check_inputs`) before anything is
     removed, and only entries fedlora writes are removed (never the lock file)."""
     run_dir = Path(run_dir)
     check_run_dir(run_dir, overwrite=overwrite)
     if run_dir.is_dir() and _entries(run_dir):
         if not never_started(run_dir):
-            from fedlora.preflight import check_inputs
+            from fedlora.federation.preflight import check_inputs
 
             check_inputs(cfg)
         for p in _entries(run_dir):
