@@ -19,6 +19,7 @@ from fedlora.methods.proposed import (
     Proposed,
     calibration_config,
     calibration_settings,
+    plan_outcome,
     prepare_proposed,
     rounds_to_loss,
     smoothed_losses,
@@ -71,15 +72,17 @@ def _fake_engine(calls: list):
 
     def run(cfg, run_dir, *, resume=False, quiet=False, log=None, stop=None):
         q, k = cfg.method.q[0], cfg.method.k[0]
-        calls.append((q, k))
+        calls.append((q, k) if not resume else ("resume", q, k, cfg.training.rounds))
         big_r = KNOWN_R[(q, k)]
         path = Path(run_dir) / "metrics.jsonl"
-        path.write_text(json.dumps({"round": 0, "sim_time_s": 0.0, "train_loss": None}) + "\n")
+        done = len(path.read_text().splitlines()) - 1 if resume else 0
+        if not resume:
+            path.write_text(json.dumps({"round": 0, "sim_time_s": 0.0, "train_loss": None}) + "\n")
         rows = ["client,n_examples,a,tau_full_s,t_full"]
         rows += [f"{i},{n},{a},{tau},{t}" for i, (n, a, tau, t) in enumerate(
             [(10, 0.1, 1.0, 4e6), (20, 0.2, 2.0, 2e6), (30, 0.3, 0.5, 8e6), (40, 0.4, 1.5, 1e6)])]  # fmt: skip
         (Path(run_dir) / "clients.csv").write_text("\n".join(rows) + "\n")
-        for r in range(1, cfg.training.rounds + 1):
+        for r in range(done + 1, cfg.training.rounds + 1):
             loss = 2.0 if r == 1 else (1.2 if r < big_r else 0.3)
             line = {"round": r, "sim_time_s": float(r), "train_loss": loss}
             with open(path, "a") as f:
@@ -112,6 +115,14 @@ def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path, 
     assert [r["rounds_run"] for r in runs] == [112, 120, 140, 210]
     assert plan["calibration"]["loss_target"] == plan["calibration"]["loss_used"] == 1.0
     assert calibration_s == plan["calibration"]["sim_time_s"] == 112 + 120 + 140 + 210
+    assert [r["reached"] for r in runs] == [True] * 4
+    assert "0.5 x the first round's train loss" in plan["calibration"]["loss_rule"]
+    # the exact constants predict every run's rounds: zero residuals, a plan that is checked
+    fit = plan["fit"]
+    assert [f["predicted_rounds"] for f in fit] == pytest.approx([112, 120, 140, 210])
+    assert [f["row_residual"] for f in fit] == pytest.approx([0] * 4, abs=1e-9)
+    assert set(plan["degeneracy"]) >= {"degenerate", "reasons", "k_at_1", "q_at_lower_bound"}
+    assert plan["degeneracy"]["degenerate"] == (plan["degeneracy"]["reasons"] != [])
     c = plan["constants"]
     assert [c["A"], c["B"], c["C"], c["D"]] == pytest.approx([105, 1, 0.05, 0.0125], rel=1e-9)
     q, k = np.array(plan["q"]), np.array(plan["k"])
@@ -138,6 +149,71 @@ def test_prepare_proposed_fallback_when_a_run_never_reaches_f_s(tmp_path, monkey
     with pytest.raises(ConfigError, match="calibration"):
         prepare_proposed(cfg, tmp_path, log=lambda m: None)
     assert len(calls) == 4
+
+
+def test_calibration_is_continued_when_the_cap_is_raised(tmp_path, monkeypatch):
+    # Cap 150: (0.15, 4) stops short of its R = 210 and the fallback cannot fit (see above).
+    # Raising the cap to 300 continues that run from round 150 (not from 0) to R = 210; the
+    # three runs that reached F_s are reused, and the constants come out exact.
+    calls: list = []
+    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
+    cfg = load_config(None, ["data.n_clients=4", "planner.calibration_rounds=150"])
+    with pytest.raises(ConfigError, match="calibration"):
+        prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    calls.clear()
+    raised = load_config(None, ["data.n_clients=4", "planner.calibration_rounds=300"])
+    prepare_proposed(raised, tmp_path, log=lambda m: None)
+    assert calls == [("resume", 0.15, 4, 300)]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [r["rounds"] for r in plan["calibration"]["runs"]] == [112, 120, 140, 210]
+    assert [r["reached"] for r in plan["calibration"]["runs"]] == [True] * 4
+    c = plan["constants"]
+    assert [c["A"], c["C"], c["D"]] == pytest.approx([105, 0.05, 0.0125], rel=1e-9)
+    sub = tmp_path / "calibration" / "run-3-q0.15-k4"
+    assert load_config(sub / "config.toml").training.rounds == 300
+
+
+def test_calibration_loss_fraction_sets_f_s(tmp_path, monkeypatch):
+    # F_s = 0.7 x 2.0 = 1.4: the smoothed loss (2.0, 1.6, 1.47, 1.2 ...) is <= 1.4 at round 4
+    # in every run, so all R = 4 -> the fit is refused; plan.json is not written
+    calls: list = []
+    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
+    cfg = load_config(None, ["data.n_clients=4", "planner.calibration_loss_fraction=0.7"])
+    with pytest.raises(ConfigError, match="calibration"):
+        prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    for sub in sorted((tmp_path / "calibration").iterdir()):
+        assert len((sub / "metrics.jsonl").read_text().splitlines()) == 1 + 4
+    for bad in (0, 1, 1.5, -0.1):
+        with pytest.raises(ConfigError, match=r"planner.calibration_loss_fraction"):
+            load_config(None, [f"planner.calibration_loss_fraction={bad}"])
+
+
+def test_plan_outcome_compares_predicted_and_observed_rounds(tmp_path):
+    # F_s' = 1.0; training losses 2.0, 1.2, 0.6, 0.3: smoothed 2.0, 1.6, 1.27, 0.7 -> R = 4
+    plan = {
+        "expected_rounds": 3.5,
+        "degeneracy": {"degenerate": True, "reasons": ["every k_n = 1"]},
+        "fit": [{"observed_rounds": 5.0, "predicted_rounds": 4.0}],
+        "calibration": {
+            "loss_used": 1.0,
+            "sim_time_s": 12.5,
+            "runs": [{"q": 0.3, "k": 4, "reached": False}],
+        },
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    lines = [{"round": 0, "sim_time_s": 12.5, "train_loss": None}]
+    lines += [{"round": r, "sim_time_s": 12.5 + r, "train_loss": x}
+              for r, x in enumerate([2.0, 1.2, 0.6, 0.3], 1)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = plan_outcome(tmp_path)
+    assert out["predicted_rounds"] == 3.5 and out["observed_rounds"] == 4
+    assert out["rounds_run"] == 4 and out["loss_used"] == 1.0
+    assert out["degenerate"] is True and out["degenerate_reasons"] == ["every k_n = 1"]
+    assert out["calibration"] == [
+        {"q": 0.3, "k": 4, "observed_rounds": 5.0, "predicted_rounds": 4.0, "reached_f_s": False}
+    ]
+    assert out["calibration_sim_time_s"] == 12.5
+    assert plan_outcome(tmp_path / "nothing") is None
 
 
 def test_prepare_proposed_uses_a_given_plan_file(tmp_path):
@@ -275,6 +351,9 @@ def test_quick_suite_writes_a_report_with_every_method(tmp_path, suite, capsys, 
     assert len(list((proposed / "calibration").iterdir())) == 4
     plan = json.loads((proposed / "plan.json").read_text())
     assert plan["constants"] == known.to_dict()
+    outcome = json.loads((proposed / "summary.json").read_text())["plan"]
+    assert outcome["predicted_rounds"] == plan["expected_rounds"]
+    assert outcome["rounds_run"] == 2 and outcome["degenerate"] == plan["degeneracy"]["degenerate"]
     assert plan["optimize"] == {"table1": "qk", "sampling": "q", "ranks": "k"}[suite]
     if suite == "sampling":  # k fixed at γ, q planned
         assert plan["k"] == [4] * 10

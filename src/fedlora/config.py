@@ -292,6 +292,8 @@ class PlannerConfig:
     calibration_loss: float = 0.0  # F_s for the `proposed` calibration runs; 0 = auto
     # `proposed`: at most this many rounds per calibration run (fedlora.methods.proposed)
     calibration_rounds: int = 30
+    # `proposed` with calibration_loss = 0: F_s = this fraction of the first round's loss
+    calibration_loss_fraction: float = 0.5
     # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
     # with q from method.q ("k", Figure 3)
     optimize: str = "qk"
@@ -309,6 +311,14 @@ class PlannerConfig:
         _check_int("planner.max_iterations", self.max_iterations, lo=1)
         _check_number("planner.calibration_loss", self.calibration_loss, lo=0)
         _check_int("planner.calibration_rounds", self.calibration_rounds, lo=2)
+        _check_number(
+            "planner.calibration_loss_fraction",
+            self.calibration_loss_fraction,
+            lo=0,
+            hi=1,
+            lo_open=True,
+            hi_open=True,
+        )
         _check_choice("planner.optimize", self.optimize, ("qk", "q", "k"))
         _check_choice("planner.calibration_fit", self.calibration_fit, ("refuse", "nonnegative"))
 

@@ -566,6 +566,10 @@ def run_experiment(
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)
     summary["calibration_sim_time_s"] = calibration_s
+    if cfg.method.name == "proposed":  # predicted vs observed rounds to F_s, degeneracy
+        from fedlora.methods.proposed import plan_outcome
+
+        summary["plan"] = plan_outcome(run_dir)
     _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 
