@@ -201,6 +201,8 @@ class TrainingConfig:
     seed: int = 0
     target_accuracy: float = 0.0  # stop when reached; 0 = off
     time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
+    # also evaluate at the first round whose clock passes each multiple of this; 0 = off
+    eval_every_s: float = 0.0
     checkpoint_every: int = 5
     # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
     layer_cache_mb: float = 2048.0  # memory bound of that cache in MB; 0 = off
@@ -216,6 +218,7 @@ class TrainingConfig:
         _check_int("training.seed", self.seed, lo=0)
         _check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
         _check_number("training.time_budget_s", self.time_budget_s, lo=0)
+        _check_number("training.eval_every_s", self.eval_every_s, lo=0)
         _check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
         _check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
         _check_choice("training.layer_cache_dtype", self.layer_cache_dtype, ("fp32", "bf16"))

@@ -662,6 +662,7 @@ def close_round(
     bits and the loss, and evaluate every E rounds and at the last round."""
     cfg, r = run.cfg, cost_plan.round
     cost = round_cost(cfg, run.profiles, cost_plan, run.method, run.shapes, r)
+    before_s = progress.sim_time_s
     progress.sim_time_s += cost.round_time_s
     progress.uplink_bits += cost.uplink_bits
     progress.downlink_bits += cost.downlink_bits
@@ -673,8 +674,8 @@ def close_round(
         downlink_bits=cost.downlink_bits,
         train_loss=train_loss,
     )
-    last = r + 1 == cfg.training.rounds
-    if (r + 1) % cfg.training.eval_every == 0 or last:
+    last = r + 1 == cfg.training.rounds or _crossed_budget(cfg, before_s, progress.sim_time_s)
+    if (r + 1) % cfg.training.eval_every == 0 or last or _eval_due_s(cfg, before_s, progress):
         accs = evaluate_global(run)
         acc = _mean(accs)
         line.update(eval_accuracy=acc, eval=accs)
@@ -684,6 +685,19 @@ def close_round(
         if target and acc >= target and progress.time_to_target_s is None:
             progress.time_to_target_s = progress.sim_time_s
     return line
+
+
+def _crossed_budget(cfg: ExperimentConfig, before_s: float, after_s: float) -> bool:
+    """This round spent the time budget: the run's last round, evaluated so that every run
+    has an evaluation at the common budget."""
+    budget = cfg.training.time_budget_s
+    return bool(budget) and before_s < budget <= after_s
+
+
+def _eval_due_s(cfg: ExperimentConfig, before_s: float, progress: Progress) -> bool:
+    """training.eval_every_s: this round's clock passed a multiple of it."""
+    every = cfg.training.eval_every_s
+    return bool(every) and math.floor(progress.sim_time_s / every) > math.floor(before_s / every)
 
 
 def _one_round(run: Run, plan: RoundPlan, progress: Progress) -> dict[str, Any]:
