@@ -13,7 +13,7 @@ from fedlora import engine
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.experiments import SUITES, load_suite
+from fedlora.experiments import SUITES, load_suite, pilot_targets, with_pilot_targets
 from fedlora.methods import make_method
 from fedlora.methods.proposed import (
     Proposed,
@@ -259,6 +259,9 @@ def test_suite_labels_build_the_paper_configs(tmp_path):
     assert c.data.eval_tasks == ("arc-e", "arc-c") and c.training.target_accuracy == 0.0
 
 
+RULE = "target_rule = {budget_fraction = 0.6, floor_se = 4, text = 'slowest at 60%'}"
+
+
 @pytest.mark.parametrize(
     ("suite", "text", "kwargs", "message"),
     [
@@ -271,12 +274,51 @@ def test_suite_labels_build_the_paper_configs(tmp_path):
         ("table1", "[suite]\ntargets = {arc-e = 0.5}\n", {"seeds": 0}, "--seeds (suite.seeds) = 0"),
         ("table1", "[suite]\ntargets = {arc-e = 0.5}\n[training]\nrounds = 0\n", {},
          "training.rounds = 0 is invalid"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\nseeds = [1, 1]\n", {},
+         "--seeds (suite.seeds) = [1, 1] is invalid"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\nseeds = [1, -2]\n", {},
+         "--seeds (suite.seeds) = [1, -2]"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\ntarget_losses = {arc-e = 0}\n", {},
+         "suite.target_losses.arc-e = 0"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\nsimilar_margin = 2\n", {},
+         "suite.similar_margin = 2"),
+        ("table1", f"[suite]\n{RULE}\n", {},
+         "training.time_budget_s = 0.0 is invalid: > 0 with suite.target_rule"),
+        ("table1", f"[suite]\n{RULE}\npilot_seed = 1\nseeds = [1, 2]\n[training]\n"
+         "time_budget_s = 60\n", {}, "suite.pilot_seed = 1 is invalid: a seed that no main"),
+        ("table1", f"[suite]\n{RULE}\npilot_seed = -1\n[training]\ntime_budget_s = 60\n", {},
+         "suite.pilot_seed = -1"),
+        ("table1", "[suite]\ntarget_rule = {budget_fraction = 2, text = 'x'}\n", {},
+         "suite.target_rule.budget_fraction = 2"),
     ],
 )  # fmt: skip
 def test_load_suite_bad_input(tmp_path, suite, text, kwargs, message):
     with pytest.raises(ConfigError) as e:
         load_suite(suite, _suite_file(tmp_path, text), **kwargs)
     assert message in str(e.value)
+
+
+def test_suite_with_a_rule_reads_its_targets_from_the_pilot(tmp_path):
+    text = f"[suite]\n{RULE}\npilot_seed = 9\nseeds = [3, 5]\n[training]\ntime_budget_s = 60\n"
+    spec = load_suite("table1", _suite_file(tmp_path, text))
+    assert spec.seeds == (3, 5) and spec.pilot_seed == 9 and spec.targets == {}
+    assert spec.rule["budget_fraction"] == 0.6 and spec.tasks == ("arc-e",)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ConfigError, match=r"run `fedlora compare \.\.\. --pilot` first"):
+        with_pilot_targets(spec, out)
+    (out / "targets.toml").write_text('[targets]\n"arc-e" = 0.41\n[target_losses]\n"arc-e" = 1.1\n')
+    filled = with_pilot_targets(spec, out)
+    assert filled.targets == {"arc-e": 0.41} and filled.target_losses == {"arc-e": 1.1}
+    # a target given in the suite file wins over the pilot's
+    given = load_suite("table1", _suite_file(tmp_path, text.replace(
+        "pilot_seed", "targets = {arc-e = 0.5}\ntarget_losses = {arc-e = 0.9}\npilot_seed")))  # fmt: skip
+    assert with_pilot_targets(given, out).targets == {"arc-e": 0.5}
+    assert with_pilot_targets(given, out).target_losses == {"arc-e": 0.9}
+    # --pilot without a pilot seed is refused
+    no_pilot = load_suite("table1", _suite_file(tmp_path, text.replace("pilot_seed = 9\n", "")))
+    with pytest.raises(ConfigError, match="--pilot needs"):
+        pilot_targets(no_pilot, out)
 
 
 def test_compare_cli_bad_input_exits_2(tmp_path, capsys):
