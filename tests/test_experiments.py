@@ -447,3 +447,57 @@ def test_nonnegative_constants_fallback():
     c = nonnegative_constants(obs(faster), 16, a)
     assert c.A > 0 and c.C > 0
     assert c.D == pytest.approx(1e-9 * max(c.A, c.C))
+
+
+# ----------------------------------------------------------------------------- powered pipeline
+
+
+@needs_data
+def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch):
+    # Prepare: a tiny suite with targets fixed by a rule from a pilot seed, two main seeds and
+    # a common simulated-time budget. As in the quick suites, the random-init model's
+    # calibration is noise, so the estimate alone is replaced by known constants.
+    from fedlora import planner
+
+    known = planner.Constants(105.0, 1.0, 0.05, 0.0125)
+    monkeypatch.setattr(planner, "estimate_constants", lambda *a, **k: known)
+    cfg = _suite_file(
+        tmp_path,
+        '[suite]\nmethods = ["proposed", "fslora"]\nseeds = [0, 1]\npilot_seed = 7\n'
+        "target_rule = {budget_fraction = 0.6, floor_se = 0, text = 'slowest baseline at 60%'}"
+        "\n[training]\ntime_budget_s = 3.0\neval_every_s = 0.5\n",
+    )
+    out = tmp_path / "suite"
+    argv = ["compare", "--suite", "table1", "-c", cfg, "--out", str(out), "-q",
+            *TINY, "training.rounds=3", "planner.calibration_rounds=2", "--tasks", "arc-e"]  # fmt: skip
+    # Execute: the main runs refuse to start before the pilot fixed the targets
+    assert main(argv) == 2
+    assert main([*argv, "--pilot"]) == 0
+    # Assert: the pilot ran the baseline only, with its own seed, and wrote the targets
+    assert sorted(p.name for p in (out / "pilot").iterdir() if p.is_dir()) == ["fslora-seed7"]
+    import tomllib
+
+    fixed = tomllib.loads((out / "targets.toml").read_text())
+    assert fixed["rule"] == "slowest baseline at 60%" and 0 < fixed["targets"]["arc-e"] <= 1
+    # Execute: the main runs, then a report rebuilt from the files alone
+    assert main(argv) == 0
+    runs = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name != "pilot")
+    assert runs == ["fslora-seed0", "fslora-seed1", "proposed-seed0", "proposed-seed1"]
+    suite = tomllib.loads((out / "suite.toml").read_text())
+    assert suite["targets"] == fixed["targets"] and suite["seeds"] == [0, 1]
+    first = (out / "report.md").read_text()
+    assert main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert text == first
+    assert "## Over seeds (powered report)" in text and "## Claims of the paper" in text
+    assert "Targets fixed before the main runs by the rule: slowest baseline at 60%" in text
+    assert "| proposed | 2 | " in text and "| fslora | 2 | " in text
+    assert "## Algorithm 2: does Theorem 1's model predict the rounds?" in text
+    assert (out / "accuracy_bands.png").stat().st_size > 1000
+    for seed in (0, 1):  # every run stops at the common budget (or the round cap) ...
+        s = json.loads((out / f"fslora-seed{seed}" / "summary.json").read_text())
+        assert s["stop_reason"] in ("time_budget", "max_rounds")
+        lines = [json.loads(x) for x in (out / f"fslora-seed{seed}" / "metrics.jsonl").open()]
+        assert "eval" in lines[-1]  # ... and is evaluated there
+        plan = json.loads((out / f"proposed-seed{seed}" / "summary.json").read_text())["plan"]
+        assert plan["predicted_rounds"] is not None and "degenerate" in plan

@@ -292,3 +292,10 @@ def test_plan_section_lists_predicted_and_observed_rounds(tmp_path):
     text = "\n".join(powered._plan_section(powered.groups([run])))
     assert "| proposed | 0 | 7.5 | >= 12 | DEGENERATE: every k_n = 1 | " in text
     assert "q=0.3 k=4: 5 vs 4 (F_s not reached)" in text
+
+
+def test_ratio_text_keeps_extreme_ratios_short():
+    # a target met at the calibration's end: without it the time is ~0 (raised to 1e-9 s)
+    r = powered.paired_ratio([2.0], [True], [0.0], [True])
+    assert r.text() == "2e+09x"
+    assert powered.paired_ratio([1.0], [True], [500.0], [True]).text() == "0.002x"

@@ -20,7 +20,7 @@ Targets by a rule from a pilot seed (issue 14) instead of `targets`:
     pilot_seed = 100                        # a seed none of the main runs uses
     target_rule = {budget_fraction = 0.6, floor_se = 4, text = "the level ..."}
 
-`fedlora compare --pilot` runs every label with the pilot seed in DIR/pilot/, applies the
+`fedlora compare --pilot` runs every baseline label with the pilot seed in DIR/pilot/, applies the
 rule (`fedlora.powered.rule_targets`) and writes DIR/targets.toml (targets, target_losses and
 the numbers behind them); the main runs then read their targets from it.
 
@@ -277,8 +277,9 @@ def _write_suite_file(spec: SuiteSpec, out: Path, command: str) -> None:
 
 
 def pilot_targets(spec: SuiteSpec, out: Path, *, quiet: bool = True, log=None) -> Path:
-    """Run every label with suite.pilot_seed in out/pilot/ (resumable), apply suite.target_rule
-    and write out/targets.toml; returns its path."""
+    """Run every baseline label (not `proposed*`: the rule reads only baselines) with
+    suite.pilot_seed in out/pilot/ (resumable), apply suite.target_rule and write
+    out/targets.toml; returns its path."""
     from fedlora.powered import rule_targets, targets_toml
 
     if spec.rule is None or spec.pilot_seed is None:
@@ -289,7 +290,11 @@ def pilot_targets(spec: SuiteSpec, out: Path, *, quiet: bool = True, log=None) -
     log = log or (lambda msg: print(msg, file=sys.stderr))
     pilot = out / PILOT_DIR
     pilot.mkdir(parents=True, exist_ok=True)
-    pilot_spec = replace(spec, seeds=(spec.pilot_seed,))
+    # the rule reads only the baselines: `proposed` (and its calibration) is not run here
+    baselines = tuple(lab for lab in spec.labels if not lab.startswith("proposed"))
+    if not baselines:
+        raise ConfigError(f"--pilot: suite.methods {list(spec.labels)} has no baseline label")
+    pilot_spec = replace(spec, seeds=(spec.pilot_seed,), labels=baselines)
     _write_suite_file(pilot_spec, pilot, "fedlora compare --pilot")
     _run_jobs(pilot_spec, pilot, quiet=quiet, log=log)
     runs, _ = collect_runs([pilot])

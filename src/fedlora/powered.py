@@ -149,16 +149,21 @@ class Ratio:
     def text(self) -> str:
         if not (self.lower_valid or self.upper_valid) or math.isnan(self.mean):
             return "n/a (censored both ways)"
-        body = f"{self.mean:.2f}x"
+        body = f"{_num(self.mean)}x"
         if self.lo is not None and self.hi is not None:
-            lo = f"{self.lo:.2f}" if self.lower_valid else "?"
-            hi = f"{self.hi:.2f}" if self.upper_valid else "?"
+            lo = _num(self.lo) if self.lower_valid else "?"
+            hi = _num(self.hi) if self.upper_valid else "?"
             body += f" [{lo}, {hi}]"
         if self.lower_valid and not self.upper_valid:
             body = ">= " + body
         elif self.upper_valid and not self.lower_valid:
             body = "<= " + body
         return body
+
+
+def _num(x: float) -> str:
+    """Two decimals, or three significant digits for the extremes (a time near 0)."""
+    return f"{x:.2f}" if 0.01 <= x < 1000 else f"{x:.3g}"
 
 
 def paired_ratio(
