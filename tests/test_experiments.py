@@ -501,3 +501,23 @@ def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch
         assert "eval" in lines[-1]  # ... and is evaluated there
         plan = json.loads((out / f"proposed-seed{seed}" / "summary.json").read_text())["plan"]
         assert plan["predicted_rounds"] is not None and "degenerate" in plan
+
+
+def test_powered_suite_files_load_and_share_runs_where_they_say():
+    # Prepare / Execute: the three drafted protocol files of issue 14
+    root = Path(__file__).parents[1] / "configs"
+    specs = {s: load_suite(s, str(root / f"powered_{name}.toml"))
+             for s, name in (("table1", "table1"), ("sampling", "sampling"), ("ranks", "ranks"))}  # fmt: skip
+    # Assert: >= 3 seeds, a separate pilot seed, a rule, a common budget with a time schedule
+    for spec in specs.values():
+        assert spec.seeds == (1, 2, 3) and spec.pilot_seed == 100 and spec.rule is not None
+        assert spec.targets == {}  # fixed by the pilot, not by hand
+        cfg = spec.config_for(spec.labels[0], 1)
+        assert cfg.data.n_clients >= 20 and cfg.data.dirichlet_alpha == 0.1
+        assert cfg.training.time_budget_s > 0 and cfg.training.eval_every_s > 0
+        assert set(cfg.data.tasks) == {"arc-e", "arc-c", "obqa"}
+    # ranks' "full" is sampling's "fixed-0.2": the same config, so its runs can be copied
+    for seed in (1, 100):
+        assert specs["ranks"].config_for("full", seed) == specs["sampling"].config_for(
+            "fixed-0.2", seed
+        )
