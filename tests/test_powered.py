@@ -266,6 +266,7 @@ def test_report_appends_the_powered_sections_and_band_plots(tmp_path):
     assert f"| proposed | 3 | 11.0 ± {T975_2 / 3**0.5:.1f} | 6.0 ± {T975_2 / 3**0.5:.1f} |" in text
     assert "| heterolora | 3 | >= 110.0 (1/3 censored) | - |" in text  # (100 + 110 + 120)/3
     assert "## Claims of the paper" in text and "| Table I ordering" in text
+    assert "CPU: 12 runs, Σ wall_s = 0.00 h" in text
     assert "| fslora | 3 | +0.2 ± 0.7 | " in text  # paired accuracy at the budget, points
     for name in ("accuracy_bands.png", "eval_loss_bands.png"):
         assert (tmp_path / "out" / name).stat().st_size > 1000

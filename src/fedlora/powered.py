@@ -600,6 +600,14 @@ def render(
         ]
         out.append("")
     out += _plan_section(gs)
+    wall = sum(float(r.summary.get("wall_s", 0.0) or 0.0) for g in gs for r in g.runs)
+    compute = sum(float(r.summary.get("compute_s", 0.0) or 0.0) for g in gs for r in g.runs)
+    out += [
+        f"CPU: {sum(len(g.runs) for g in gs)} runs, Σ wall_s = {wall / 3600:.2f} h (a run's "
+        "last session, calibration included), Σ compute_s = "
+        f"{compute / 3600:.2f} h (training and evaluation of the main rounds).",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -682,7 +690,8 @@ def plot_bands(
     order: Sequence[str] | None = None,
     target_losses: dict[str, float] | None = None,
 ) -> Path | None:
-    """Accuracy (%) or eval_loss vs simulated minutes: per label the mean over seeds with a
+    """Accuracy (%) or eval_loss vs simulated minutes (seconds when the longest run is
+    under 2 minutes): per label the mean over seeds with a
     95% band, chance and most-frequent-label lines (accuracy; the y-axis starts at chance),
     the calibration period shaded, censored ends marked (x), the target dashed; eval size and
     seed count in each panel's title. None when no run has the metric."""
@@ -700,6 +709,8 @@ def plot_bands(
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.2 * rows), squeeze=False)
     colors = {g.label: plt.cm.tab10(i % 10) for i, g in enumerate(gs)}
     scale = 100.0 if metric == "accuracy" else 1.0
+    longest = max((r.total_time_s for g in gs for r in g.runs), default=0.0)
+    unit, per = ("min", 60.0) if longest >= 120 else ("s", 1.0)  # short simulated clocks in s
     for ax, task in zip(axes.flat, tasks):
         everything = [r for g in gs for r in g.runs]
         grid = _grid(everything)
@@ -707,7 +718,7 @@ def plot_bands(
             xs, mean, lo, hi = band(g.runs, task, metric, grid)
             if not xs:
                 continue
-            minutes = [x / 60 for x in xs]
+            minutes = [x / per for x in xs]
             c = colors[g.label]
             ax.plot(
                 minutes, [scale * v for v in mean], color=c, label=f"{g.label} (n={len(g.runs)})"
@@ -717,14 +728,14 @@ def plot_bands(
             )
             cal = [r.calibration_time_s for r in g.runs]
             if any(cal):
-                ax.axvspan(0, sum(cal) / len(cal) / 60, color=c, alpha=0.08, hatch="//",
+                ax.axvspan(0, sum(cal) / len(cal) / per, color=c, alpha=0.08, hatch="//",
                            label=f"{g.label} calibration")  # fmt: skip
             target = (targets if metric == "accuracy" else target_losses or {}).get(task)
             for r in g.runs:  # censored ends: the target never reached by this seed
                 if target is not None and not time_to(r, task, metric, target)[1]:
                     end = final_value(r, task, metric)
                     if end is not None:
-                        ax.plot(r.total_time_s / 60, scale * end, marker="x", color=c, ms=8)
+                        ax.plot(r.total_time_s / per, scale * end, marker="x", color=c, ms=8)
         n = eval_constant(everything[0], task, "eval_n")
         if metric == "accuracy":
             chance = eval_constant(everything[0], task, "eval_chance")
@@ -747,7 +758,7 @@ def plot_bands(
         seeds = max(len(g.runs) for g in gs)
         size = f", {int(n)} questions" if n else ""
         ax.set_title(f"{task}{size}, {seeds} seeds (mean, 95% band; x = censored)", fontsize=9)
-        ax.set_xlabel("simulated wall-clock (min)")
+        ax.set_xlabel(f"simulated wall-clock ({unit})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(tasks) :]:
