@@ -494,6 +494,24 @@ def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch
     assert "| proposed | 2 | " in text and "| fslora | 2 | " in text
     assert "## Algorithm 2: does Theorem 1's model predict the rounds?" in text
     assert (out / "accuracy_bands.png").stat().st_size > 1000
+    # the exact cost model clocked from the same runs (issue 14 item 4), same sections
+    exact = tmp_path / "exact"
+    argv_exact = [
+        "report",
+        str(out),
+        "--comm-cost",
+        "exact",
+        "--comp-cost",
+        "affine",
+        "-o",
+        str(exact),
+    ]
+    assert main(argv_exact) == 0
+    text_exact = (exact / "report.md").read_text()
+    assert (
+        "Re-clocked under comm_cost = exact" in text_exact
+        and "## Claims of the paper" in text_exact
+    )
     for seed in (0, 1):  # every run stops at the common budget (or the round cap) ...
         s = json.loads((out / f"fslora-seed{seed}" / "summary.json").read_text())
         assert s["stop_reason"] in ("time_budget", "max_rounds")
