@@ -216,6 +216,20 @@ def test_plan_outcome_compares_predicted_and_observed_rounds(tmp_path):
     assert plan_outcome(tmp_path / "nothing") is None
 
 
+@pytest.mark.parametrize(("in_budget", "budget_s"), [("true", 10.0), ("false", 10.0 + 582)])
+def test_calibration_in_budget_or_after_it(tmp_path, monkeypatch, in_budget, budget_s):
+    # the fake calibration takes 112 + 120 + 140 + 210 = 582 simulated seconds
+    monkeypatch.setattr(engine, "run_experiment", _fake_engine([]))
+    cfg = load_config(
+        None, ["data.n_clients=4", "planner.calibration_rounds=300", "training.time_budget_s=10",
+               f"planner.calibration_in_budget={in_budget}", "method.name=proposed"],
+    )  # fmt: skip
+    planned, calibration_s = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    assert calibration_s == 582 and planned.training.time_budget_s == budget_s
+    with pytest.raises(ConfigError, match="planner.calibration_in_budget = 1 is invalid"):
+        load_config(None, ["planner.calibration_in_budget=1"])
+
+
 def test_prepare_proposed_uses_a_given_plan_file(tmp_path):
     plan = tmp_path / "my_plan.json"
     plan.write_text(json.dumps({"q": [0.5, 0.5], "k": [2, 4]}))

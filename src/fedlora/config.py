@@ -297,6 +297,10 @@ class PlannerConfig:
     calibration_rounds: int = 30
     # `proposed` with calibration_loss = 0: F_s = this fraction of the first round's loss
     calibration_loss_fraction: float = 0.5
+    # `proposed` with training.time_budget_s: true = the budget counts the calibration's
+    # simulated time (its clock starts there); false = the budget starts after it, so it
+    # trains as long as the other methods (times to target still include the calibration)
+    calibration_in_budget: bool = True
     # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
     # with q from method.q ("k", Figure 3)
     optimize: str = "qk"
@@ -324,6 +328,10 @@ class PlannerConfig:
         )
         _check_choice("planner.optimize", self.optimize, ("qk", "q", "k"))
         _check_choice("planner.calibration_fit", self.calibration_fit, ("refuse", "nonnegative"))
+        if not isinstance(self.calibration_in_budget, bool):
+            raise bad_value(
+                "planner.calibration_in_budget", self.calibration_in_budget, "true or false"
+            )
 
 
 @dataclass(frozen=True)

@@ -400,7 +400,14 @@ def prepare_proposed(
         if saved["degeneracy"]["degenerate"]:
             log("plan is DEGENERATE: " + "; ".join(saved["degeneracy"]["reasons"]))
     path = str(plan_path)
-    return cfg.replace(method=dataclasses.replace(cfg.method, q=path, k=path)), calibration_s
+    training = cfg.training
+    if training.time_budget_s and not cfg.planner.calibration_in_budget:
+        # the budget starts after the calibration: train as long as the other methods
+        training = dataclasses.replace(
+            training, time_budget_s=training.time_budget_s + calibration_s
+        )
+    planned = cfg.replace(method=dataclasses.replace(cfg.method, q=path, k=path), training=training)
+    return planned, calibration_s
 
 
 def calibration_rule(cfg: ExperimentConfig) -> str:
