@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig, diff_configs, dump_toml, load_config
+from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError, FedloraError
 from fedlora.methods import Method, RoundPlan, make_method
 from fedlora.network import (
@@ -42,6 +40,22 @@ from fedlora.network import (
     profiles_to_rows,
     rayleigh_gains,
     spectral_efficiency,
+)
+
+# Run directories, checkpoints and metrics files live in fedlora.rundir; re-exported here
+# because the Flower ServerApp and older callers import them from the engine.
+from fedlora.rundir import (
+    _append_metrics,
+    _atomic_write,
+    _checkpoint_paths,  # noqa: F401
+    _truncate_metrics,  # noqa: F401
+    load_checkpoint,
+    load_run_config,  # noqa: F401
+    prepare_run_dir,  # noqa: F401
+    restore_metrics,
+    run_dir_for,  # noqa: F401
+    run_dir_lock,
+    save_checkpoint,
 )
 
 STREAMS = {
@@ -68,102 +82,6 @@ def derive_rng(seed: int, stream: str, *ids: int) -> np.random.Generator:
 
 def derive_seed(seed: int, stream: str, *ids: int) -> int:
     return int(derive_rng(seed, stream, *ids).integers(2**62))
-
-
-# ----------------------------------------------------------------------------- run directory
-
-
-def run_dir_for(cfg: ExperimentConfig, out: str | None = None) -> Path:
-    if out:
-        return Path(out)
-    name = cfg.output.name or f"{cfg.method.name}-seed{cfg.training.seed}"
-    return Path(cfg.output.dir) / name
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
-    """Create a fresh run directory; refuse an existing one unless `overwrite`."""
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
-            raise ConfigError(
-                f"output directory {str(run_dir)!r} exists: use --resume {run_dir} to continue it "
-                "or --overwrite to replace it"
-            )
-        if not (run_dir / "config.toml").exists():
-            raise ConfigError(
-                f"refusing to overwrite {str(run_dir)!r}: it is not a fedlora run directory "
-                "(no config.toml)"
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
-
-
-def load_run_config(
-    run_dir: Path, given: ExperimentConfig | None = None, *, force: bool = False
-) -> ExperimentConfig:
-    """The config a run was started with; with `given`, refuse differences unless `force`."""
-    path = run_dir / "config.toml"
-    if not path.exists():
-        raise ConfigError(f"--resume {str(run_dir)!r}: no config.toml there (not a fedlora run)")
-    saved = load_config(path)
-    if given is not None:
-        differing = diff_configs(saved, given)
-        if differing and not force:
-            raise ConfigError(
-                f"--resume {str(run_dir)!r}: the config differs from the run's in "
-                f"{', '.join(differing)}; use --force to resume with the new values"
-            )
-        if differing:
-            _atomic_write(path, dump_toml(given).encode())
-            return given
-    return saved
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _checkpoint_paths(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "checkpoints").glob("round-*.pt"), reverse=True)
-
-
-def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
-    import torch
-
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(exist_ok=True)
-    path = ckpt_dir / f"round-{state['round']:06d}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    for old in _checkpoint_paths(run_dir)[keep:]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
-    """The newest readable checkpoint; a damaged one is named and skipped."""
-    import torch
-
-    for path in _checkpoint_paths(run_dir):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if not isinstance(state, dict) or "round" not in state or "global" not in state:
-                raise ValueError("missing fields")
-            return state
-        except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
-            warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
-    return None
 
 
 # ----------------------------------------------------------------------------- network
@@ -444,20 +362,6 @@ class _Reporter:
             self.bar.close()
 
 
-def _append_metrics(path: Path, line: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _truncate_metrics(path: Path, lines: int) -> None:
-    if not path.exists():
-        return
-    kept = path.read_text(encoding="utf-8").splitlines()[:lines]
-    _atomic_write(path, "".join(line + "\n" for line in kept).encode())
-
-
 def _checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
     return {
         "round": progress.round,
@@ -484,7 +388,23 @@ def run_experiment(
     `stop(line)` is called after every round's metrics line is written; True ends the run
     (stop_reason "stop_condition"; `proposed` uses it to end calibration runs at F_s).
     """
+    with run_dir_lock(run_dir):  # a second process on the same directory is refused
+        return _run_experiment(cfg, run_dir, resume=resume, quiet=quiet, log=log, stop=stop)
+
+
+def _run_experiment(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    quiet: bool,
+    log: Callable[[str], Any] | None,
+    stop: Callable[[dict[str, Any]], bool] | None,
+) -> dict[str, Any]:
+    from fedlora.preflight import check_inputs
+
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    check_inputs(cfg)  # bad inputs fail here, before the model loads
     wall_start = time.perf_counter()
     calibration_s = 0.0
     if cfg.method.name == "proposed":  # Algorithm 2: calibration runs and the plan come first
@@ -506,8 +426,8 @@ def run_experiment(
             run.method.load_state_dict(state.get("method", {}))
             log(f"resuming {run_dir} after round {progress.round}")
         else:
-            log(f"no usable checkpoint in {run_dir}: starting from round 0")
-        _truncate_metrics(metrics_path, progress.metrics_lines)
+            log(f"no checkpoint in {run_dir}: starting from round 0")
+        restore_metrics(metrics_path, state, warn=log)
     else:
         metrics_path.unlink(missing_ok=True)
     write_clients_csv(run_dir, run.fed, run.profiles)

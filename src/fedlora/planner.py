@@ -83,6 +83,7 @@ from fedlora.network import comm_factor, comp_factor
 
 STRICT_MARGIN = 1e-9  # relative margin that turns the paper's strict q_n > lo_n into q_n >= ...
 A_SUM_TOLERANCE = 1e-6  # |Σ a_n − 1| allowed without normalisation
+GAMMA_MAX = 4096  # the largest global rank γ a problem may name (LoRA ranks are far below)
 
 SOLVERS = ("exact", "cvxpy")
 ESTIMATION_MATRICES = ("fixed", "paper")
@@ -149,6 +150,8 @@ class PlanProblem:
         g = self.gamma
         if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
             raise bad_value("gamma", g, "an integer >= 1 (the global LoRA rank γ)")
+        if g > GAMMA_MAX:  # the k-step is O(N·γ): an absurd γ would run for ever
+            raise bad_value("gamma", g, f"at most {GAMMA_MAX} (the global LoRA rank γ)")
         object.__setattr__(self, "gamma", int(g))
         object.__setattr__(self, "f_tot", _positive("f_tot", self.f_tot))
         arrays = {}
@@ -1039,6 +1042,23 @@ def alternate(
     )
 
 
+def check_plan(result: PlanResult) -> None:
+    """Refuse a degenerate plan (a q_n of 0 or a non-finite objective): inputs so extreme
+    that the bound P2 is not finite in floating point."""
+    bad_q = np.flatnonzero(~np.isfinite(result.q) | (result.q <= 0))
+    if bad_q.size or not math.isfinite(result.objective):
+        what = (
+            f"q[{int(bad_q[0])}] = {float(result.q[bad_q[0]]):.6g}"
+            if bad_q.size
+            else f"the objective P2 = {result.objective}"
+        )
+        raise ConfigError(
+            f"no usable plan: {what} (the inputs span too many orders of magnitude for the "
+            "bound P2 to be finite); check the clients' tau_full_s, t_full, a and the "
+            "constants or calibration runs"
+        )
+
+
 def capability_start(problem: PlanProblem) -> np.ndarray:
     """k⁰_n = ⌈γ · τ_min / τ_n⌉ in 1..γ: rank proportional to device speed (the baselines'
     `capability` budgets, `fedlora.methods.ranks`); τ_n = 0 gets γ."""
@@ -1175,6 +1195,8 @@ def problem_from_dict(
             raise ConfigError(f"{source}: constants lacks {', '.join(missing)}")
         constants = Constants(cr["A"], cr["B"], cr["C"], cr["D"])
     calibration: list[Observation] = []
+    if not isinstance(raw.get("calibration") or [], list):
+        raise bad_value("calibration", raw["calibration"], "a list of calibration runs")
     for i, ob in enumerate(raw.get("calibration") or []):
         if not isinstance(ob, dict) or set(ob) != {"q", "k", "rounds"}:
             raise bad_value(
@@ -1214,6 +1236,8 @@ def load_problem(
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:

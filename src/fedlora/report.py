@@ -80,10 +80,37 @@ class RunRecord:
         return []
 
 
+def _read_text(path: Path, what: str) -> str:
+    """A run file's text; unreadable or non-UTF-8 files raise `DataError` naming them."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise DataError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(_read_text(path, "config file"))
+    except tomllib.TOMLDecodeError as e:
+        raise DataError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(_read_text(path, "summary file"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"summary file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"summary file {str(path)!r} is not a JSON object")
+    return data
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The lines of a metrics.jsonl; a torn last line (a run killed mid-write) is dropped."""
     lines = []
-    text = path.read_text(encoding="utf-8").splitlines()
+    text = _read_text(path, "metrics file").splitlines()
     for i, raw in enumerate(text):
         if not raw.strip():
             continue
@@ -110,12 +137,18 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunRecord:
         raise DataError(f"{str(path)!r} is not a fedlora run directory (no metrics.jsonl)")
     config: dict[str, Any] = {}
     if (path / "config.toml").is_file():
-        config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))
+        config = _read_toml(path / "config.toml")
     summary: dict[str, Any] = {}
     if (path / "summary.json").is_file():
-        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
-    method = str(summary.get("method") or config.get("method", {}).get("name", "unknown"))
-    seed = int(summary.get("seed", config.get("training", {}).get("seed", 0)) or 0)
+        summary = _read_json_object(path / "summary.json")
+    try:
+        method = str(summary.get("method") or config.get("method", {}).get("name", "unknown"))
+        seed = int(summary.get("seed", config.get("training", {}).get("seed", 0)) or 0)
+    except (AttributeError, TypeError, ValueError):
+        raise DataError(
+            f"{str(path)!r}: summary.json / config.toml do not name the run's method and seed "
+            "(damaged files?)"
+        ) from None
     match = _SEED_SUFFIX.match(path.name)
     if label is None:
         label = match["label"] if match else method
@@ -309,7 +342,7 @@ def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = 
     calib = run.path / "calibration"
     if run.calibration_time_s > 0 and calib.is_dir():
         for sub in sorted(d for d in calib.iterdir() if (d / "metrics.jsonl").is_file()):
-            sub_cfg = tomllib.loads((sub / "config.toml").read_text(encoding="utf-8"))
+            sub_cfg = _read_toml(sub / "config.toml")
             lines = _reclock_lines(read_metrics(sub / "metrics.jsonl"), sub_cfg,
                                    sub / "clients.csv", cost, 0.0)  # fmt: skip
             start += lines[-1]["sim_time_s"] if lines else 0.0
@@ -533,8 +566,12 @@ def write_report(
         if not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ConfigError(f"target {task} = {value!r} is invalid: an accuracy in (0, 1]")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    plot_runs([r for r in runs if r.lines], targets, out / "accuracy_vs_time.png", title)
-    text = render_markdown(runs, targets, title=title, order=order, command=command, note=note)
-    (out / "report.md").write_text(text, encoding="utf-8")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        plot_runs([r for r in runs if r.lines], targets, out / "accuracy_vs_time.png", title)
+        text = render_markdown(runs, targets, title=title, order=order, command=command, note=note)
+        (out / "report.md").write_text(text, encoding="utf-8")
+    except OSError as e:
+        where = f" {e.filename!r}" if e.filename else ""
+        raise ConfigError(f"--out {str(out)!r}: cannot write{where}: {e.strerror or e}") from None
     return out / "report.md"
