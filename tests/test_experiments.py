@@ -493,6 +493,7 @@ def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch
 
     fixed = tomllib.loads((out / "targets.toml").read_text())
     assert fixed["rule"] == "slowest baseline at 60%" and 0 < fixed["targets"]["arc-e"] <= 1
+    assert "## Over seeds (powered report)" in (out / "pilot" / "report.md").read_text()
     # Execute: the main runs, then a report rebuilt from the files alone
     assert main(argv) == 0
     runs = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name != "pilot")

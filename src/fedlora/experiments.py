@@ -303,6 +303,10 @@ def pilot_targets(spec: SuiteSpec, out: Path, *, quiet: bool = True, log=None) -
     path = out / TARGETS_FILE
     path.write_text(targets_toml(result, spec.rule, str(pilot)), encoding="utf-8")
     log(f"pilot targets: {result['accuracy']} (loss {result['loss']}) -> {path}")
+    # the pilot's own report, at the targets it fixed (its numbers are committed with it)
+    fixed = replace(pilot_spec, targets=result["accuracy"], target_losses=result["loss"])
+    _write_suite_file(fixed, pilot, "fedlora compare --pilot")
+    report_suite([pilot], pilot)
     return path
 
 
