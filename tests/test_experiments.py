@@ -51,9 +51,11 @@ def test_smoothed_losses_trailing_mean_over_non_empty_rounds():
 
 def test_calibration_config_is_sketched_with_every_client_alike():
     cfg = load_config(None, ["data.n_clients=3", "planner.calibration_rounds=7", "training.seed=5",
-                             "training.eval_every_s=2.5", "training.time_budget_s=9"])  # fmt: skip
+                             "training.eval_every_s=2.5", "training.time_budget_s=9",
+                             "training.target_loss=0.5"])  # fmt: skip
     c = calibration_config(cfg, 0.3, 4)
     assert c.training.eval_every_s == 0.0 and c.training.time_budget_s == 0.0
+    assert c.training.target_loss == 0.0
     assert (c.method.name, c.method.q, c.method.k) == ("sketched", (0.3,) * 3, (4,) * 3)
     assert (c.training.rounds, c.training.eval_every, c.training.seed) == (7, 7, 5)
     assert c.training.target_accuracy == 0.0 and c.data.eval_limit == 8

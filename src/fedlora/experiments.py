@@ -408,6 +408,8 @@ def report_suite(
     title: str | None = None,
     cost_model: tuple[str, str] | None = None,
     command: str | None = None,
+    target_loss: float | None = None,
+    mcnemar: bool = False,
 ) -> Path:
     """Rebuild report.md and the plot from run or suite directories (metrics files only).
 
@@ -433,6 +435,8 @@ def report_suite(
         order=suite.get("labels"),
         command=command if command is not None else suite.get("command", ""),
         note=note,
+        target_loss=target_loss,
+        mcnemar=mcnemar,
     )
     return _append_powered(path, runs, merged, suite, title or suite.get("title", ""))
 

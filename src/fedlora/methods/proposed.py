@@ -139,6 +139,7 @@ def calibration_config(cfg: ExperimentConfig, q: float, k: int) -> ExperimentCon
             eval_every=cap,
             eval_every_s=0.0,  # calibration decides on the training loss: no timed evals
             target_accuracy=0.0,
+            target_loss=0.0,
             time_budget_s=0.0,
             checkpoint_every=max(1, min(cfg.training.checkpoint_every, cap)),
         ),
