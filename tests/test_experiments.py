@@ -497,6 +497,7 @@ def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch
 
     fixed = tomllib.loads((out / "targets.toml").read_text())
     assert fixed["rule"] == "slowest baseline at 60%" and 0 < fixed["targets"]["arc-e"] <= 1
+    assert fixed["target_losses"]["arc-e"] > 0  # eval_loss target by the same rule
     assert "## Over seeds (powered report)" in (out / "pilot" / "report.md").read_text()
     # Execute: the main runs, then a report rebuilt from the files alone
     assert main(argv) == 0
@@ -511,6 +512,8 @@ def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch
     assert "## Over seeds (powered report)" in text and "## Claims of the paper" in text
     assert "Targets fixed before the main runs by the rule: slowest baseline at 60%" in text
     assert "| proposed | 2 | " in text and "| fslora | 2 | " in text
+    assert f"time to loss <= {fixed['target_losses']['arc-e']:.4g} (s)" in text
+    assert "McNemar, pooled over seeds" in text
     assert "## Algorithm 2: does Theorem 1's model predict the rounds?" in text
     assert (out / "accuracy_bands.png").stat().st_size > 1000
     # the exact cost model clocked from the same runs (issue 14 item 4), same sections

@@ -300,3 +300,29 @@ def test_ratio_text_keeps_extreme_ratios_short():
     r = powered.paired_ratio([2.0], [True], [0.0], [True])
     assert r.text() == "2e+09x"
     assert powered.paired_ratio([1.0], [True], [500.0], [True]).text() == "0.002x"
+
+
+def _predictions(run: Path, correct: list[int], task: str = "arc-e") -> None:
+    ids = [f"q{i}" for i in range(len(correct))]
+    line = {"round": 5, "task": task, "ids": ids, "pred": [0] * len(ids), "correct": correct,
+            "nll": [1.0] * len(ids)}  # fmt: skip
+    (run / "predictions.jsonl").write_text(json.dumps(line) + "\n")
+
+
+def test_pooled_mcnemar_sums_the_discordant_questions_over_seeds(tmp_path):
+    # seed 0: proposed right on q0..q3, fslora only on q3 -> 3 / 0; seed 1: 2 / 0.
+    # Pooled: 6 questions, 5 / 0 -> exact two-sided p = 2 · (1/2)^5 = 0.0625
+    evals = [(0, 0.25, 1.5), (10, 0.5, 1.0)]
+    p0, p1 = (write_run(tmp_path, "proposed", s, evals) for s in (0, 1))
+    f0, f1 = (write_run(tmp_path, "fslora", s, evals) for s in (0, 1))
+    _predictions(p0, [1, 1, 1, 1])
+    _predictions(f0, [0, 0, 0, 1])
+    _predictions(p1, [1, 1])
+    _predictions(f1, [0, 0])
+    a, b = [load_run(p) for p in (p0, p1)], [load_run(f) for f in (f0, f1)]
+    assert powered.pooled_mcnemar(a, b, "arc-e") == (6, 5, 0, pytest.approx(0.0625))
+    assert powered.pooled_mcnemar(a, b, "obqa") is None  # no such task evaluated
+    text = powered.render([*a, *b], {"arc-e": 0.4})
+    assert "| fslora | 2 | +0.0 ± 0.0 | 1 | +0.0000 ± 0.0000 | 1 | 6: 5 / 0, p = 0.0625 |" in text
+    (f1 / "predictions.jsonl").unlink()  # a run without predictions: no test
+    assert powered.pooled_mcnemar(a, [load_run(f) for f in (f0, f1)], "arc-e") is None

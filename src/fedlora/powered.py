@@ -15,7 +15,8 @@ sampling stream, the same for every method of a suite, so comparisons are paired
   bound; the interval is then one-sided valid (see `paired_ratio`).
 - "At the common budget": each run's last evaluation (the engine evaluates the round that
   spends `training.time_budget_s`). Paired difference proposed − baseline per seed, mean,
-  t interval and the two-sided paired t test's p value.
+  t interval and the two-sided paired t test's p value; and McNemar's exact test on the
+  questions, pooled over seeds (the discordant counts summed over the seeds' run pairs).
 
 Verdicts (`Verdict`): a claim *holds* when its interval lies on the claimed side, *does not
 hold* when it lies on the other side, and is *inconclusive* otherwise (one seed, an interval
@@ -236,6 +237,24 @@ def paired_diff(a: Sequence[float], b: Sequence[float]) -> PairedDiff:
 
             p = float(2 * t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1))
     return PairedDiff(mean, half, p, n)
+
+
+def pooled_mcnemar(a: Sequence[RunRecord], b: Sequence[RunRecord], task: str) -> tuple | None:
+    """McNemar's exact test on the questions of the last evaluations, pooled over the seeds
+    (pairs of runs of one seed, from predictions.jsonl; `fedlora.report.paired_tests`):
+    (questions, only a right, only b right, p). None when a run has no predictions."""
+    from fedlora.errors import DataError
+    from fedlora.report import mcnemar_p, paired_tests
+
+    n = only_a = only_b = 0
+    for x, y in zip(a, b):
+        try:
+            tests = [t for t in paired_tests(x.path, y.path) if t.task == task]
+        except DataError:
+            return None
+        for t in tests:
+            n, only_a, only_b = n + t.n, only_a + t.a_only, only_b + t.b_only
+    return (n, only_a, only_b, mcnemar_p(only_a, only_b)) if n else None
 
 
 def similar_verdict(diff: PairedDiff, margin: float) -> str:
@@ -564,8 +583,9 @@ def render(
         if prop is not None:
             out += ["", f"Paired at the budget, {prop.label} − baseline (mean ± 95% interval, "
                     "paired t test p):", ""]  # fmt: skip
-            out += ["| baseline | seeds | accuracy (pts) | p | eval_loss | p |",
-                    "|---|---|---|---|---|---|"]  # fmt: skip
+            out += ["| baseline | seeds | accuracy (pts) | p | eval_loss | p | McNemar, pooled "
+                    "over seeds: questions, only proposed right / only baseline right, p |",
+                    "|---|---|---|---|---|---|---|"]  # fmt: skip
             for g in gs:
                 if g is prop:
                     continue
@@ -582,6 +602,8 @@ def render(
                     ci = f" ± {d.ci * scale:.{digits}f}" if d.ci is not None else ""
                     row += [f"{d.mean * scale:+.{digits}f}{ci}",
                             "-" if d.p is None else f"{d.p:.3g}"]  # fmt: skip
+                mc = pooled_mcnemar(a, b, task)
+                row.append("-" if mc is None else f"{mc[0]}: {mc[1]} / {mc[2]}, p = {mc[3]:.3g}")
                 out.append("| " + " | ".join(row) + " |")
         out.append("")
     rows = claims(suite, gs, targets, margin)
