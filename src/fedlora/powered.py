@@ -713,10 +713,11 @@ def plot_bands(
     target_losses: dict[str, float] | None = None,
 ) -> Path | None:
     """Accuracy (%) or eval_loss vs simulated minutes (seconds when the longest run is
-    under 2 minutes): per label the mean over seeds with a
-    95% band, chance and most-frequent-label lines (accuracy; the y-axis starts at chance),
-    the calibration period shaded, censored ends marked (x), the target dashed; eval size and
-    seed count in each panel's title. None when no run has the metric."""
+    under 2 minutes): per label every seed as a thin step line and the mean over seeds with a
+    95% band (where every seed has started and not ended), chance and most-frequent-label
+    lines (accuracy; the y-axis starts at chance), the calibration period shaded, censored
+    ends marked (x), the target dashed; eval size and seed count in each panel's title.
+    None when no run has the metric."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -737,21 +738,26 @@ def plot_bands(
         everything = [r for g in gs for r in g.runs]
         grid = _grid(everything)
         for g in gs:
-            xs, mean, lo, hi = band(g.runs, task, metric, grid)
-            if not xs:
-                continue
-            minutes = [x / per for x in xs]
             c = colors[g.label]
+            for r in g.runs:  # every seed thin, so no run disappears where the band cannot
+                pts = points(r, task, metric)  # be drawn (seeds that start or end apart)
+                if pts:
+                    ax.step([t / per for t, _ in pts], [scale * v for _, v in pts], where="post",
+                            color=c, alpha=0.3, linewidth=0.8, marker=".", ms=3)  # fmt: skip
+            cal = [r.calibration_time_s for r in g.runs]
+            if any(cal):
+                ax.axvspan(0, sum(cal) / len(cal) / per, color=c, alpha=0.08, hatch="//",
+                           label=f"{g.label} calibration")  # fmt: skip
+            xs, mean, lo, hi = band(g.runs, task, metric, grid)
+            if metric == "accuracy":  # an interval over few seeds can pass 0 or 100%
+                lo, hi = [max(0.0, v) for v in lo], [min(1.0, v) for v in hi]
+            minutes = [x / per for x in xs]
             ax.plot(
                 minutes, [scale * v for v in mean], color=c, label=f"{g.label} (n={len(g.runs)})"
             )
             ax.fill_between(
                 minutes, [scale * v for v in lo], [scale * v for v in hi], color=c, alpha=0.2
             )
-            cal = [r.calibration_time_s for r in g.runs]
-            if any(cal):
-                ax.axvspan(0, sum(cal) / len(cal) / per, color=c, alpha=0.08, hatch="//",
-                           label=f"{g.label} calibration")  # fmt: skip
             target = (targets if metric == "accuracy" else target_losses or {}).get(task)
             for r in g.runs:  # censored ends: the target never reached by this seed
                 if target is not None and not time_to(r, task, metric, target)[1]:
