@@ -1,9 +1,9 @@
 """Readers of user files (issue 11: every reader of a user-given file lives here, with one
 error style: a ConfigError naming the config key or the file, and what is wrong).
 
-Today: the client profiles (`network.profiles_file`). The vector files of `method.q` /
-`method.k` (fedlora.federation.methods.strategies) and the planner's problem files (fedlora.system.planner)
-are still read where they are used; they move here next.
+Today: the client profiles (`network.profiles_file`) and the q / k vector files
+(`method.q`, `method.k`). The planner's problem files (fedlora.system.planner) are still
+read where they are used; they move here next.
 """
 
 from __future__ import annotations
@@ -11,29 +11,37 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 from fedlora.errors import ConfigError, bad_value
 from fedlora.system.network import ClientProfiles, profiles_from_rows
 
 
+def _read_text(path: Path, key: str) -> str:
+    """The file's text; a ConfigError naming the config key when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8-sig")  # -sig: spreadsheets prepend a BOM
+    except OSError as e:
+        raise ConfigError(f"{key} = {str(path)!r}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key} = {str(path)!r}: not UTF-8 text") from None
+
+
+def _parse_json(path: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+        ) from None
+
+
 def load_profiles(path: str | Path) -> ClientProfiles:
     """Read per-client profiles from a CSV (header row) or JSON (a list of objects)."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8-sig")  # -sig: spreadsheets prepend a BOM
-    except OSError as e:
-        raise ConfigError(
-            f"network.profiles_file = {str(p)!r}: cannot read: {e.strerror or e}"
-        ) from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"network.profiles_file = {str(p)!r}: not UTF-8 text") from None
+    text = _read_text(p, "network.profiles_file")
     if p.suffix.lower() == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"{p}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
-            ) from None
+        rows = _parse_json(p, text)
         if isinstance(rows, dict) and "clients" in rows:
             rows = rows["clients"]
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
@@ -43,3 +51,27 @@ def load_profiles(path: str | Path) -> ClientProfiles:
     else:
         raise bad_value("network.profiles_file", str(p), "a .csv or .json file")
     return profiles_from_rows(rows, source=str(p))
+
+
+def read_vector(path: str | Path, column: str) -> list[Any]:
+    """The per-client values of `method.<column>` from a JSON file (a list, or an object
+    with key `column`) or a CSV file (a column named `column`). JSON values are returned
+    as given (the caller checks them); CSV values are floats."""
+    p = Path(path)
+    text = _read_text(p, f"method.{column}")
+    if p.suffix.lower() == ".json":
+        data = _parse_json(p, text)
+        if isinstance(data, dict):
+            if column not in data:
+                raise ConfigError(f"{p}: no key {column!r} (keys: {', '.join(data)})")
+            data = data[column]
+        if not isinstance(data, list):
+            raise ConfigError(f"{p}: expected a list of numbers for {column}")
+        return data
+    rows = list(csv.DictReader(text.splitlines()))
+    if not rows or column not in rows[0]:
+        raise ConfigError(f"{p}: expected a CSV with a column named {column!r}")
+    try:
+        return [float(r[column]) for r in rows]
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{p}: column {column!r} has a non-number: {e}") from None

@@ -8,44 +8,13 @@ A file is JSON (a list, or an object with key "q"/"k") or CSV (a column named "q
 
 from __future__ import annotations
 
-import csv
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
-from fedlora.errors import ConfigError, bad_value
+from fedlora.errors import bad_value
+from fedlora.files import read_vector
 from fedlora.system.sketch import check_k, check_q
-
-
-def _read_vector(path: str, column: str) -> list[float]:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"method.{column} = {path!r}: cannot read: {e.strerror or e}") from None
-    if p.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
-            ) from None
-        if isinstance(data, dict):
-            if column not in data:
-                raise ConfigError(f"{path}: no key {column!r} (keys: {', '.join(data)})")
-            data = data[column]
-        if not isinstance(data, list):
-            raise ConfigError(f"{path}: expected a list of numbers for {column}")
-        return data
-    rows = list(csv.DictReader(text.splitlines()))
-    if not rows or column not in rows[0]:
-        raise ConfigError(f"{path}: expected a CSV with a column named {column!r}")
-    try:
-        return [float(r[column]) for r in rows]
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: column {column!r} has a non-number: {e}") from None
 
 
 def resolve_q(spec: str | Sequence[float], *, a: np.ndarray, q_fixed: float = 0.2) -> np.ndarray:
@@ -60,7 +29,7 @@ def resolve_q(spec: str | Sequence[float], *, a: np.ndarray, q_fixed: float = 0.
             return np.full(n, 1.0 / n)
         if spec == "weighted":
             return check_q(np.asarray(a, dtype=float), name="method.q (weighted: a_n)")
-        spec = _read_vector(spec, "q")
+        spec = read_vector(spec, "q")
     q = check_q(np.asarray(spec, dtype=float), name="method.q")
     if q.size != n:
         raise bad_value("method.q", list(spec), f"one value per client (N = {n}), got {q.size}")
@@ -86,7 +55,7 @@ def resolve_k(
                 draws[filled : filled + take] = x[:take]
                 filled += take
             return np.clip(np.rint(draws), 1, gamma).astype(np.int64)
-        spec = _read_vector(spec, "k")
+        spec = read_vector(spec, "k")
     k = check_k(np.asarray(spec), gamma, name="method.k")
     if k.size != n:
         raise bad_value("method.k", list(spec), f"one value per client (N = {n}), got {k.size}")
