@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedlora.device import autocast_context, autocast_state
 from fedlora.errors import ConfigError, DataError, FedloraError, bad_value
 from fedlora.lora import SlotLora, _layer_index
 
@@ -215,10 +215,10 @@ class LayerCache:
     def _lower_state(self) -> tuple[Any, ...]:
         """What the cached values depend on besides the tokens: the lower weights (storage
         and in-place version) and the autocast mode."""
-        autocast = torch.is_autocast_enabled("cpu")
+        autocast, autocast_dtype = autocast_state(self._lower_params[0].device.type)
         return (
             autocast,
-            torch.get_autocast_dtype("cpu") if autocast else None,
+            autocast_dtype,
             tuple((p.data_ptr(), p._version, p.dtype) for p in self._lower_params),
         )
 
@@ -305,7 +305,8 @@ class LayerCache:
             self.clear()
             self._state = state
         lens = lengths.tolist()
-        keys = [input_ids[i, : lens[i]].numpy().tobytes() for i in range(n_rows)]
+        ids_cpu = input_ids.cpu()  # keys are host bytes wherever the batch lives
+        keys = [ids_cpu[i, : lens[i]].numpy().tobytes() for i in range(n_rows)]
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, int] = {}  # distinct missing key -> its first row
         for i, k in enumerate(keys):
@@ -336,7 +337,7 @@ class LayerCache:
                 self._put(keys[i], value)
         d = self.decoder.config.hidden_size
         dtype = self._hidden_dtype or next(iter(found.values())).dtype
-        hidden = torch.zeros(n_rows, t, d, dtype=dtype)  # (N, T, d); 0 on padding
+        hidden = torch.zeros(n_rows, t, d, dtype=dtype, device=input_ids.device)  # 0 on padding
         for i, k in enumerate(keys):
             hidden[i, : lens[i]] = found[k].to(dtype)
         hidden = self._run_layers(
@@ -397,7 +398,8 @@ def target_token_loss(
     b = batch["input_ids"].shape[0] // groups
     group = torch.div(rows, b, rounding_mode="floor")
     counts = torch.bincount(group, minlength=groups)  # (groups,)
-    sums = torch.zeros(groups, dtype=tok_loss.dtype).index_add(0, group, tok_loss)
+    sums = torch.zeros(groups, dtype=tok_loss.dtype, device=tok_loss.device)
+    sums = sums.index_add(0, group, tok_loss)
     return sums / counts.clamp(min=1), counts
 
 
@@ -440,20 +442,22 @@ def local_train(
         )
     params = lora.parameters()
     losses = np.zeros((c, steps))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
+    device = params[0].device  # batches follow the slots (which follow the base model)
+    autocast = autocast_context(device.type, autocast_bf16)
     lora.train(True)
     try:
         for h in range(steps):
             batch, _ = collate_clients([batches[k][h] for k in range(c)])
+            batch = {k: v.to(device) for k, v in batch.items()}
             with autocast:
                 per_client, counts = target_token_loss(model, batch, c, cache)
-            empty = torch.nonzero(counts == 0)[:, 0].tolist()
+            empty = [i for i, n in enumerate(counts.tolist()) if n == 0]  # on the host
             if empty:
                 raise DataError(
                     f"local step {h}: the batch of client slot(s) {empty} has no target "
                     "tokens (labels are all -100; is the response truncated by max_seq_len?)"
                 )
-            values = per_client.detach().double().numpy()
+            values = per_client.detach().double().cpu().numpy()
             if not np.all(np.isfinite(values)):
                 bad = np.flatnonzero(~np.isfinite(values)).tolist()
                 raise TrainingError(
