@@ -253,7 +253,7 @@ def test_cuda_on_a_machine_without_one_is_exit_2_before_anything_loads(
     assert main(["run", *TINY, "model.device=cuda", "--out", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "model.device = 'cuda' is invalid: not available on this machine; available: cpu" in err
-    assert "Traceback" not in err and not (out / "config.toml").exists()
+    assert "Traceback" not in err and not out.exists()
 
 
 @needs_data
@@ -357,3 +357,25 @@ def test_the_guard_catches_a_tensor_made_on_the_cpu():
         torch.bmm(a[None], torch.ones(1, 3, 2))
         a.sum().item()
     assert guard.mixed == [("aten.bmm.default", ("cpu", "meta"))]
+
+
+def test_the_paper_config_is_a_run_config_and_asks_for_the_gpu(tmp_path, monkeypatch, capsys):
+    """`fedlora run --config configs/paper_table1.toml` (a suite file) runs its experiment;
+    without a GPU an explicit cuda is refused before the 1.5B model is fetched."""
+    _no_gpu(monkeypatch)
+    paper = Path(__file__).resolve().parents[1] / "configs" / "paper_table1.toml"
+    out = tmp_path / "paper"
+    assert main(["run", "--config", str(paper), "model.device=cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is a suite file: running its experiment once" in err
+    assert "model.device = 'cuda' is invalid: not available on this machine" in err
+    cfg = load_config(None, [])
+    from fedlora.commands.run import load_run_file
+
+    paper_cfg = load_run_file(str(paper), [])
+    assert (paper_cfg.model.device, paper_cfg.model.dtype) == ("auto", "auto")
+    assert paper_cfg.model.name == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.model.device == "auto"
+    with pytest.MonkeyPatch.context() as m:
+        _fake_gpus(m, 1, bf16=True)
+        gpu = resolve_runtime(paper_cfg).cfg.model
+    assert (gpu.device, gpu.dtype) == ("cuda:0", "bf16")

@@ -92,6 +92,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
     """Create a fresh run directory; refuse an existing one unless `overwrite`."""
+    # the device and dtype this run uses (auto resolved; a missing device fails here, before
+    # anything is created), saved so that a resume keeps them
+    text = dump_toml(resolve_runtime(cfg).cfg)
     if run_dir.exists() and any(run_dir.iterdir()):
         if not overwrite:
             raise ConfigError(
@@ -105,8 +108,7 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
             )
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # the device and dtype this run uses (auto resolved), so a resume keeps them
-    _atomic_write(run_dir / "config.toml", dump_toml(resolve_runtime(cfg).cfg).encode())
+    _atomic_write(run_dir / "config.toml", text.encode())
 
 
 def load_run_config(

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedlora.config import load_config
+from fedlora.config import config_from_dict, load_config, parse_override, read_toml
+from fedlora.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,10 +47,10 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"data.data_dir={args.data_dir!r}".replace("'", '"'))
     if args.resume:
         run_dir = Path(args.resume)
-        given = load_config(args.config, overrides) if (args.config or overrides) else None
+        given = load_run_file(args.config, overrides) if (args.config or overrides) else None
         cfg = load_run_config(run_dir, given, force=args.force)
     else:
-        cfg = load_config(args.config, overrides)
+        cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
         prepare_run_dir(cfg, run_dir, overwrite=args.overwrite)
     print(f"run directory: {run_dir}", file=sys.stderr)
@@ -57,3 +58,27 @@ def run(args: argparse.Namespace) -> int:
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0
+
+
+def load_run_file(path: str | None, overrides: list[str]):
+    """`load_config`, except that a suite file's ``[suite]`` table (targets, seeds: what
+    `fedlora compare` reads) is set aside with a note, so ``fedlora run --config
+    configs/paper_table1.toml`` runs that file's experiment once (its [method], seed 0)."""
+    if not path:
+        return load_config(None, overrides)
+    raw = read_toml(path)
+    if "suite" not in raw:
+        return load_config(path, overrides)
+    raw.pop("suite")
+    print(
+        f"{path} is a suite file: running its experiment once; its [suite] table (targets, "
+        f"seeds) is read by `fedlora compare --config {path}`",
+        file=sys.stderr,
+    )
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{section}] must be a table")
+        table[key] = value
+    return config_from_dict(raw, source=str(path))
