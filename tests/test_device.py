@@ -379,3 +379,30 @@ def test_the_paper_config_is_a_run_config_and_asks_for_the_gpu(tmp_path, monkeyp
         _fake_gpus(m, 1, bf16=True)
         gpu = resolve_runtime(paper_cfg).cfg.model
     assert (gpu.device, gpu.dtype) == ("cuda:0", "bf16")
+
+
+def test_slots_per_pass_on_a_gpu_follow_free_memory(monkeypatch):
+    """The engine's cap with a mocked CUDA device: tiny-llama, LoRA on both layers, b = 2,
+    T = 16, fp32: 2·16·(2·(12·64 + 4·128 + 4·16) + 64)·4 bytes per slot."""
+    from types import SimpleNamespace
+
+    from fedlora.engine import device_slots_per_pass
+    from fedlora.models import tiny_config
+
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
+    run = SimpleNamespace(
+        cfg=load_config(None, ["training.slots=8", "training.batch_size=2", "model.dtype=fp32"]),
+        device="cuda:0",
+        model=SimpleNamespace(config=tiny_config("tiny-llama")),
+        lora=SimpleNamespace(names=names),
+    )
+    run.cfg = run.cfg.replace(data=run.cfg.data.__class__(max_seq_len=16))
+    per_slot = 2 * 16 * (2 * (12 * 64 + 4 * 128 + 4 * 16) + 64) * 4
+    logged: list[str] = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 * per_slot, 10**12))
+    assert device_slots_per_pass(run, logged.append) == 3  # half of 6 slots' worth
+    assert "training.slots = 8: 3 per pass fit" in logged[0]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**12, 10**12))
+    assert device_slots_per_pass(run, logged.append) == 8
+    run.device = "cpu"
+    assert device_slots_per_pass(run, logged.append) == 8  # no cap off the GPU
