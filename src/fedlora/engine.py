@@ -318,10 +318,11 @@ def device_slots_per_pass(run: Run, log=print) -> int:
     import torch
 
     from fedlora.device import activation_bytes_per_slot, slots_for_memory
+    from fedlora.lora import _layer_index
 
     free_bytes, _ = torch.cuda.mem_get_info(run.device)
     n_layers = int(run.model.config.num_hidden_layers)
-    lowest = min((i for n in run.lora.names if (i := _layer_of(n)) is not None), default=0)
+    lowest = min((i for n in run.lora.names if (i := _layer_index(n)) is not None), default=0)
     per_slot = activation_bytes_per_slot(
         run.model.config,
         batch_size=run.cfg.training.batch_size,
@@ -336,12 +337,6 @@ def device_slots_per_pass(run: Run, log=print) -> int:
             f"{free_bytes / 2**30:.1f} GiB free on {run.device}"
         )
     return slots
-
-
-def _layer_of(name: str) -> int | None:
-    from fedlora.lora import _layer_index
-
-    return _layer_index(name)
 
 
 # ----------------------------------------------------------------------------- one round
