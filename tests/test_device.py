@@ -190,7 +190,7 @@ def test_auto_dtype_on_gpus(monkeypatch):
     assert resolve_dtype("auto", "mps", probe=_never)[0] == "fp32"
 
 
-def test_resolve_runtime_gives_concrete_values_and_says_why(monkeypatch):
+def test_resolve_runtime_gives_concrete_values_and_says_why(monkeypatch, tmp_path):
     _no_gpu(monkeypatch)
     monkeypatch.setattr(dev, "cpu_flags", lambda cpuinfo=None: cpu_flags(CPUINFO_PLAIN))
     res = resolve_runtime(load_config(None, ["model.name=tiny-llama", "model.threads=1"]))
@@ -202,7 +202,8 @@ def test_resolve_runtime_gives_concrete_values_and_says_why(monkeypatch):
     again = resolve_runtime(res.cfg)  # idempotent
     assert again.cfg == res.cfg and again.dtype_reason == "set in the config"
     monkeypatch.setattr(dev, "cpu_flags", lambda cpuinfo=None: cpu_flags(CPUINFO_BF16))
-    bf16 = resolve_runtime(load_config(None, ["model.threads=1"]), probe=_probe(4.0))
+    fresh = load_config(None, ["model.threads=1", f'model.cache_dir="{tmp_path}"'])
+    bf16 = resolve_runtime(fresh, probe=_probe(4.0))  # its own probe file
     assert bf16.cfg.model.dtype == "bf16" and "avx512_bf16" in bf16.dtype_reason
 
 

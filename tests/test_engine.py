@@ -250,7 +250,7 @@ def test_existing_output_dir_and_resume_config_checks(tmp_path, capsys):
 
 def test_damaged_checkpoint_falls_back_to_previous(tmp_path):
     run_dir, _ = _run(tmp_path, "d")
-    newest = sorted((run_dir / "checkpoints").glob("round-*.pt"))[-1]
+    newest = sorted((run_dir / "checkpoints").glob("round-*.safetensors"))[-1]
     newest.write_bytes(b"not a checkpoint")
     warnings = []
     state = load_checkpoint(run_dir, warn=warnings.append)

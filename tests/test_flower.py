@@ -457,10 +457,9 @@ def test_worker_trains_exactly_like_the_in_process_node(tmp_path: Path) -> None:
 
 
 def _final_global(run_dir: Path) -> dict[str, np.ndarray]:
-    import torch
+    from fedlora.rundir import load_checkpoint
 
-    ckpt = sorted((run_dir / "checkpoints").glob("round-*.pt"))[-1]
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = load_checkpoint(run_dir)
     return {k: np.asarray(v) for k, v in state["global"].items()}
 
 
@@ -684,7 +683,7 @@ def test_ray_simulation_matches_the_engine_on_loopback_and_resumes(tmp_path: Pat
     # Prepare: a crash after round 1 (round 2's checkpoint and summary lost; its metrics line
     # written, so resume must cut it)
     before = _metrics(out)
-    (out / "checkpoints" / "round-000002.pt").unlink()
+    (out / "checkpoints" / "round-000002.safetensors").unlink()
     (out / "summary.json").unlink()
     # Execute
     seen, _ = _simulate(["--resume", str(out)], tmp_path / "resume.log")

@@ -1,7 +1,7 @@
 """Experiment configuration: frozen dataclasses, defaults in one place, TOML in and out.
 
-A whole experiment is an `ExperimentConfig` of eight sections (model, lora, data, network,
-training, method, planner, output). Every field is validated in its section's
+A whole experiment is an `ExperimentConfig` of nine sections (model, lora, data, network,
+training, method, planner, output, evaluation). Every field is validated in its section's
 ``__post_init__``; a bad value raises `ConfigError` naming ``section.field``, the value and
 what is allowed. Unknown keys are errors with a suggestion of the closest valid key.
 
@@ -114,6 +114,9 @@ class LoraConfig:
             _check_int("lora.layers", self.layers, lo=1)
 
 
+RESPONSES = ("label", "option")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Tasks, the federated partition and the evaluation subset."""
@@ -133,6 +136,9 @@ class DataConfig:
     partition_key: str = "task"  # task | label
     dirichlet_alpha: float = 0.1
     min_client_examples: int = 8
+    # what the training response names after "the correct answer is ": the label ("answer2",
+    # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
+    response: str = "label"
 
     def __post_init__(self) -> None:
         if not self.tasks and not self.task_files:
@@ -144,6 +150,7 @@ class DataConfig:
         _check_choice("data.partition_key", self.partition_key, ("task", "label"))
         _check_number("data.dirichlet_alpha", self.dirichlet_alpha, lo=0, lo_open=True)
         _check_int("data.min_client_examples", self.min_client_examples, lo=1)
+        _check_choice("data.response", self.response, RESPONSES)
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,9 @@ class NetworkConfig:
     tx_power_dbm: float = 20.0
     noise_psd_dbm_hz: float = -174.0
     fading: str = "none"  # none | rayleigh (block fading, redrawn every round)
+    # outage floor on the Rayleigh gain |h|² (a deeper fade is served at the floor's rate);
+    # 0 = none: the mean upload time is then infinite (docs/network.md)
+    fading_floor: float = 0.0
     bits_per_param: int = 16  # what one uploaded parameter costs on the air
     comm_cost: str = "exact"  # exact (bits actually sent) | linear | quadratic (paper)
     comp_cost: str = "affine"  # affine | linear | quadratic (paper)
@@ -182,6 +192,7 @@ class NetworkConfig:
         _check_number("network.tx_power_dbm", self.tx_power_dbm)
         _check_number("network.noise_psd_dbm_hz", self.noise_psd_dbm_hz)
         _check_choice("network.fading", self.fading, ("none", "rayleigh"))
+        _check_number("network.fading_floor", self.fading_floor, lo=0)
         _check_int("network.bits_per_param", self.bits_per_param, lo=1, hi=64)
         _check_choice("network.comm_cost", self.comm_cost, ("exact", "linear", "quadratic"))
         _check_choice("network.comp_cost", self.comp_cost, ("affine", "linear", "quadratic"))
@@ -201,6 +212,7 @@ class TrainingConfig:
     eval_every: int = 4  # E
     seed: int = 0
     target_accuracy: float = 0.0  # stop when reached; 0 = off
+    target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
     time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
     checkpoint_every: int = 5
     # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
@@ -216,6 +228,7 @@ class TrainingConfig:
         _check_int("training.eval_every", self.eval_every, lo=1)
         _check_int("training.seed", self.seed, lo=0)
         _check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
+        _check_number("training.target_loss", self.target_loss, lo=0)
         _check_number("training.time_budget_s", self.time_budget_s, lo=0)
         _check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
         _check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
@@ -259,6 +272,12 @@ class MethodConfig:
     # rank budgets r_n of fslora (its k_n), heterolora, fedstacklora, flexlora: "capability"
     # (from each device's compute time), a k strategy, a .json/.csv file, or a list
     ranks: Union[str, tuple[int, ...]] = "capability"  # noqa: UP007
+    # heterolora: HetLoRA's rank self-pruning decay factor d (r_n -> floor(d r_n) when the
+    # tail norm falls); 0 = off
+    heterolora_pruning: float = 0.0
+    # fslora's sketch sizes: "reference" (k_n uniform on [4, γ], FSLoRA's code) or "ranks"
+    # (the shared budgets of method.ranks)
+    fslora_k: str = "reference"
 
     def __post_init__(self) -> None:
         _check_choice("method.name", self.name, METHODS)
@@ -267,6 +286,10 @@ class MethodConfig:
         _check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
         _check_int("method.clients_per_round", self.clients_per_round, lo=0)
         _check_vector_or_strategy("method.ranks", self.ranks, RANK_STRATEGIES, integer=True)
+        _check_number(
+            "method.heterolora_pruning", self.heterolora_pruning, lo=0, hi=1, hi_open=True
+        )
+        _check_choice("method.fslora_k", self.fslora_k, ("reference", "ranks"))
 
 
 @dataclass(frozen=True)
@@ -317,6 +340,29 @@ class OutputConfig:
             raise bad_value("output.dir", self.dir, "a non-empty path")
 
 
+SCORINGS = ("label", "option", "option_norm")
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """How the global adapter is scored on the eval sets (fedlora.evaluation)."""
+
+    # label: log-likelihood of the answer label (the paper's protocol for large models);
+    # option: of the option text; option_norm: of the option text per character (acc_norm)
+    scoring: str = "label"
+    batch_size: int = 16  # questions (with all their candidates) per forward pass
+    predictions: bool = True  # write every question's prediction to predictions.jsonl
+    # with lora.layers = K: memory bound (MB) of the eval set's frozen-layer cache; 0 = off
+    cache_mb: float = 1024.0
+
+    def __post_init__(self) -> None:
+        _check_choice("evaluation.scoring", self.scoring, SCORINGS)
+        _check_int("evaluation.batch_size", self.batch_size, lo=1)
+        _check_number("evaluation.cache_mb", self.cache_mb, lo=0)
+        if not isinstance(self.predictions, bool):
+            raise bad_value("evaluation.predictions", self.predictions, "true or false")
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -327,6 +373,7 @@ class ExperimentConfig:
     method: MethodConfig = field(default_factory=MethodConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     def __post_init__(self) -> None:
         n = self.data.n_clients
@@ -502,6 +549,23 @@ def load_config(
 # ----------------------------------------------------------------------------- TOML out
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def toml_string(value: str) -> str:
+    """`value` as a TOML basic string: quotes, backslashes and control characters escaped
+    (an unescaped control character makes the file unreadable)."""
+    out = []
+    for ch in value:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -510,8 +574,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        return f'"{escaped}"'
+        return toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -29,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig, diff_configs, dump_toml, load_config
-from fedlora.device import inherit_auto, resolve_runtime, synchronize
+from fedlora.config import ExperimentConfig
+from fedlora.device import resolve_runtime, synchronize
 from fedlora.errors import ConfigError, FedloraError
 from fedlora.methods import Method, RoundPlan, make_method
 from fedlora.network import (
@@ -43,6 +41,22 @@ from fedlora.network import (
     profiles_to_rows,
     rayleigh_gains,
     spectral_efficiency,
+)
+
+# Run directories, checkpoints and metrics files live in fedlora.rundir; re-exported here
+# because the Flower ServerApp and older callers import them from the engine.
+from fedlora.rundir import (
+    _append_metrics,
+    _atomic_write,
+    _checkpoint_paths,  # noqa: F401
+    _truncate_metrics,  # noqa: F401
+    load_checkpoint,
+    load_run_config,  # noqa: F401
+    prepare_run_dir,  # noqa: F401
+    restore_metrics,
+    run_dir_for,  # noqa: F401
+    run_dir_lock,
+    save_checkpoint,
 )
 
 STREAMS = {
@@ -71,106 +85,6 @@ def derive_seed(seed: int, stream: str, *ids: int) -> int:
     return int(derive_rng(seed, stream, *ids).integers(2**62))
 
 
-# ----------------------------------------------------------------------------- run directory
-
-
-def run_dir_for(cfg: ExperimentConfig, out: str | None = None) -> Path:
-    if out:
-        return Path(out)
-    name = cfg.output.name or f"{cfg.method.name}-seed{cfg.training.seed}"
-    return Path(cfg.output.dir) / name
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
-    """Create a fresh run directory; refuse an existing one unless `overwrite`."""
-    # the device and dtype this run uses (auto resolved; a missing device fails here, before
-    # anything is created), saved so that a resume keeps them
-    text = dump_toml(resolve_runtime(cfg).cfg)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
-            raise ConfigError(
-                f"output directory {str(run_dir)!r} exists: use --resume {run_dir} to continue it "
-                "or --overwrite to replace it"
-            )
-        if not (run_dir / "config.toml").exists():
-            raise ConfigError(
-                f"refusing to overwrite {str(run_dir)!r}: it is not a fedlora run directory "
-                "(no config.toml)"
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(run_dir / "config.toml", text.encode())
-
-
-def load_run_config(
-    run_dir: Path, given: ExperimentConfig | None = None, *, force: bool = False
-) -> ExperimentConfig:
-    """The config a run was started with; with `given`, refuse differences unless `force`."""
-    path = run_dir / "config.toml"
-    if not path.exists():
-        raise ConfigError(f"--resume {str(run_dir)!r}: no config.toml there (not a fedlora run)")
-    saved = load_config(path)
-    if given is not None:
-        given = inherit_auto(given, saved)  # auto device/dtype: what the run started with
-        differing = diff_configs(saved, given)
-        if differing and not force:
-            raise ConfigError(
-                f"--resume {str(run_dir)!r}: the config differs from the run's in "
-                f"{', '.join(differing)}; use --force to resume with the new values"
-            )
-        if differing:
-            _atomic_write(path, dump_toml(given).encode())
-            return given
-    return saved
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _checkpoint_paths(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "checkpoints").glob("round-*.pt"), reverse=True)
-
-
-def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
-    import torch
-
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(exist_ok=True)
-    path = ckpt_dir / f"round-{state['round']:06d}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    for old in _checkpoint_paths(run_dir)[keep:]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
-    """The newest readable checkpoint; a damaged one is named and skipped."""
-    import torch
-
-    for path in _checkpoint_paths(run_dir):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if not isinstance(state, dict) or "round" not in state or "global" not in state:
-                raise ValueError("missing fields")
-            return state
-        except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
-            warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
-    return None
-
-
 # ----------------------------------------------------------------------------- network
 
 
@@ -180,6 +94,7 @@ class RoundCost:
     uplink_bits: int
     downlink_bits: int
     bandwidth_hz: list[float]
+    downlink_s: float = 0.0  # the broadcast's share of round_time_s (0 when the downlink is free)
 
 
 def round_cost(
@@ -212,12 +127,20 @@ def round_cost(
         t = profiles.t_full[clients] * comm_factor(ranks, gamma, net.comm_cost)
     if net.fading == "rayleigh" and profiles.has_channel:
         gains = rayleigh_gains(profiles.n, derive_rng(cfg.training.seed, "fading", round_index))
+        gains = np.maximum(gains, net.fading_floor)  # the outage floor (0: none)
         faded = spectral_efficiency(profiles.snr_db, gains)[clients]
         t = t * profiles.spectral_efficiency[clients] / faded
     round_time_s, f = allocate_bandwidth(tau, t, net.f_tot_hz)
+    downlink_s = 0.0
     if net.downlink_rate_bps > 0:  # a broadcast before local training: the largest download
-        round_time_s += float(down_bits.max()) / net.downlink_rate_bps
-    return RoundCost(round_time_s, int(up_bits.sum()), int(down_bits.sum()), f.tolist())
+        downlink_s = float(down_bits.max()) / net.downlink_rate_bps
+    return RoundCost(
+        round_time_s + downlink_s,
+        int(up_bits.sum()),
+        int(down_bits.sum()),
+        f.tolist(),
+        downlink_s,
+    )
 
 
 # ----------------------------------------------------------------------------- setup
@@ -406,16 +329,103 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     return states, np.array(losses)
 
 
-def evaluate_global(run: Run) -> dict[str, float]:
-    """Accuracy of the current global adapter on every eval task's fixed subset."""
+def evaluate_tasks(run: Run) -> dict[str, Any]:
+    """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
     import torch
 
-    from fedlora.evaluation import evaluate
+    from fedlora.evaluation import eval_cache_for, evaluate
 
+    ecfg = run.cfg.evaluation
     run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
+    # lora.layers = K: the eval set's frozen lower layers once per run (same results)
+    cache = eval_cache_for(run.model, run.lora, ecfg.cache_mb)
     return {
-        task: evaluate(run.model, run.tokenizer, examples, task=task).accuracy
+        task: evaluate(
+            run.model,
+            run.tokenizer,
+            examples,
+            batch_size=ecfg.batch_size,
+            scoring=ecfg.scoring,
+            task=task,
+            cache=cache,
+        )
         for task, examples in run.fed.eval_sets.items()
+    }
+
+
+def evaluate_global(run: Run) -> dict[str, float]:
+    """Accuracy of the current global adapter on every eval task's fixed subset."""
+    return {task: r.accuracy for task, r in evaluate_tasks(run).items()}
+
+
+PREDICTIONS_FILE = "predictions.jsonl"
+
+
+def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) -> None:
+    """One line per task of this evaluation in predictions.jsonl: question ids, predicted
+    label index, correct (0/1) and NLL per question. Lines of this or later rounds (left by
+    an interrupted run that is being resumed) are replaced."""
+    path = run_dir / PREDICTIONS_FILE
+    kept = []
+    if path.exists():
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(raw)["round"] < round_index:
+                    kept.append(raw)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn line of a killed run
+    for task, r in results.items():
+        line = {
+            "round": round_index,
+            "task": task,
+            "scoring": r.scoring,
+            "ids": r.ids,
+            "pred": r.predictions,
+            "correct": [int(c) for c in r.correct],
+            "nll": [round(x, 6) for x in r.nll],
+        }
+        kept.append(json.dumps(line))
+    _atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[str, Any]) -> dict:
+    """The metrics-line fields of an evaluation beside the accuracy (eval_loss, intervals,
+    majority-label and chance scores, n); updates the loss in `progress` and writes the
+    per-question predictions."""
+    loss = _mean({t: r.loss for t, r in results.items()})
+    if progress.initial_eval_loss is None:
+        progress.initial_eval_loss = loss
+    progress.last_eval_loss = loss
+    best = progress.best_eval_loss
+    progress.best_eval_loss = loss if best is None else min(best, loss)
+    target = run.cfg.training.target_loss
+    if target and loss <= target and progress.time_to_target_loss_s is None:
+        progress.time_to_target_loss_s = progress.sim_time_s
+    details = {
+        t: {
+            "accuracy": r.accuracy,
+            "ci95": list(r.ci95),
+            "n": r.n,
+            "majority": r.majority,
+            "chance": r.chance,
+            "loss": r.loss,
+            "loss_ci95": list(r.loss_ci95),
+        }
+        for t, r in results.items()
+    }
+    if progress.initial_eval is None:
+        progress.initial_eval = details
+    progress.last_eval = details
+    if run.cfg.evaluation.predictions:
+        write_predictions(run.run_dir, round_index, results)
+    return {
+        "eval_loss": loss,
+        "eval_losses": {t: r.loss for t, r in results.items()},
+        "eval_ci95": {t: list(r.ci95) for t, r in results.items()},
+        "eval_n": {t: r.n for t, r in results.items()},
+        "eval_majority": {t: r.majority for t, r in results.items()},
+        "eval_chance": {t: r.chance for t, r in results.items()},
+        "eval_scoring": run.cfg.evaluation.scoring,
     }
 
 
@@ -437,6 +447,12 @@ class Progress:
     downlink_bits: int = 0
     empty_rounds: int = 0
     compute_s: float = 0.0
+    initial_eval_loss: float | None = None
+    last_eval_loss: float | None = None
+    best_eval_loss: float | None = None
+    time_to_target_loss_s: float | None = None
+    initial_eval: dict[str, Any] | None = None  # per task: accuracy, ci95, n, majority, ...
+    last_eval: dict[str, Any] | None = None
 
 
 def _mean(values: dict[str, float]) -> float:
@@ -478,20 +494,6 @@ class _Reporter:
             self.bar.close()
 
 
-def _append_metrics(path: Path, line: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _truncate_metrics(path: Path, lines: int) -> None:
-    if not path.exists():
-        return
-    kept = path.read_text(encoding="utf-8").splitlines()[:lines]
-    _atomic_write(path, "".join(line + "\n" for line in kept).encode())
-
-
 def _checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
     return {
         "round": progress.round,
@@ -518,7 +520,23 @@ def run_experiment(
     `stop(line)` is called after every round's metrics line is written; True ends the run
     (stop_reason "stop_condition"; `proposed` uses it to end calibration runs at F_s).
     """
+    with run_dir_lock(run_dir):  # a second process on the same directory is refused
+        return _run_experiment(cfg, run_dir, resume=resume, quiet=quiet, log=log, stop=stop)
+
+
+def _run_experiment(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    quiet: bool,
+    log: Callable[[str], Any] | None,
+    stop: Callable[[dict[str, Any]], bool] | None,
+) -> dict[str, Any]:
+    from fedlora.preflight import check_inputs
+
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    check_inputs(cfg)  # bad inputs fail here, before the model loads
     wall_start = time.perf_counter()
     calibration_s = 0.0
     if cfg.method.name == "proposed":  # Algorithm 2: calibration runs and the plan come first
@@ -540,14 +558,15 @@ def run_experiment(
             run.method.load_state_dict(state.get("method", {}))
             log(f"resuming {run_dir} after round {progress.round}")
         else:
-            log(f"no usable checkpoint in {run_dir}: starting from round 0")
-        _truncate_metrics(metrics_path, progress.metrics_lines)
+            log(f"no checkpoint in {run_dir}: starting from round 0")
+        restore_metrics(metrics_path, state, warn=log)
     else:
         metrics_path.unlink(missing_ok=True)
     write_clients_csv(run_dir, run.fed, run.profiles)
 
     if progress.metrics_lines == 0:  # round 0: the untrained adapter, before any time passes
-        accs = evaluate_global(run)
+        results = evaluate_tasks(run)
+        accs = {task: r.accuracy for task, r in results.items()}
         progress.initial_accuracy = progress.last_accuracy = _mean(accs)
         progress.best_accuracy = progress.initial_accuracy
         line0 = {
@@ -563,6 +582,7 @@ def run_experiment(
             "train_loss": None,
             "eval_accuracy": progress.initial_accuracy,
             "eval": accs,
+            **eval_fields(run, progress, 0, results),
             "compute_s": 0.0,
         }
         _append_metrics(metrics_path, line0)
@@ -592,6 +612,8 @@ def run_experiment(
         else:
             if _target_reached(cfg, progress):
                 stop_reason = "target_accuracy"
+            elif _target_loss_reached(cfg, progress):
+                stop_reason = "target_loss"
     except TrainingDiverged as e:
         reporter.close()
         raise TrainingDiverged(
@@ -610,6 +632,8 @@ def stop_before_round(cfg: ExperimentConfig, progress: Progress) -> str | None:
     """The reason to stop before the next round (target reached, time budget spent), if any."""
     if _target_reached(cfg, progress):
         return "target_accuracy"
+    if _target_loss_reached(cfg, progress):
+        return "target_loss"
     budget = cfg.training.time_budget_s
     if budget and progress.sim_time_s >= budget:
         return "time_budget"
@@ -650,6 +674,13 @@ def summarize(
         "total_downlink_bits": progress.downlink_bits,
         "empty_rounds": progress.empty_rounds,
         "compute_s": progress.compute_s,
+        "initial_eval_loss": progress.initial_eval_loss,
+        "final_eval_loss": progress.last_eval_loss,
+        "best_eval_loss": progress.best_eval_loss,
+        "target_loss": cfg.training.target_loss or None,
+        "time_to_target_loss_s": progress.time_to_target_loss_s,
+        "initial_eval": progress.initial_eval,
+        "final_eval": progress.last_eval,
         "wall_s": time.perf_counter() - wall_start,
         "method": cfg.method.name,
         "seed": cfg.training.seed,
@@ -659,6 +690,13 @@ def summarize(
 def _target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
     target = cfg.training.target_accuracy
     return bool(target) and progress.last_accuracy is not None and progress.last_accuracy >= target
+
+
+def _target_loss_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
+    target = cfg.training.target_loss
+    return (
+        bool(target) and progress.last_eval_loss is not None and progress.last_eval_loss <= target
+    )
 
 
 def round_header(plan: RoundPlan) -> dict[str, Any]:
@@ -699,6 +737,7 @@ def close_round(
     progress.downlink_bits += cost.downlink_bits
     line.update(
         round_time_s=cost.round_time_s,
+        downlink_s=cost.downlink_s,
         sim_time_s=progress.sim_time_s,
         uplink_bits=cost.uplink_bits,
         downlink_bits=cost.downlink_bits,
@@ -706,9 +745,10 @@ def close_round(
     )
     last = r + 1 == cfg.training.rounds
     if (r + 1) % cfg.training.eval_every == 0 or last:
-        accs = evaluate_global(run)
+        results = evaluate_tasks(run)
+        accs = {task: res.accuracy for task, res in results.items()}
         acc = _mean(accs)
-        line.update(eval_accuracy=acc, eval=accs)
+        line.update(eval_accuracy=acc, eval=accs, **eval_fields(run, progress, r + 1, results))
         progress.last_accuracy = acc
         progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
         target = cfg.training.target_accuracy
@@ -748,4 +788,32 @@ def describe(summary: dict[str, Any]) -> str:
             f"time to {pct(summary['target_accuracy'])}: "
             + ("not reached" if ttt is None else f"{ttt:.1f} s")
         )
+    lines.extend(describe_eval(summary))
     return "\n".join(lines)
+
+
+def describe_eval(summary: dict[str, Any]) -> list[str]:
+    """Per eval task: accuracy before -> after with 95% Wilson intervals beside the
+    most-frequent-label and chance scores; eval_loss before -> after (and its target)."""
+
+    def acc(d: dict[str, Any]) -> str:
+        lo, hi = d["ci95"]
+        return f"{100 * d['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+    before, after = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
+    lines = []
+    for task, d in after.items():
+        b = before.get(task)
+        loss_before = f"{b['loss']:.4f} -> " if b else ""
+        lines.append(
+            f"{task} (n = {d['n']}): accuracy {acc(b) + ' -> ' if b else ''}{acc(d)}; "
+            f"most-frequent label {100 * d['majority']:.1f}%, chance {100 * d['chance']:.1f}%; "
+            f"eval_loss {loss_before}{d['loss']:.4f}"
+        )
+    if summary.get("target_loss"):
+        ttl = summary.get("time_to_target_loss_s")
+        lines.append(
+            f"time to eval_loss <= {summary['target_loss']:g}: "
+            + ("not reached" if ttl is None else f"{ttl:.1f} s")
+        )
+    return lines

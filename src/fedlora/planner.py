@@ -83,6 +83,7 @@ from fedlora.network import comm_factor, comp_factor
 
 STRICT_MARGIN = 1e-9  # relative margin that turns the paper's strict q_n > lo_n into q_n >= ...
 A_SUM_TOLERANCE = 1e-6  # |Σ a_n − 1| allowed without normalisation
+GAMMA_MAX = 4096  # the largest global rank γ a problem may name (LoRA ranks are far below)
 
 SOLVERS = ("exact", "cvxpy")
 ESTIMATION_MATRICES = ("fixed", "paper")
@@ -149,6 +150,8 @@ class PlanProblem:
         g = self.gamma
         if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
             raise bad_value("gamma", g, "an integer >= 1 (the global LoRA rank γ)")
+        if g > GAMMA_MAX:  # the k-step is O(N·γ): an absurd γ would run for ever
+            raise bad_value("gamma", g, f"at most {GAMMA_MAX} (the global LoRA rank γ)")
         object.__setattr__(self, "gamma", int(g))
         object.__setattr__(self, "f_tot", _positive("f_tot", self.f_tot))
         arrays = {}
@@ -307,6 +310,8 @@ class PlanResult:
     stop_reason: str  # fixed_point | cycle | max_iterations
     history: tuple[float, ...] = field(default=())  # P2 of every iterate, in order
     m: float = math.nan  # M of the chosen q-step
+    start: str = "gamma"  # the k⁰ whose alternation gave this plan (`multi_start`)
+    starts: dict[str, float] = field(default_factory=dict)  # P2 reached from each start
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -320,6 +325,8 @@ class PlanResult:
             "solver": self.solver,
             "stop_reason": self.stop_reason,
             "history": [float(x) for x in self.history],
+            "start": self.start,
+            "starts": {name: float(v) for name, v in self.starts.items()},
         }
 
 
@@ -867,7 +874,7 @@ def greedy_k(
     rows = np.arange(problem.n)
     if problem.n <= _SCALAR_PASS_MAX_N:
         return _greedy_scalar(w_tab, v_tab, k, floor, constants.B)
-    for _ in range(gamma + 1):
+    while True:  # until a pass changes nothing (a client may start moving late: no γ cap)
         cand = k > floor
         if not cand.any():
             break
@@ -966,15 +973,92 @@ def alternate(
     )
 
 
+def check_plan(result: PlanResult) -> None:
+    """Refuse a degenerate plan (a q_n of 0 or a non-finite objective): inputs so extreme
+    that the bound P2 is not finite in floating point."""
+    bad_q = np.flatnonzero(~np.isfinite(result.q) | (result.q <= 0))
+    if bad_q.size or not math.isfinite(result.objective):
+        what = (
+            f"q[{int(bad_q[0])}] = {float(result.q[bad_q[0]]):.6g}"
+            if bad_q.size
+            else f"the objective P2 = {result.objective}"
+        )
+        raise ConfigError(
+            f"no usable plan: {what} (the inputs span too many orders of magnitude for the "
+            "bound P2 to be finite); check the clients' tau_full_s, t_full, a and the "
+            "constants or calibration runs"
+        )
+
+
+def capability_start(problem: PlanProblem) -> np.ndarray:
+    """k⁰_n = ⌈γ · τ_min / τ_n⌉ in 1..γ: rank proportional to device speed (the baselines'
+    `capability` budgets, `fedlora.methods.ranks`); τ_n = 0 gets γ."""
+    tau, gamma = problem.tau_full_s, problem.gamma
+    k = np.full(problem.n, gamma, dtype=np.int64)
+    pos = tau > 0
+    if pos.any():
+        k[pos] = np.clip(np.ceil(gamma * tau[pos].min() / tau[pos] - 1e-9), 1, gamma)
+    return k
+
+
+def multi_start(
+    problem: PlanProblem,
+    constants: Constants,
+    options: PlanOptions,
+    starts: dict[str, Sequence[int] | np.ndarray] | None = None,
+) -> PlanResult:
+    """The alternation from several k⁰, keeping the best plan by P2 (PAPER_NOTES #11).
+
+    The alternation is a descent on P2 that ends in a fixed point or a cycle, and different
+    k⁰ can end in different ones. Default starts, in order: ``gamma`` (k = γ, Algorithm 2's
+    start), ``capability`` (`capability_start`), then ``previous_best``: the alternation again
+    from the best k found by those two (skipped when it equals a start already tried). The
+    result is the best iterate over all of them (ties: the earliest start), with `start`
+    naming the start it came from and `starts` the P2 each start reached. `iterations`
+    counts all q-steps.
+    """
+    if starts is None:
+        starts = {
+            "gamma": np.full(problem.n, problem.gamma, dtype=np.int64),
+            "capability": capability_start(problem),
+        }
+        restart = True
+    else:
+        restart = False
+    best: PlanResult | None = None
+    reached: dict[str, float] = {}
+    iterations = 0
+    tried: set[bytes] = set()
+    queue = list(starts.items())
+    while queue:
+        name, k0 = queue.pop(0)
+        k0 = np.asarray(k0, dtype=np.int64)
+        if k0.tobytes() in tried:
+            continue
+        tried.add(k0.tobytes())
+        res = alternate(problem, constants, options, k0=k0)
+        iterations += res.iterations
+        reached[name] = res.objective
+        if best is None or res.objective < best.objective:
+            best = dataclasses.replace(res, start=name)
+        if not queue and restart:
+            restart = False
+            queue.append(("previous_best", best.k))
+    if best is None:
+        raise bad_value("starts", starts, "at least one k⁰")
+    return dataclasses.replace(best, iterations=iterations, starts=reached)
+
+
 def plan(problem: PlanProblem, options: PlanOptions | None = None) -> PlanResult:
-    """Algorithm 2: estimate A–D if the problem gives calibration runs, then alternate."""
+    """Algorithm 2: estimate A–D if the problem gives calibration runs, then alternate from
+    several starts and keep the best plan (`multi_start`)."""
     options = options or PlanOptions()
     constants = problem.constants
     if constants is None:
         constants = estimate_constants(
             problem.calibration, problem.gamma, problem.a, options.estimation_matrix
         )
-    return alternate(problem, constants, options)
+    return multi_start(problem, constants, options)
 
 
 # ----------------------------------------------------------------------------- PROBLEM.json
@@ -1042,6 +1126,8 @@ def problem_from_dict(
             raise ConfigError(f"{source}: constants lacks {', '.join(missing)}")
         constants = Constants(cr["A"], cr["B"], cr["C"], cr["D"])
     calibration: list[Observation] = []
+    if not isinstance(raw.get("calibration") or [], list):
+        raise bad_value("calibration", raw["calibration"], "a list of calibration runs")
     for i, ob in enumerate(raw.get("calibration") or []):
         if not isinstance(ob, dict) or set(ob) != {"q", "k", "rounds"}:
             raise bad_value(
@@ -1081,6 +1167,8 @@ def load_problem(
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:

@@ -34,27 +34,50 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedlora.engine import (
-        describe,
-        load_run_config,
+    from fedlora.config import toml_string
+    from fedlora.engine import describe, run_experiment
+    from fedlora.errors import ConfigError
+    from fedlora.preflight import check_inputs
+    from fedlora.rundir import (
+        check_run_dir,
+        make_run_dir,
         prepare_run_dir,
+        resume_config,
         run_dir_for,
-        run_experiment,
+        run_dir_lock,
     )
 
     overrides = list(args.overrides)
     if args.data_dir:
-        overrides.append(f"data.data_dir={args.data_dir!r}".replace("'", '"'))
+        overrides.append(f"data.data_dir={toml_string(args.data_dir)}")
     if args.resume:
         run_dir = Path(args.resume)
-        given = load_run_file(args.config, overrides) if (args.config or overrides) else None
-        cfg = load_run_config(run_dir, given, force=args.force)
+        if args.out and Path(args.out).resolve() != run_dir.resolve():
+            raise ConfigError(
+                f"--out {args.out!r} with --resume {args.resume!r}: a resumed run stays in "
+                "its directory; drop --out (or copy the directory first)"
+            )
+        if args.overwrite:
+            raise ConfigError("--overwrite with --resume: choose one (continue or replace)")
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume {str(run_dir)!r}: no such directory")
+        with run_dir_lock(run_dir):  # held until the run ends; a second process is refused
+            cfg = resume_config(run_dir, args.config, overrides, force=args.force)
+            check_inputs(cfg)
+            print(f"run directory: {run_dir}", file=sys.stderr)
+            summary = run_experiment(cfg, run_dir, resume=True, quiet=args.quiet)
     else:
+        if args.force:
+            raise ConfigError("--force goes with --resume (it accepts a changed config)")
         cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
-        prepare_run_dir(cfg, run_dir, overwrite=args.overwrite)
-    print(f"run directory: {run_dir}", file=sys.stderr)
-    summary = run_experiment(cfg, run_dir, resume=bool(args.resume), quiet=args.quiet)
+        check_inputs(cfg)  # before anything is created or replaced
+        check_run_dir(run_dir, overwrite=args.overwrite)
+        make_run_dir(run_dir)
+        with run_dir_lock(run_dir):
+            prepare_run_dir(cfg, run_dir, overwrite=args.overwrite)
+            print(f"run directory: {run_dir}", file=sys.stderr)
+            summary = run_experiment(cfg, run_dir, resume=False, quiet=args.quiet)
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0

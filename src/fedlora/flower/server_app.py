@@ -36,19 +36,21 @@ from fedlora.engine import (
     _atomic_write,
     _checkpoint_state,
     _mean,
+    _target_loss_reached,
     _target_reached,
     _to_numpy,
     _to_torch,
-    _truncate_metrics,
     apply_aggregate,
     build_run,
     close_round,
-    evaluate_global,
+    eval_fields,
+    evaluate_tasks,
     load_checkpoint,
     load_run_config,
     plan_next_round,
     prepare_run_dir,
     record_round,
+    restore_metrics,
     round_header,
     run_dir_for,
     save_checkpoint,
@@ -68,6 +70,7 @@ from fedlora.flower.common import (
     record_to_adapter,
 )
 from fedlora.methods import RoundPlan
+from fedlora.rundir import check_run_dir, run_dir_lock
 
 apply_safe_env()
 
@@ -268,15 +271,20 @@ def run_server(
     check_flower_method(cfg)
     run_dir = run_dir_for(cfg, opts.out_dir or None)
     if resume:
-        cfg = load_run_config(run_dir, cfg)
-        (run_dir / "error.txt").unlink(missing_ok=True)
+        load_run_config(run_dir)  # a missing or foreign directory: refused before the lock
     else:
-        prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
-    try:
-        return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
-    except Exception as e:  # leave a trace in the run directory for whoever waits on it
-        _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
-        raise
+        check_run_dir(run_dir, overwrite=opts.overwrite)
+    with run_dir_lock(run_dir):  # one writer: a second server on the directory is refused
+        if resume:
+            cfg = load_run_config(run_dir, cfg)
+            (run_dir / "error.txt").unlink(missing_ok=True)
+        else:
+            prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
+        try:
+            return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
+        except Exception as e:  # leave a trace in the run directory for whoever waits on it
+            _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
+            raise
 
 
 def _run_server(
@@ -308,7 +316,7 @@ def _run_server(
             log(f"resuming {run_dir} after round {progress.round}")
         else:
             log(f"no usable checkpoint in {run_dir}: starting from round 0")
-        _truncate_metrics(metrics_path, progress.metrics_lines)
+        restore_metrics(metrics_path, state, warn=log)
     else:
         metrics_path.unlink(missing_ok=True)
     write_clients_csv(run_dir, run.fed, run.profiles)
@@ -323,13 +331,14 @@ def _run_server(
         save_checkpoint(run_dir, state)
 
     if progress.metrics_lines == 0:  # round 0: the untrained adapter
-        accs = evaluate_global(run)
+        results = evaluate_tasks(run)
+        accs = {task: r.accuracy for task, r in results.items()}
         progress.initial_accuracy = progress.last_accuracy = progress.best_accuracy = _mean(accs)
         line0 = {
             "round": 0, "participants": [], "n_participants": 0, "k": [], "round_time_s": 0.0,
             "sim_time_s": 0.0, "uplink_bits": 0, "downlink_bits": 0, "train_loss": None,
-            "eval_accuracy": progress.initial_accuracy, "eval": accs, "compute_s": 0.0,
-            "dropouts": [],
+            "eval_accuracy": progress.initial_accuracy, "eval": accs,
+            **eval_fields(run, progress, 0, results), "compute_s": 0.0, "dropouts": [],
         }  # fmt: skip
         _append_metrics(metrics_path, line0)
         progress.metrics_lines = 1
@@ -355,6 +364,8 @@ def _run_server(
     else:
         if _target_reached(cfg, progress):
             stop_reason = "target_accuracy"
+        elif _target_loss_reached(cfg, progress):
+            stop_reason = "target_loss"
     checkpoint()
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)
