@@ -214,6 +214,8 @@ class TrainingConfig:
     target_accuracy: float = 0.0  # stop when reached; 0 = off
     target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
     time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
+    # also evaluate at the first round whose clock passes each multiple of this; 0 = off
+    eval_every_s: float = 0.0
     checkpoint_every: int = 5
     # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
     layer_cache_mb: float = 2048.0  # memory bound of that cache in MB; 0 = off
@@ -230,6 +232,7 @@ class TrainingConfig:
         _check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
         _check_number("training.target_loss", self.target_loss, lo=0)
         _check_number("training.time_budget_s", self.time_budget_s, lo=0)
+        _check_number("training.eval_every_s", self.eval_every_s, lo=0)
         _check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
         _check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
         _check_choice("training.layer_cache_dtype", self.layer_cache_dtype, ("fp32", "bf16"))
@@ -306,6 +309,12 @@ class PlannerConfig:
     calibration_loss: float = 0.0  # F_s for the `proposed` calibration runs; 0 = auto
     # `proposed`: at most this many rounds per calibration run (fedlora.methods.proposed)
     calibration_rounds: int = 30
+    # `proposed` with calibration_loss = 0: F_s = this fraction of the first round's loss
+    calibration_loss_fraction: float = 0.5
+    # `proposed` with training.time_budget_s: true = the budget counts the calibration's
+    # simulated time (its clock starts there); false = the budget starts after it, so it
+    # trains as long as the other methods (times to target still include the calibration)
+    calibration_in_budget: bool = True
     # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
     # with q from method.q ("k", Figure 3)
     optimize: str = "qk"
@@ -323,8 +332,20 @@ class PlannerConfig:
         _check_int("planner.max_iterations", self.max_iterations, lo=1)
         _check_number("planner.calibration_loss", self.calibration_loss, lo=0)
         _check_int("planner.calibration_rounds", self.calibration_rounds, lo=2)
+        _check_number(
+            "planner.calibration_loss_fraction",
+            self.calibration_loss_fraction,
+            lo=0,
+            hi=1,
+            lo_open=True,
+            hi_open=True,
+        )
         _check_choice("planner.optimize", self.optimize, ("qk", "q", "k"))
         _check_choice("planner.calibration_fit", self.calibration_fit, ("refuse", "nonnegative"))
+        if not isinstance(self.calibration_in_budget, bool):
+            raise bad_value(
+                "planner.calibration_in_budget", self.calibration_in_budget, "true or false"
+            )
 
 
 @dataclass(frozen=True)

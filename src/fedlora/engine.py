@@ -624,6 +624,10 @@ def _run_experiment(
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)
     summary["calibration_sim_time_s"] = calibration_s
+    if cfg.method.name == "proposed":  # predicted vs observed rounds to F_s, degeneracy
+        from fedlora.methods.proposed import plan_outcome
+
+        summary["plan"] = plan_outcome(run_dir)
     _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 
@@ -729,9 +733,11 @@ def close_round(
     train_loss: float | None,
 ) -> dict[str, Any]:
     """Advance the clock by the round time of `cost_plan` (who actually sent), record the
-    bits and the loss, and evaluate every E rounds and at the last round."""
+    bits and the loss, and evaluate every E rounds, when the clock passes a multiple of
+    training.eval_every_s, at the round that spends the time budget and at the last round."""
     cfg, r = run.cfg, cost_plan.round
     cost = round_cost(cfg, run.profiles, cost_plan, run.method, run.shapes, r)
+    before_s = progress.sim_time_s
     progress.sim_time_s += cost.round_time_s
     progress.uplink_bits += cost.uplink_bits
     progress.downlink_bits += cost.downlink_bits
@@ -743,8 +749,8 @@ def close_round(
         downlink_bits=cost.downlink_bits,
         train_loss=train_loss,
     )
-    last = r + 1 == cfg.training.rounds
-    if (r + 1) % cfg.training.eval_every == 0 or last:
+    last = r + 1 == cfg.training.rounds or _crossed_budget(cfg, before_s, progress.sim_time_s)
+    if (r + 1) % cfg.training.eval_every == 0 or last or _eval_due_s(cfg, before_s, progress):
         results = evaluate_tasks(run)
         accs = {task: res.accuracy for task, res in results.items()}
         acc = _mean(accs)
@@ -755,6 +761,19 @@ def close_round(
         if target and acc >= target and progress.time_to_target_s is None:
             progress.time_to_target_s = progress.sim_time_s
     return line
+
+
+def _crossed_budget(cfg: ExperimentConfig, before_s: float, after_s: float) -> bool:
+    """This round spent the time budget: the run's last round, evaluated so that every run
+    has an evaluation at the common budget."""
+    budget = cfg.training.time_budget_s
+    return bool(budget) and before_s < budget <= after_s
+
+
+def _eval_due_s(cfg: ExperimentConfig, before_s: float, progress: Progress) -> bool:
+    """training.eval_every_s: this round's clock passed a multiple of it."""
+    every = cfg.training.eval_every_s
+    return bool(every) and math.floor(progress.sim_time_s / every) > math.floor(before_s / every)
 
 
 def _one_round(run: Run, plan: RoundPlan, progress: Progress) -> dict[str, Any]:

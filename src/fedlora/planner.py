@@ -488,6 +488,75 @@ def estimate_constants(
     )
 
 
+def calibration_fit(
+    observations: Sequence[Observation],
+    gamma: int,
+    a: Sequence[float] | np.ndarray,
+    constants: Constants,
+) -> list[dict[str, float]]:
+    """How well A–D explain each calibration run (Eq. 21 and Theorem 1).
+
+    Per observation: Y = Σ a²/q, Z = Σ a²/q·γ²/k², the observed R, the predicted
+    R̂ = A/(B − C·Y − D·Z) (inf when the denominator is <= 0), R̂/R − 1, and the residual of
+    its row of the linear system, (A/R − B + C·Y + D·Z)/B (0 for an exact fit; what the SVD or
+    non-negative fit minimises).
+    """
+    a2 = np.asarray(a, dtype=float) ** 2
+    out = []
+    for o in observations:
+        q = np.asarray(o.q, dtype=float)
+        k = np.asarray(o.k, dtype=float)
+        y = float(np.sum(a2 / q))
+        z = float(np.sum(a2 / q * gamma**2 / k**2))
+        den = constants.B - constants.C * y - constants.D * z
+        predicted = constants.A / den if den > 0 else math.inf
+        observed = float(o.rounds)
+        out.append(
+            {
+                "Y": y,
+                "Z": z,
+                "observed_rounds": observed,
+                "predicted_rounds": predicted,
+                "relative_error": predicted / observed - 1.0,
+                "row_residual": (constants.A / observed - den) / constants.B,
+            }
+        )
+    return out
+
+
+def plan_degeneracy(
+    problem: PlanProblem,
+    constants: Constants,
+    q: Sequence[float] | np.ndarray,
+    k: Sequence[int] | np.ndarray,
+    options: PlanOptions,
+    rtol: float = 1e-6,
+) -> dict[str, Any]:
+    """Whether a plan is degenerate: every k_n = 1, or every q_n at one of its bounds
+    (the lower bound lo_n of `options.q_lower_bound`, or 1). Such a plan is the optimiser
+    pressed against its box rather than a trade-off, and says more about the constants
+    than about the clients (issue 14). Also counts k_n = γ and each bound."""
+    q = np.asarray(q, dtype=float)
+    k = np.asarray(k, dtype=np.int64)
+    lo = q_lower_bounds(problem, constants, k, options.q_lower_bound)
+    at_lower = (lo > 0) & (q <= lo * (1 + rtol) + 1e-12)
+    at_one = q >= 1 - rtol
+    reasons = []
+    if np.all(k == 1):
+        reasons.append("every k_n = 1")
+    if np.all(at_lower | at_one):
+        reasons.append("every q_n at a bound (lower bound or 1)")
+    return {
+        "degenerate": bool(reasons),
+        "reasons": reasons,
+        "k_at_1": int(np.sum(k == 1)),
+        "k_at_gamma": int(np.sum(k == problem.gamma)),
+        "q_at_lower_bound": int(np.sum(at_lower)),
+        "q_at_1": int(np.sum(at_one)),
+        "n": int(q.size),
+    }
+
+
 # ----------------------------------------------------------------------------- q-step
 
 
