@@ -356,6 +356,37 @@ def test_client_app_reads_and_checks_the_worker_address() -> None:
         worker_address(SimpleNamespace(node_config={"worker-address": "0.0.0.0:7001"}))
 
 
+def test_each_node_picks_its_own_device_from_node_config(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from fedlora.config import dump_toml
+    from fedlora.federation.flower.client_app import config_from_message
+
+    # the server ran on a GPU: its resolved config names cuda:0; a node decides for itself
+    text = dump_toml(load_config(None, ['model.device="cuda:0"', "model.dtype=bf16"]))
+    message = SimpleNamespace(
+        content=SimpleNamespace(config_records={"fedlora": {"config-toml": text}})
+    )
+
+    def device_of(nc: dict) -> str:
+        return config_from_message(message, SimpleNamespace(node_config=nc)).model.device
+
+    assert device_of({}) == "auto"
+    assert device_of({"device": "cuda:1"}) == "cuda:1"
+    assert device_of({"device": "cpu"}) == "cpu"
+    with pytest.raises(ConfigError, match=r"model.device = 'gpu1' is invalid: allowed: auto"):
+        device_of({"device": "gpu1"})
+    # a device the node does not have is refused before the model loads
+    import torch
+
+    from fedlora.federation.flower import node
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = config_from_message(message, SimpleNamespace(node_config={"device": "cuda:1"}))
+    with pytest.raises(ConfigError, match=r"'cuda:1' is invalid: not available.*available: cpu"):
+        node.client_state(cfg)
+
+
 class _ThreadWorker:
     """`worker.serve` on a free loopback port in a daemon thread, for `n` requests."""
 

@@ -28,6 +28,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.llm.device import check_device_spec
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -73,14 +74,18 @@ class ModelConfig:
     `tiny-llama` / `tiny-qwen2` (random-init test models)."""
 
     name: str = "smollm2-135m"
-    dtype: str = "fp32"  # fp32 | bf16 (bf16 pays only on CPUs with AVX512-BF16/AMX or GPUs)
+    # auto | fp32 | bf16. auto: bf16 on a CUDA GPU; on a CPU bf16 only with native bf16
+    # (avx512_bf16/amx_bf16) and a probe measuring it faster; else fp32 (fedlora.llm.device)
+    dtype: str = "auto"
+    device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N | mps
     threads: int = 0  # torch threads; 0 = torch's default
     cache_dir: str = ""  # where converted models are kept; "" = ~/.cache/fedlora
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise bad_value("model.name", self.name, "a non-empty model spec")
-        _check_choice("model.dtype", self.dtype, ("fp32", "bf16"))
+        _check_choice("model.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        check_device_spec("model.device", self.device)
         _check_int("model.threads", self.threads, lo=0)
 
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedlora.config import load_config
+from fedlora.config import config_from_dict, load_config, parse_override, read_toml
+from fedlora.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.force:
             raise ConfigError("--force goes with --resume (it accepts a changed config)")
-        cfg = load_config(args.config, overrides)
+        cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
         check_inputs(cfg)  # before anything is created or replaced
         check_run_dir(run_dir, overwrite=args.overwrite)
@@ -80,3 +81,27 @@ def run(args: argparse.Namespace) -> int:
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0
+
+
+def load_run_file(path: str | None, overrides: list[str]):
+    """`load_config`, except that a suite file's ``[suite]`` table (targets, seeds: what
+    `fedlora compare` reads) is set aside with a note, so ``fedlora run --config
+    configs/paper_table1.toml`` runs that file's experiment once (its [method], seed 0)."""
+    if not path:
+        return load_config(None, overrides)
+    raw = read_toml(path)
+    if "suite" not in raw:
+        return load_config(path, overrides)
+    raw.pop("suite")
+    print(
+        f"{path} is a suite file: running its experiment once; its [suite] table (targets, "
+        f"seeds) is read by `fedlora compare --config {path}`",
+        file=sys.stderr,
+    )
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{section}] must be a table")
+        table[key] = value
+    return config_from_dict(raw, source=str(path))

@@ -47,6 +47,7 @@ from fedlora.federation.rundir import (
     truncate_metrics,  # noqa: F401
 )
 from fedlora.files import load_profiles
+from fedlora.llm.device import resolve_runtime, synchronize
 from fedlora.system.network import (
     ClientProfiles,
     generate_profiles,
@@ -165,6 +166,8 @@ class Run:
     method: Method
     shapes: dict[str, tuple[int, int]]
     base_delta: dict[str, np.ndarray] = field(default_factory=dict)
+    device: str = "cpu"  # where the model, the slots, batches and the layer cache live
+    slots_per_pass: int = 0  # clients per forward/backward; 0 = training.slots
 
 
 def build_profiles(cfg: ExperimentConfig, full_payload_bits: float) -> ClientProfiles:
@@ -206,16 +209,18 @@ def write_clients_csv(run_dir: Path, fed: Any, profiles: ClientProfiles) -> None
 
 def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
     """Model, LoRA slots, federated data, client profiles and the method of one run."""
-    import torch
-
     from fedlora.llm.data import build_federated_data
     from fedlora.llm.lora import inject_lora
     from fedlora.llm.models import load_model
 
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
+    resolved = resolve_runtime(cfg)  # sets the threads; auto device/dtype made concrete
+    cfg = resolved.cfg
+    log(f"model: {cfg.model.name} on {resolved.describe()}")
     model, tokenizer = load_model(
-        cfg.model.name, dtype=cfg.model.dtype, cache_dir=cfg.model.cache_dir or None
+        cfg.model.name,
+        dtype=cfg.model.dtype,
+        cache_dir=cfg.model.cache_dir or None,
+        device=cfg.model.device,
     )
     lora = inject_lora(
         model, cfg.lora, slots=cfg.training.slots, seed=derive_seed(cfg.training.seed, "init")
@@ -227,7 +232,40 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
     method = make_method(
         cfg, fed.a, derive_rng(cfg.training.seed, "strategy"), tau_full_s=profiles.tau_full_s
     )
-    return Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+    run = Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+    run.device = cfg.model.device
+    run.slots_per_pass = device_slots_per_pass(run, log)
+    return run
+
+
+def device_slots_per_pass(run: Run, log=print) -> int:
+    """training.slots, capped on a CUDA GPU by what half its free memory holds (an
+    over-estimate of one slot's activations, `fedlora.llm.device.activation_bytes_per_slot`)."""
+    requested = run.cfg.training.slots
+    if not run.device.startswith("cuda"):
+        return requested
+    import torch
+
+    from fedlora.llm.device import activation_bytes_per_slot, slots_for_memory
+    from fedlora.llm.lora import layer_index
+
+    free_bytes, _ = torch.cuda.mem_get_info(run.device)
+    n_layers = int(run.model.config.num_hidden_layers)
+    lowest = min((i for n in run.lora.names if (i := layer_index(n)) is not None), default=0)
+    per_slot = activation_bytes_per_slot(
+        run.model.config,
+        batch_size=run.cfg.training.batch_size,
+        seq_len=run.cfg.data.max_seq_len,
+        trained_layers=n_layers - lowest,
+        dtype_bytes=2 if run.cfg.model.dtype == "bf16" else 4,
+    )
+    slots = slots_for_memory(requested, free_bytes, per_slot)
+    if slots < requested:
+        log(
+            f"training.slots = {requested}: {slots} per pass fit in half of the "
+            f"{free_bytes / 2**30:.1f} GiB free on {run.device}"
+        )
+    return slots
 
 
 # ----------------------------------------------------------------------------- one round
@@ -262,8 +300,9 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     states: list[dict[str, np.ndarray]] = []
     losses: list[float] = []
     tasks = list(plan.tasks)
-    for start in range(0, len(tasks), cfg.training.slots):
-        chunk = tasks[start : start + cfg.training.slots]
+    per_pass = run.slots_per_pass or cfg.training.slots
+    for start in range(0, len(tasks), per_pass):
+        chunk = tasks[start : start + per_pass]
         scales = torch.tensor(np.stack([t.scale for t in chunk]), dtype=torch.float32)  # (c, γ)
         run.lora.set_clients(scales)
         batches = [
@@ -565,8 +604,10 @@ def _run_experiment(
                 stop_reason = early
                 break
             plan = plan_next_round(run, progress)
+            synchronize(run.device)  # on a GPU, compute_s counts the round's queued work too
             t0 = time.perf_counter()
             line = _one_round(run, plan, progress)
+            synchronize(run.device)
             record_round(metrics_path, progress, line, time.perf_counter() - t0)
             reporter.update(line, progress)
             if stop is not None and stop(line):

@@ -2,7 +2,7 @@
 (and before `--overwrite` removes anything), so a bad input fails in a second, not after the
 model has loaded.
 
-Checked: the model spec's form and, from its config alone, its layer count against
+Checked: ``model.device`` is on this machine; the model spec's form and, from its config alone, its layer count against
 ``lora.layers`` and its module names against ``lora.target_modules`` (Llama/Qwen2/Mistral
 shapes); the data directory, every task name, eval task and task file; the client profiles
 file; the q / k / ranks files of the method.
@@ -155,6 +155,9 @@ def check_clients(cfg: ExperimentConfig) -> None:
 
 def check_inputs(cfg: ExperimentConfig) -> None:
     """Every check above; raises `ConfigError` / `DataError` naming the field and the value."""
+    from fedlora.llm.device import resolve_device
+
+    resolve_device(cfg.model.device)  # a device this machine lacks names the ones it has
     check_model(cfg)
     check_data(cfg)
     check_clients(cfg)

@@ -245,6 +245,11 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
     The new run's inputs are validated (`fedlora.federation.preflight.check_inputs`) before anything is
     removed, and only entries fedlora writes are removed (never the lock file)."""
     run_dir = Path(run_dir)
+    # the device and dtype this run uses (auto resolved; a device the machine lacks fails
+    # here, before anything is created or removed), saved so that a resume keeps them
+    from fedlora.llm.device import resolve_runtime
+
+    text = dump_toml(resolve_runtime(cfg).cfg)
     check_run_dir(run_dir, overwrite=overwrite)
     if run_dir.is_dir() and _entries(run_dir):
         if not never_started(run_dir):
@@ -257,7 +262,7 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
             else:
                 p.unlink()
     make_run_dir(run_dir)
-    atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
+    atomic_write(run_dir / "config.toml", text.encode())
 
 
 # ----------------------------------------------------------------------------- config
@@ -276,6 +281,9 @@ def load_run_config(
     saved = load_config(path)
     if given is None:
         return saved
+    from fedlora.llm.device import inherit_auto
+
+    given = inherit_auto(given, saved)  # auto device/dtype: what the run started with
     differing = diff_configs(saved, given)
     if differing and not force:
         raise ConfigError(

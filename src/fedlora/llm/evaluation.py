@@ -271,11 +271,14 @@ def _score_packed(
         seg_t[i, : len(c)] = torch.tensor(c)
     hidden = cache.packed_last_hidden_state(ids_t, pos_t, seg_t)  # (G, T, d)
     rows = [g for g, (_, tails) in enumerate(items) for _ in tails]
-    flat_rows = torch.tensor([g for g, w in zip(rows, where) for _ in w])
-    flat_pos = torch.tensor([p for w in where for p in w])
-    targets = torch.tensor([tok for _, tails in items for tail in tails for tok in tail])
+    dev = hidden.device
+    flat_rows = torch.tensor([g for g, w in zip(rows, where) for _ in w], device=dev)
+    flat_pos = torch.tensor([p for w in where for p in w], device=dev)
+    targets = torch.tensor(
+        [tok for _, tails in items for tail in tails for tok in tail], device=dev
+    )
     logp = torch.log_softmax(head(hidden[flat_rows, flat_pos]).float(), dim=-1)  # (M, V)
-    tok_lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().numpy()  # (M,)
+    tok_lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().cpu().numpy()  # (M,)
     out, k = [], 0
     for w in where:
         out.append(tok_lp[k : k + len(w)])

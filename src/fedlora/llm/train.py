@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from fedlora.errors import ConfigError, DataError, FedloraError, bad_value
+from fedlora.llm.device import autocast_context, autocast_state
 from fedlora.llm.lora import SlotLora, layer_index
 
 __all__ = [
@@ -224,10 +224,10 @@ class LayerCache:
     def _lower_state(self) -> tuple[Any, ...]:
         """What the cached values depend on besides the tokens: the lower weights (storage
         and in-place version) and the autocast mode."""
-        autocast = torch.is_autocast_enabled("cpu")
+        autocast, autocast_dtype = autocast_state(self._lower_params[0].device.type)
         return (
             autocast,
-            torch.get_autocast_dtype("cpu") if autocast else None,
+            autocast_dtype,
             tuple((p.data_ptr(), p._version, p.dtype) for p in self._lower_params),
         )
 
@@ -316,7 +316,8 @@ class LayerCache:
             self.clear()
             self._state = state
         lens = lengths.tolist()
-        keys = [input_ids[i, : lens[i]].numpy().tobytes() for i in range(n_rows)]
+        ids_cpu = input_ids.cpu()  # keys are host bytes wherever the batch lives
+        keys = [ids_cpu[i, : lens[i]].numpy().tobytes() for i in range(n_rows)]
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, int] = {}  # distinct missing key -> its first row
         for i, k in enumerate(keys):
@@ -347,7 +348,7 @@ class LayerCache:
                 self._put(keys[i], value)
         d = self.decoder.config.hidden_size
         dtype = self._hidden_dtype or next(iter(found.values())).dtype
-        hidden = torch.zeros(n_rows, t, d, dtype=dtype)  # (N, T, d); 0 on padding
+        hidden = torch.zeros(n_rows, t, d, dtype=dtype, device=input_ids.device)  # 0 on padding
         for i, k in enumerate(keys):
             hidden[i, : lens[i]] = found[k].to(dtype)
         hidden = self._run_layers(
@@ -367,13 +368,14 @@ class LayerCache:
         the shared segment 0 or in q's own segment; padding (-1) sees only itself."""
         n, t = segments.shape
         q_seg, k_seg = segments.unsqueeze(2), segments.unsqueeze(1)  # (N, T, 1), (N, 1, T)
-        causal = torch.ones(t, t, dtype=torch.bool).tril().unsqueeze(0)
+        dev = segments.device
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().unsqueeze(0)
         allowed = causal & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
-        allowed |= torch.eye(t, dtype=torch.bool).unsqueeze(0) & (q_seg < 0)
+        allowed |= torch.eye(t, dtype=torch.bool, device=dev).unsqueeze(0) & (q_seg < 0)
         allowed = allowed.unsqueeze(1)
         if getattr(self.decoder.config, "_attn_implementation", "sdpa") == "sdpa":
             return allowed  # SDPA takes a boolean mask (True = attend)
-        zero = torch.zeros((), dtype=dtype)
+        zero = torch.zeros((), dtype=dtype, device=dev)
         return torch.where(allowed, zero, torch.finfo(dtype).min)  # additive (eager)
 
     def _run_packed(
@@ -411,12 +413,16 @@ class LayerCache:
         if state != self._state:
             self.clear()
             self._state = state
+        ids_h, pos_h, seg_h = input_ids.cpu(), position_ids.cpu(), segments.cpu()  # host keys
         keys = [
-            input_ids[i, : lens[i]].numpy().tobytes()
-            + position_ids[i, : lens[i]].numpy().tobytes()
-            + segments[i, : lens[i]].numpy().tobytes()
+            ids_h[i, : lens[i]].numpy().tobytes()
+            + pos_h[i, : lens[i]].numpy().tobytes()
+            + seg_h[i, : lens[i]].numpy().tobytes()
             for i in range(n_rows)
         ]
+        device = self.decoder.embed_tokens.weight.device  # the rows follow the model
+        input_ids, position_ids = input_ids.to(device), position_ids.to(device)
+        segments = segments.to(device)
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, int] = {}
         for i, k in enumerate(keys):
@@ -448,7 +454,7 @@ class LayerCache:
                 self._put(keys[i], value)
         d = self.decoder.config.hidden_size
         dtype = self._hidden_dtype or next(iter(found.values())).dtype
-        hidden = torch.zeros(n_rows, t, d, dtype=dtype)
+        hidden = torch.zeros(n_rows, t, d, dtype=dtype, device=device)
         for i, k in enumerate(keys):
             hidden[i, : lens[i]] = found[k].to(dtype)
         hidden = self._run_packed(
@@ -509,7 +515,8 @@ def target_token_loss(
     b = batch["input_ids"].shape[0] // groups
     group = torch.div(rows, b, rounding_mode="floor")
     counts = torch.bincount(group, minlength=groups)  # (groups,)
-    sums = torch.zeros(groups, dtype=tok_loss.dtype).index_add(0, group, tok_loss)
+    sums = torch.zeros(groups, dtype=tok_loss.dtype, device=tok_loss.device)
+    sums = sums.index_add(0, group, tok_loss)
     return sums / counts.clamp(min=1), counts
 
 
@@ -552,20 +559,22 @@ def local_train(
         )
     params = lora.parameters()
     losses = np.zeros((c, steps))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
+    device = params[0].device  # batches follow the slots (which follow the base model)
+    autocast = autocast_context(device.type, autocast_bf16)
     lora.train(True)
     try:
         for h in range(steps):
             batch, _ = collate_clients([batches[k][h] for k in range(c)])
+            batch = {k: v.to(device) for k, v in batch.items()}
             with autocast:
                 per_client, counts = target_token_loss(model, batch, c, cache)
-            empty = torch.nonzero(counts == 0)[:, 0].tolist()
+            empty = [i for i, n in enumerate(counts.tolist()) if n == 0]  # on the host
             if empty:
                 raise DataError(
                     f"local step {h}: the batch of client slot(s) {empty} has no target "
                     "tokens (labels are all -100; is the response truncated by max_seq_len?)"
                 )
-            values = per_client.detach().double().numpy()
+            values = per_client.detach().double().cpu().numpy()
             if not np.all(np.isfinite(values)):
                 bad = np.flatnonzero(~np.isfinite(values)).tolist()
                 raise TrainingError(
