@@ -56,7 +56,6 @@ KNOWN_OVERSIZE = {
 }
 # Today's import cycles, each as the sorted tuple of its modules (issue 11: break them).
 KNOWN_CYCLES: set[tuple[str, ...]] = {
-    ("fedlora.llm.device", "fedlora.llm.models"),  # came with issue 16: default_cache_dir
     (
         "fedlora.federation.engine",
         "fedlora.federation.methods",

@@ -46,3 +46,14 @@ def test_read_vector_rejects_bad_files(tmp_path: Path, name: str, content: bytes
 def test_read_vector_names_the_key_of_a_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"method\.k = '.*nope\.csv': cannot read"):
         read_vector(tmp_path / "nope.csv", "k")
+
+
+def test_default_cache_dir_follows_fedlora_cache(monkeypatch, tmp_path: Path) -> None:
+    from fedlora.files import default_cache_dir
+    from fedlora.llm import models
+
+    monkeypatch.setenv("FEDLORA_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    assert models.default_cache_dir is default_cache_dir  # still importable from models
+    monkeypatch.setenv("FEDLORA_CACHE", "  ")
+    assert default_cache_dir() == Path.home() / ".cache" / "fedlora"

@@ -2,7 +2,7 @@
 error style: a ConfigError naming the config key or the file, and what is wrong).
 
 Today: the client profiles (`network.profiles_file`) and the q / k vector files
-(`method.q`, `method.k`). The planner's problem files (fedlora.system.planner) are still
+(`method.q`, `method.k`); and where fedlora keeps its own files (`default_cache_dir`). The planner's problem files (fedlora.system.planner) are still
 read where they are used; they move here next.
 """
 
@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, bad_value
 from fedlora.system.network import ClientProfiles, profiles_from_rows
+
+
+def default_cache_dir() -> Path:
+    """``$FEDLORA_CACHE`` if set, else ``~/.cache/fedlora`` (converted models, the bf16 probe)."""
+    env = os.environ.get("FEDLORA_CACHE", "").strip()
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedlora"
 
 
 def _read_text(path: Path, key: str) -> str:

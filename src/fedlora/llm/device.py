@@ -217,7 +217,7 @@ def _probe_key(cpuinfo: str | None = None) -> str:
 def probe_file(cache_dir: Path | None = None) -> Path:
     """Where the probe's figures are kept: ``<cache_dir>/bf16_probe.json`` (default: the
     model cache, ``$FEDLORA_CACHE`` or ``~/.cache/fedlora``)."""
-    from fedlora.llm.models import default_cache_dir
+    from fedlora.files import default_cache_dir
 
     return (cache_dir or default_cache_dir()) / "bf16_probe.json"
 

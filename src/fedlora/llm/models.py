@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.files import default_cache_dir  # lived here before issue 11; still importable
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -84,12 +85,6 @@ A magnet attracts iron and steel. Sound travels faster in water than in air. Lig
 In the spring, many birds build nests and lay eggs; in the fall, leaves change color and drop.
 a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9 , . ; : ? ! ' " ( ) -
 """
-
-
-def default_cache_dir() -> Path:
-    """``$FEDLORA_CACHE`` if set, else ``~/.cache/fedlora``."""
-    env = os.environ.get("FEDLORA_CACHE", "").strip()
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedlora"
 
 
 def _log(progress: bool, message: str) -> None:
