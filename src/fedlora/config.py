@@ -184,6 +184,9 @@ class NetworkConfig:
         _check_number("network.downlink_rate_bps", self.downlink_rate_bps, lo=0)
 
 
+SKETCH_STEPS = ("paper", "scaled")  # training.sketch_step (fedlora.train.client_step_sizes)
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """The round loop: local SGD, evaluation, stopping and checkpoints."""
@@ -201,6 +204,11 @@ class TrainingConfig:
     # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
     layer_cache_mb: float = 2048.0  # memory bound of that cache in MB; 0 = off
     layer_cache_dtype: str = "fp32"  # fp32 (exact) | bf16 (half the memory, rounded)
+    # "paper": every client steps with η (Eq. 4). "scaled": client n steps with
+    # η·(k_n/γ)^1.5, which makes the expected size of its first-step ΔW independent of k_n
+    # (docs/methods.md, "Sketch-scaled local steps"); no effect on unsketched clients.
+    sketch_step: str = "paper"
+    momentum: float = 0.0  # local heavy-ball momentum μ (reset every round); 0 = plain SGD
 
     def __post_init__(self) -> None:
         _check_int("training.rounds", self.rounds, lo=1)
@@ -215,6 +223,8 @@ class TrainingConfig:
         _check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
         _check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
         _check_choice("training.layer_cache_dtype", self.layer_cache_dtype, ("fp32", "bf16"))
+        _check_choice("training.sketch_step", self.sketch_step, SKETCH_STEPS)
+        _check_number("training.momentum", self.momentum, lo=0, hi=1, hi_open=True)
 
 
 METHODS = ("sketched", "fedavg", "proposed", "fslora", "heterolora", "fedstacklora", "flexlora")
