@@ -49,6 +49,7 @@ def test_defaults_are_valid_and_loading_nothing_gives_them():
         "method",
         "planner",
         "output",
+        "evaluation",
     ]
     # a few defaults the rest of fedlora relies on
     assert cfg.lora.rank == 16

@@ -188,7 +188,9 @@ def test_evaluate_restores_training_mode_and_needs_no_grad(llama) -> None:
 
 def test_evaluate_bad_input(llama) -> None:
     model, tok = llama
-    with pytest.raises(DataError, match=r"scoring = 'text' is invalid: allowed: label, option"):
+    with pytest.raises(
+        DataError, match=r"scoring = 'text' is invalid: allowed: label, option, option_norm"
+    ):
         evaluate(model, tok, EXAMPLES, scoring="text")
     with pytest.raises(DataError, match=r"batch_size = 0 is invalid: must be an integer >= 1"):
         evaluate(model, tok, EXAMPLES, batch_size=0)

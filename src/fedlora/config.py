@@ -1,7 +1,7 @@
 """Experiment configuration: frozen dataclasses, defaults in one place, TOML in and out.
 
-A whole experiment is an `ExperimentConfig` of eight sections (model, lora, data, network,
-training, method, planner, output). Every field is validated in its section's
+A whole experiment is an `ExperimentConfig` of nine sections (model, lora, data, network,
+training, method, planner, output, evaluation). Every field is validated in its section's
 ``__post_init__``; a bad value raises `ConfigError` naming ``section.field``, the value and
 what is allowed. Unknown keys are errors with a suggestion of the closest valid key.
 
@@ -109,6 +109,9 @@ class LoraConfig:
             _check_int("lora.layers", self.layers, lo=1)
 
 
+RESPONSES = ("label", "option")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Tasks, the federated partition and the evaluation subset."""
@@ -128,6 +131,9 @@ class DataConfig:
     partition_key: str = "task"  # task | label
     dirichlet_alpha: float = 0.1
     min_client_examples: int = 8
+    # what the training response names after "the correct answer is ": the label ("answer2",
+    # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
+    response: str = "label"
 
     def __post_init__(self) -> None:
         if not self.tasks and not self.task_files:
@@ -139,6 +145,7 @@ class DataConfig:
         _check_choice("data.partition_key", self.partition_key, ("task", "label"))
         _check_number("data.dirichlet_alpha", self.dirichlet_alpha, lo=0, lo_open=True)
         _check_int("data.min_client_examples", self.min_client_examples, lo=1)
+        _check_choice("data.response", self.response, RESPONSES)
 
 
 @dataclass(frozen=True)
@@ -199,6 +206,7 @@ class TrainingConfig:
     eval_every: int = 4  # E
     seed: int = 0
     target_accuracy: float = 0.0  # stop when reached; 0 = off
+    target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
     time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
     checkpoint_every: int = 5
     # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
@@ -219,6 +227,7 @@ class TrainingConfig:
         _check_int("training.eval_every", self.eval_every, lo=1)
         _check_int("training.seed", self.seed, lo=0)
         _check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
+        _check_number("training.target_loss", self.target_loss, lo=0)
         _check_number("training.time_budget_s", self.time_budget_s, lo=0)
         _check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
         _check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
@@ -322,6 +331,26 @@ class OutputConfig:
             raise bad_value("output.dir", self.dir, "a non-empty path")
 
 
+SCORINGS = ("label", "option", "option_norm")
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """How the global adapter is scored on the eval sets (fedlora.evaluation)."""
+
+    # label: log-likelihood of the answer label (the paper's protocol for large models);
+    # option: of the option text; option_norm: of the option text per character (acc_norm)
+    scoring: str = "label"
+    batch_size: int = 16  # questions (with all their candidates) per forward pass
+    predictions: bool = True  # write every question's prediction to predictions.jsonl
+
+    def __post_init__(self) -> None:
+        _check_choice("evaluation.scoring", self.scoring, SCORINGS)
+        _check_int("evaluation.batch_size", self.batch_size, lo=1)
+        if not isinstance(self.predictions, bool):
+            raise bad_value("evaluation.predictions", self.predictions, "true or false")
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -332,6 +361,7 @@ class ExperimentConfig:
     method: MethodConfig = field(default_factory=MethodConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     def __post_init__(self) -> None:
         n = self.data.n_clients

@@ -475,10 +475,25 @@ class TokenizedSet:
         return len(self.input_ids)
 
 
-def tokenize_examples(examples: Sequence[Example], tokenizer: Any, max_len: int) -> TokenizedSet:
-    """Prompt + output (+ EOS); loss only on the output and EOS. Too long: the prompt is cut
-    from the LEFT (its BOS kept) so the response is always whole (cut only if it alone
-    exceeds `max_len`)."""
+def response_text(ex: Example, response: str = "label") -> str:
+    """The training target of `ex`: its LLM-Adapters output ("the correct answer is answer2")
+    for ``response="label"``, or "the correct answer is " + the correct option's text for
+    ``"option"`` (what ``evaluation.scoring = option | option_norm`` scores)."""
+    if response == "label":
+        return ex.output
+    if response == "option":
+        from fedlora.evaluation import parse_options  # noqa: PLC0415 (evaluation imports data)
+
+        return RESPONSE_PREFIX + parse_options(ex)[ex.labels.index(ex.answer)]
+    raise DataError(f"data.response = {response!r} is invalid: allowed: label, option")
+
+
+def tokenize_examples(
+    examples: Sequence[Example], tokenizer: Any, max_len: int, response: str = "label"
+) -> TokenizedSet:
+    """Prompt + response (+ EOS); loss only on the response and EOS (`response_text`: the
+    label or the option text). Too long: the prompt is cut from the LEFT (its BOS kept) so
+    the response is always whole (cut only if it alone exceeds `max_len`)."""
     if max_len < 2:
         raise DataError(f"max_len = {max_len!r} is invalid: must be >= 2")
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -486,9 +501,9 @@ def tokenize_examples(examples: Sequence[Example], tokenizer: Any, max_len: int)
     ids_out, labels_out = [], []
     for ex in examples:
         prompt = encode_prompt(tokenizer, format_prompt(ex))
-        response = _encode(tokenizer, ex.output, False) + ([eos] if eos is not None else [])
-        response = response[:max_len]
-        room = max_len - len(response)
+        target = _encode(tokenizer, response_text(ex, response), False)
+        target = (target + ([eos] if eos is not None else []))[:max_len]
+        room = max_len - len(target)
         if len(prompt) > room:
             if room == 0:
                 prompt = []
@@ -496,7 +511,7 @@ def tokenize_examples(examples: Sequence[Example], tokenizer: Any, max_len: int)
                 prompt = [bos] + prompt[len(prompt) - (room - 1) :]
             else:
                 prompt = prompt[len(prompt) - room :]
-        ids = np.asarray(prompt + response, dtype=np.int64)
+        ids = np.asarray(prompt + target, dtype=np.int64)
         labels = ids.copy()
         labels[: len(prompt)] = IGNORE_INDEX
         ids_out.append(ids)
@@ -561,7 +576,7 @@ def load_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
 def build_federated_data(cfg: DataConfig, tokenizer: Any, seed: int) -> FederatedData:
     """Training mix -> tokens -> Dirichlet partition over `cfg.n_clients`; plus eval sets."""
     examples = training_mix(cfg, seed)
-    train = tokenize_examples(examples, tokenizer, cfg.max_seq_len)
+    train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
     clients = dirichlet_partition(
         partition_keys(examples, cfg.partition_key),
         cfg.n_clients,

@@ -364,16 +364,100 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     return states, np.array(losses)
 
 
-def evaluate_global(run: Run) -> dict[str, float]:
-    """Accuracy of the current global adapter on every eval task's fixed subset."""
+def evaluate_tasks(run: Run) -> dict[str, Any]:
+    """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
     import torch
 
     from fedlora.evaluation import evaluate
 
+    ecfg = run.cfg.evaluation
     run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
     return {
-        task: evaluate(run.model, run.tokenizer, examples, task=task).accuracy
+        task: evaluate(
+            run.model,
+            run.tokenizer,
+            examples,
+            batch_size=ecfg.batch_size,
+            scoring=ecfg.scoring,
+            task=task,
+        )
         for task, examples in run.fed.eval_sets.items()
+    }
+
+
+def evaluate_global(run: Run) -> dict[str, float]:
+    """Accuracy of the current global adapter on every eval task's fixed subset."""
+    return {task: r.accuracy for task, r in evaluate_tasks(run).items()}
+
+
+PREDICTIONS_FILE = "predictions.jsonl"
+
+
+def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) -> None:
+    """One line per task of this evaluation in predictions.jsonl: question ids, predicted
+    label index, correct (0/1) and NLL per question. Lines of this or later rounds (left by
+    an interrupted run that is being resumed) are replaced."""
+    path = run_dir / PREDICTIONS_FILE
+    kept = []
+    if path.exists():
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(raw)["round"] < round_index:
+                    kept.append(raw)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn line of a killed run
+    for task, r in results.items():
+        line = {
+            "round": round_index,
+            "task": task,
+            "scoring": r.scoring,
+            "ids": r.ids,
+            "pred": r.predictions,
+            "correct": [int(c) for c in r.correct],
+            "nll": [round(x, 6) for x in r.nll],
+        }
+        kept.append(json.dumps(line))
+    _atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[str, Any]) -> dict:
+    """The metrics-line fields of an evaluation beside the accuracy (eval_loss, intervals,
+    majority-label and chance scores, n); updates the loss in `progress` and writes the
+    per-question predictions."""
+    loss = _mean({t: r.loss for t, r in results.items()})
+    if progress.initial_eval_loss is None:
+        progress.initial_eval_loss = loss
+    progress.last_eval_loss = loss
+    best = progress.best_eval_loss
+    progress.best_eval_loss = loss if best is None else min(best, loss)
+    target = run.cfg.training.target_loss
+    if target and loss <= target and progress.time_to_target_loss_s is None:
+        progress.time_to_target_loss_s = progress.sim_time_s
+    details = {
+        t: {
+            "accuracy": r.accuracy,
+            "ci95": list(r.ci95),
+            "n": r.n,
+            "majority": r.majority,
+            "chance": r.chance,
+            "loss": r.loss,
+            "loss_ci95": list(r.loss_ci95),
+        }
+        for t, r in results.items()
+    }
+    if progress.initial_eval is None:
+        progress.initial_eval = details
+    progress.last_eval = details
+    if run.cfg.evaluation.predictions:
+        write_predictions(run.run_dir, round_index, results)
+    return {
+        "eval_loss": loss,
+        "eval_losses": {t: r.loss for t, r in results.items()},
+        "eval_ci95": {t: list(r.ci95) for t, r in results.items()},
+        "eval_n": {t: r.n for t, r in results.items()},
+        "eval_majority": {t: r.majority for t, r in results.items()},
+        "eval_chance": {t: r.chance for t, r in results.items()},
+        "eval_scoring": run.cfg.evaluation.scoring,
     }
 
 
@@ -395,6 +479,12 @@ class Progress:
     downlink_bits: int = 0
     empty_rounds: int = 0
     compute_s: float = 0.0
+    initial_eval_loss: float | None = None
+    last_eval_loss: float | None = None
+    best_eval_loss: float | None = None
+    time_to_target_loss_s: float | None = None
+    initial_eval: dict[str, Any] | None = None  # per task: accuracy, ci95, n, majority, ...
+    last_eval: dict[str, Any] | None = None
 
 
 def _mean(values: dict[str, float]) -> float:
@@ -505,7 +595,8 @@ def run_experiment(
     write_clients_csv(run_dir, run.fed, run.profiles)
 
     if progress.metrics_lines == 0:  # round 0: the untrained adapter, before any time passes
-        accs = evaluate_global(run)
+        results = evaluate_tasks(run)
+        accs = {task: r.accuracy for task, r in results.items()}
         progress.initial_accuracy = progress.last_accuracy = _mean(accs)
         progress.best_accuracy = progress.initial_accuracy
         line0 = {
@@ -521,6 +612,7 @@ def run_experiment(
             "train_loss": None,
             "eval_accuracy": progress.initial_accuracy,
             "eval": accs,
+            **eval_fields(run, progress, 0, results),
             "compute_s": 0.0,
         }
         _append_metrics(metrics_path, line0)
@@ -548,6 +640,8 @@ def run_experiment(
         else:
             if _target_reached(cfg, progress):
                 stop_reason = "target_accuracy"
+            elif _target_loss_reached(cfg, progress):
+                stop_reason = "target_loss"
     except TrainingDiverged as e:
         reporter.close()
         raise TrainingDiverged(
@@ -566,6 +660,8 @@ def stop_before_round(cfg: ExperimentConfig, progress: Progress) -> str | None:
     """The reason to stop before the next round (target reached, time budget spent), if any."""
     if _target_reached(cfg, progress):
         return "target_accuracy"
+    if _target_loss_reached(cfg, progress):
+        return "target_loss"
     budget = cfg.training.time_budget_s
     if budget and progress.sim_time_s >= budget:
         return "time_budget"
@@ -606,6 +702,13 @@ def summarize(
         "total_downlink_bits": progress.downlink_bits,
         "empty_rounds": progress.empty_rounds,
         "compute_s": progress.compute_s,
+        "initial_eval_loss": progress.initial_eval_loss,
+        "final_eval_loss": progress.last_eval_loss,
+        "best_eval_loss": progress.best_eval_loss,
+        "target_loss": cfg.training.target_loss or None,
+        "time_to_target_loss_s": progress.time_to_target_loss_s,
+        "initial_eval": progress.initial_eval,
+        "final_eval": progress.last_eval,
         "wall_s": time.perf_counter() - wall_start,
         "method": cfg.method.name,
         "seed": cfg.training.seed,
@@ -615,6 +718,13 @@ def summarize(
 def _target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
     target = cfg.training.target_accuracy
     return bool(target) and progress.last_accuracy is not None and progress.last_accuracy >= target
+
+
+def _target_loss_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
+    target = cfg.training.target_loss
+    return (
+        bool(target) and progress.last_eval_loss is not None and progress.last_eval_loss <= target
+    )
 
 
 def round_header(plan: RoundPlan) -> dict[str, Any]:
@@ -662,9 +772,10 @@ def close_round(
     )
     last = r + 1 == cfg.training.rounds
     if (r + 1) % cfg.training.eval_every == 0 or last:
-        accs = evaluate_global(run)
+        results = evaluate_tasks(run)
+        accs = {task: res.accuracy for task, res in results.items()}
         acc = _mean(accs)
-        line.update(eval_accuracy=acc, eval=accs)
+        line.update(eval_accuracy=acc, eval=accs, **eval_fields(run, progress, r + 1, results))
         progress.last_accuracy = acc
         progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
         target = cfg.training.target_accuracy
@@ -704,4 +815,32 @@ def describe(summary: dict[str, Any]) -> str:
             f"time to {pct(summary['target_accuracy'])}: "
             + ("not reached" if ttt is None else f"{ttt:.1f} s")
         )
+    lines.extend(describe_eval(summary))
     return "\n".join(lines)
+
+
+def describe_eval(summary: dict[str, Any]) -> list[str]:
+    """Per eval task: accuracy before -> after with 95% Wilson intervals beside the
+    most-frequent-label and chance scores; eval_loss before -> after (and its target)."""
+
+    def acc(d: dict[str, Any]) -> str:
+        lo, hi = d["ci95"]
+        return f"{100 * d['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+    before, after = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
+    lines = []
+    for task, d in after.items():
+        b = before.get(task)
+        loss_before = f"{b['loss']:.4f} -> " if b else ""
+        lines.append(
+            f"{task} (n = {d['n']}): accuracy {acc(b) + ' -> ' if b else ''}{acc(d)}; "
+            f"most-frequent label {100 * d['majority']:.1f}%, chance {100 * d['chance']:.1f}%; "
+            f"eval_loss {loss_before}{d['loss']:.4f}"
+        )
+    if summary.get("target_loss"):
+        ttl = summary.get("time_to_target_loss_s")
+        lines.append(
+            f"time to eval_loss <= {summary['target_loss']:g}: "
+            + ("not reached" if ttl is None else f"{ttl:.1f} s")
+        )
+    return lines

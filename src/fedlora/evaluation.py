@@ -6,7 +6,14 @@ For each example and each allowed label ℓ, the model scores the continuation
 log-probability of the tokens of ℓ (the shared prefix is context, not scored). The
 prediction is the arg-max (ties -> the first label). ``scoring="option"`` scores the option
 TEXT instead of its label (options parsed from the instruction's ``Answer1: ... Answer2: ...``;
-yes/no tasks score the label words themselves).
+yes/no tasks score the label words themselves). ``scoring="option_norm"`` divides each option's
+summed log-probability by the option text's length in characters (lm-evaluation-harness's
+``acc_norm``), so long options are not penalised for their length.
+
+``eval_loss`` (the low-noise metric a small model can move): per question, the mean negative
+log-likelihood of the correct candidate's *discriminative* tokens (its scored tokens after the
+token prefix all candidates share: ``1`` of `` answer1``, all of an option's text), averaged
+over the questions.
 
 Batching: `batch_size` examples per forward. By default each example's context (prompt +
 "the correct answer is") runs once, LEFT-padded with explicit ``position_ids`` and a KV
@@ -18,11 +25,13 @@ log-softmax is taken in fp32, so bf16 models are scored the same way.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,7 +45,7 @@ from fedlora.data import (
 )
 from fedlora.errors import DataError
 
-SCORINGS = ("label", "option")
+SCORINGS = ("label", "option", "option_norm")
 Z95 = 1.959963984540054  # Φ^{-1}(0.975)
 
 
@@ -47,6 +56,35 @@ class EvalResult:
     n: int
     ci95: tuple[float, float]  # Wilson score interval
     seconds: float
+    loss: float = math.nan  # eval_loss: mean NLL of the correct answer's discriminative tokens
+    loss_ci95: tuple[float, float] = (math.nan, math.nan)  # normal interval over questions
+    majority: float = math.nan  # score of always answering the most frequent label
+    chance: float = math.nan  # expected score of a uniform guess, 1/len(labels) on average
+    scoring: str = "label"
+    ids: list[str] = field(default_factory=list)  # question ids (`question_id`)
+    predictions: list[int] = field(default_factory=list)  # index of the predicted label
+    correct: list[bool] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)  # per question, mean over its tokens
+
+
+def question_id(ex: Example) -> str:
+    """A stable id of a question (its task, text and answer), to pair two runs' predictions."""
+    text = "\x1f".join((ex.task, ex.instruction, ex.input, ex.answer))
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=6).hexdigest()
+
+
+def majority_score(examples: Sequence[Example]) -> float:
+    """Accuracy of always answering the label that is most often correct in `examples`."""
+    if not examples:
+        raise DataError("majority_score: no examples")
+    return max(Counter(ex.answer for ex in examples).values()) / len(examples)
+
+
+def chance_score(examples: Sequence[Example]) -> float:
+    """Expected accuracy of a uniform random guess: the mean of 1 / (number of labels)."""
+    if not examples:
+        raise DataError("chance_score: no examples")
+    return float(np.mean([1.0 / len(ex.labels) for ex in examples]))
 
 
 def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -108,8 +146,22 @@ def _candidates(
 ) -> tuple[list[int], list[tuple[list[int], int]]]:
     """Prompt ids, and per label: (continuation ids, number of scored trailing tokens)."""
     prompt = encode_prompt(tokenizer, format_prompt(ex))
-    texts = ex.labels if scoring == "label" else parse_options(ex)
-    return prompt, [encode_continuation(tokenizer, RESPONSE_PREFIX, t) for t in texts]
+    return prompt, [encode_continuation(tokenizer, RESPONSE_PREFIX, t) for t in _texts(ex, scoring)]
+
+
+def _texts(ex: Example, scoring: str) -> tuple[str, ...]:
+    """What each candidate's scored tokens spell: the labels, or the option texts."""
+    return tuple(ex.labels) if scoring == "label" else parse_options(ex)
+
+
+def discriminative_start(tails: Sequence[Sequence[int]]) -> int:
+    """The number of leading tokens all candidates' scored tails share (they cannot tell the
+    candidates apart), capped so that every tail keeps at least one token."""
+    limit = min(len(t) for t in tails) - 1
+    p = 0
+    while p < limit and all(t[p] == tails[0][p] for t in tails):
+        p += 1
+    return p
 
 
 def _forward_last(model: Any, input_ids: Any, mask: Any, positions: Any, keep: int) -> Any:
@@ -140,9 +192,9 @@ def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any, Any
     return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
-def _score_full(model: Any, rows: list[tuple[list[int], int]], pad_id: int) -> Any:
-    """Summed log-prob of the last n tokens of each (ids, n) row: one forward of full
-    sequences, left-padded, LM head on the last K+1 positions only."""
+def _score_full(model: Any, rows: list[tuple[list[int], int]], pad_id: int) -> list[np.ndarray]:
+    """Log-probs of the last n tokens of each (ids, n) row: one forward of full sequences,
+    left-padded, LM head on the last K+1 positions only."""
     import torch
 
     device = next(model.parameters()).device
@@ -151,18 +203,18 @@ def _score_full(model: Any, rows: list[tuple[list[int], int]], pad_id: int) -> A
     logits = _forward_last(model, ids.to(device), mask.to(device), positions.to(device), k + 1)
     logp = torch.log_softmax(logits[:, :-1, :].float(), dim=-1)  # (rows, k, V)
     targets = ids[:, t - k :].to(device)  # (rows, k): window position j predicts token t-k+j
-    tok_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (rows, k)
-    n_scored = torch.tensor([n for _, n in rows], device=device)
-    scored = torch.arange(k, device=device).unsqueeze(0) >= (k - n_scored).unsqueeze(1)
-    return torch.where(scored, tok_logp, 0.0).sum(dim=1).double().cpu().numpy()
+    tok_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().cpu().numpy()
+    return [tok_logp[i, k - n :] for i, (_, n) in enumerate(rows)]  # (n_i,) per row
 
 
 class _NoCache(Exception):
     """The model returned no usable key/value cache."""
 
 
-def _score_shared(model: Any, items: list[tuple[list[int], list[list[int]]]], pad_id: int) -> Any:
-    """Same scores as `_score_full`, computing each shared context once.
+def _score_shared(
+    model: Any, items: list[tuple[list[int], list[list[int]]]], pad_id: int
+) -> list[np.ndarray]:
+    """Same log-probs as `_score_full`, computing each shared context once.
 
     items: per example (context ids = prompt + "the correct answer is", the scored tail ids of
     each candidate). Pass 1: the contexts, left-padded, with a KV cache; its last logits score
@@ -190,7 +242,8 @@ def _score_shared(model: Any, items: list[tuple[list[int], list[list[int]]]], pa
     tails = [t for _, ts in items for t in ts]
     rep_t = torch.tensor(rep, device=device)
     heads = torch.tensor([t[0] for t in tails], device=device)
-    scores = first[rep_t, heads]  # (R,)
+    head_lp = first[rep_t, heads].double().cpu().numpy()  # (R,)
+    out = [head_lp[r : r + 1] for r in range(len(tails))]
     tc = max(len(t) for t in tails) - 1  # tail tokens predicted inside pass 2
     if tc > 0:
         cont = torch.full((len(tails), tc), pad_id, dtype=torch.long)
@@ -214,8 +267,101 @@ def _score_shared(model: Any, items: list[tuple[list[int], list[list[int]]]], pa
         for r, t in enumerate(tails):
             targets[r, : len(t) - 1] = torch.tensor(t[1:], dtype=torch.long)
         tok_logp = logp.gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)  # (R, tc)
-        scores = scores + torch.where(cmask.to(device).bool(), tok_logp, 0.0).sum(dim=1)
-    return scores.double().cpu().numpy()
+        rest = tok_logp.double().cpu().numpy()
+        out = [np.concatenate([out[r], rest[r, : len(t) - 1]]) for r, t in enumerate(tails)]
+    return out
+
+
+def _items(
+    examples: Sequence[Example], tokenizer: Any, scoring: str
+) -> list[tuple[list[int], list[list[int]]]]:
+    """Per example: (context ids = prompt + "the correct answer is", each candidate's scored
+    tail ids)."""
+    items: list[tuple[list[int], list[list[int]]]] = []
+    for ex in examples:
+        prompt, conts = _candidates(ex, tokenizer, scoring)
+        heads = {tuple(ids[: len(ids) - n]) for ids, n in conts}
+        if len(heads) != 1:  # pragma: no cover - encode_continuation keeps one head
+            raise DataError(f"task {ex.task!r}: candidates do not share the response prefix")
+        items.append((prompt + list(heads.pop()), [ids[len(ids) - n :] for ids, n in conts]))
+    return items
+
+
+def _check_args(scoring: str, batch_size: int) -> None:
+    if scoring not in SCORINGS:
+        raise DataError(f"scoring = {scoring!r} is invalid: allowed: {', '.join(SCORINGS)}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise DataError(f"batch_size = {batch_size!r} is invalid: must be an integer >= 1")
+
+
+def _token_logprobs(
+    model: Any,
+    tokenizer: Any,
+    items: list[tuple[list[int], list[list[int]]]],
+    *,
+    batch_size: int,
+    share_prompt: bool,
+) -> list[list[np.ndarray]]:
+    import torch
+
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)
+    # longest first, so one batch holds sequences of similar length
+    order = sorted(
+        range(len(items)), key=lambda i: -(len(items[i][0]) + max(map(len, items[i][1])))
+    )
+    out: list[list[np.ndarray]] = [[] for _ in items]
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(order), batch_size):
+                group = order[start : start + batch_size]
+                row_lps = None
+                if share_prompt:
+                    try:
+                        row_lps = _score_shared(model, [items[i] for i in group], pad_id)
+                    except _NoCache:
+                        share_prompt = False
+                if row_lps is None:
+                    rows = [(items[i][0] + t, len(t)) for i in group for t in items[i][1]]
+                    row_lps = _score_full(model, rows, pad_id)
+                r = 0
+                for i in group:
+                    m = len(items[i][1])
+                    out[i] = list(row_lps[r : r + m])
+                    r += m
+    finally:
+        model.train(was_training)
+    return out
+
+
+def candidate_token_logprobs(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    *,
+    batch_size: int = 16,
+    scoring: str = "label",
+    share_prompt: bool = True,
+) -> list[list[np.ndarray]]:
+    """Per example and candidate (aligned with ``ex.labels``), the log-probability of each
+    scored token (float64). See `candidate_logprobs` for the arguments."""
+    _check_args(scoring, batch_size)
+    items = _items(examples, tokenizer, scoring)
+    return _token_logprobs(
+        model, tokenizer, items, batch_size=batch_size, share_prompt=share_prompt
+    )
+
+
+def candidate_scores(ex: Example, token_lps: Sequence[np.ndarray], scoring: str) -> np.ndarray:
+    """The arg-max scores of one example's candidates from their token log-probs: the sum,
+    or for ``option_norm`` the sum divided by the option text's length in characters."""
+    sums = np.array([float(np.sum(t)) for t in token_lps])
+    if scoring == "option_norm":
+        sums = sums / np.array([max(1, len(text)) for text in _texts(ex, scoring)], dtype=float)
+    return sums
 
 
 def candidate_logprobs(
@@ -227,57 +373,22 @@ def candidate_logprobs(
     scoring: str = "label",
     share_prompt: bool = True,
 ) -> list[np.ndarray]:
-    """Per example, the summed log-probability of each label's scored tokens (float64,
-    aligned with ``ex.labels``). `batch_size` examples (all their candidates) per forward.
+    """Per example, the score of each label (float64, aligned with ``ex.labels``): the summed
+    log-probability of its scored tokens (per character of the option for ``option_norm``).
+    `batch_size` examples (all their candidates) per forward.
 
     `share_prompt`: compute each example's prompt once and reuse its KV cache for all its
     candidates (same scores, about as many times faster as there are candidates); models
     that return no cache fall back to full sequences."""
-    import torch
-
-    if scoring not in SCORINGS:
-        raise DataError(f"scoring = {scoring!r} is invalid: allowed: {', '.join(SCORINGS)}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise DataError(f"batch_size = {batch_size!r} is invalid: must be an integer >= 1")
-    pad_id = getattr(tokenizer, "pad_token_id", None)
-    pad_id = 0 if pad_id is None else int(pad_id)
-
-    items: list[tuple[list[int], list[list[int]]]] = []  # (context, tails) per example
-    for ex in examples:
-        prompt, conts = _candidates(ex, tokenizer, scoring)
-        heads = {tuple(ids[: len(ids) - n]) for ids, n in conts}
-        if len(heads) != 1:  # pragma: no cover - encode_continuation keeps one head
-            raise DataError(f"task {ex.task!r}: candidates do not share the response prefix")
-        items.append((prompt + list(heads.pop()), [ids[len(ids) - n :] for ids, n in conts]))
-    # longest first, so one batch holds sequences of similar length
-    order = sorted(
-        range(len(items)), key=lambda i: -(len(items[i][0]) + max(map(len, items[i][1])))
+    lps = candidate_token_logprobs(
+        model,
+        tokenizer,
+        examples,
+        batch_size=batch_size,
+        scoring=scoring,
+        share_prompt=share_prompt,
     )
-    scores: list[np.ndarray] = [np.empty(0)] * len(items)
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, len(order), batch_size):
-                group = order[start : start + batch_size]
-                row_scores = None
-                if share_prompt:
-                    try:
-                        row_scores = _score_shared(model, [items[i] for i in group], pad_id)
-                    except _NoCache:
-                        share_prompt = False
-                if row_scores is None:
-                    rows = [(items[i][0] + t, len(t)) for i in group for t in items[i][1]]
-                    row_scores = _score_full(model, rows, pad_id)
-                r = 0
-                for i in group:
-                    m = len(items[i][1])
-                    scores[i] = row_scores[r : r + m]
-                    r += m
-    finally:
-        model.train(was_training)
-    return scores
+    return [candidate_scores(ex, t, scoring) for ex, t in zip(examples, lps)]
 
 
 def evaluate(
@@ -289,17 +400,37 @@ def evaluate(
     scoring: str = "label",
     task: str = "",
 ) -> EvalResult:
-    """Accuracy of the arg-max label (ties -> first) with its 95% Wilson interval."""
+    """Accuracy of the arg-max label (ties -> first) with its 95% Wilson interval, eval_loss,
+    the majority-label and chance scores, and the per-question predictions."""
     if not examples:
         raise DataError(f"task {task!r}: no examples to evaluate")
+    _check_args(scoring, batch_size)
     t0 = time.perf_counter()
-    scores = candidate_logprobs(model, tokenizer, examples, batch_size=batch_size, scoring=scoring)
-    correct = sum(int(ex.labels[int(np.argmax(s))] == ex.answer) for ex, s in zip(examples, scores))
+    items = _items(examples, tokenizer, scoring)
+    lps = _token_logprobs(model, tokenizer, items, batch_size=batch_size, share_prompt=True)
+    preds, correct, nll = [], [], []
+    for ex, (_, tails), tok_lps in zip(examples, items, lps):
+        pred = int(np.argmax(candidate_scores(ex, tok_lps, scoring)))
+        preds.append(pred)
+        correct.append(ex.labels[pred] == ex.answer)
+        gold = ex.labels.index(ex.answer)
+        nll.append(-float(np.mean(tok_lps[gold][discriminative_start(tails) :])))
     n = len(examples)
+    loss = float(np.mean(nll))
+    half = Z95 * float(np.std(nll, ddof=1)) / math.sqrt(n) if n > 1 else math.nan
     return EvalResult(
         task=task or examples[0].task,
-        accuracy=correct / n,
+        accuracy=sum(correct) / n,
         n=n,
-        ci95=wilson_interval(correct, n),
+        ci95=wilson_interval(sum(correct), n),
         seconds=time.perf_counter() - t0,
+        loss=loss,
+        loss_ci95=(loss - half, loss + half),
+        majority=majority_score(examples),
+        chance=chance_score(examples),
+        scoring=scoring,
+        ids=[question_id(ex) for ex in examples],
+        predictions=preds,
+        correct=correct,
+        nll=nll,
     )

@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from fedlora.config import SCORINGS
 from fedlora.errors import ConfigError, bad_value
 
 
@@ -53,8 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scoring",
         default="label",
-        metavar="label|option",
-        help="score the answer labels (default) or the option texts",
+        metavar="label|option|option_norm",
+        help="score the answer labels (default), the option texts, or the option texts per "
+        "character (lm-evaluation-harness acc_norm)",
     )
     p.add_argument("--dtype", default="fp32", metavar="fp32|bf16", help="model precision")
     p.add_argument(
@@ -86,8 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise bad_value("--batch-size", args.batch_size, "must be >= 1")
     if args.threads < 0:
         raise bad_value("--threads", args.threads, "must be >= 0 (0 = torch's default)")
-    if args.scoring not in ("label", "option"):
-        raise bad_value("--scoring", args.scoring, "allowed: label, option")
+    if args.scoring not in SCORINGS:
+        raise bad_value("--scoring", args.scoring, f"allowed: {', '.join(SCORINGS)}")
     if args.dtype not in ("fp32", "bf16"):
         raise bad_value("--dtype", args.dtype, "allowed: fp32, bf16")
     if args.adapter is not None:
@@ -148,6 +150,10 @@ def run_eval(args: argparse.Namespace) -> int:
                     "accuracy": result.accuracy,
                     "n": result.n,
                     "ci95": list(result.ci95),
+                    "eval_loss": result.loss,
+                    "eval_loss_ci95": list(result.loss_ci95),
+                    "majority": result.majority,
+                    "chance": result.chance,
                     "task": result.task,
                     "model": args.model,
                     "adapter": args.adapter,
@@ -163,7 +169,8 @@ def run_eval(args: argparse.Namespace) -> int:
         adapter = f" + {args.adapter}" if args.adapter else ""
         print(
             f"{result.task}: accuracy {result.accuracy:.4f} (95% CI {lo:.4f}-{hi:.4f}), "
-            f"n = {result.n}, {result.seconds:.1f} s "
+            f"n = {result.n}, {result.seconds:.1f} s; most-frequent label "
+            f"{result.majority:.4f}, chance {result.chance:.4f}; eval_loss {result.loss:.4f} "
             f"[{args.model}{adapter}, {args.dtype}, scoring {args.scoring}, "
             f"threads {torch.get_num_threads()}]"
         )

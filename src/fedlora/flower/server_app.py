@@ -36,6 +36,7 @@ from fedlora.engine import (
     _atomic_write,
     _checkpoint_state,
     _mean,
+    _target_loss_reached,
     _target_reached,
     _to_numpy,
     _to_torch,
@@ -43,7 +44,8 @@ from fedlora.engine import (
     apply_aggregate,
     build_run,
     close_round,
-    evaluate_global,
+    eval_fields,
+    evaluate_tasks,
     load_checkpoint,
     load_run_config,
     plan_next_round,
@@ -323,13 +325,14 @@ def _run_server(
         save_checkpoint(run_dir, state)
 
     if progress.metrics_lines == 0:  # round 0: the untrained adapter
-        accs = evaluate_global(run)
+        results = evaluate_tasks(run)
+        accs = {task: r.accuracy for task, r in results.items()}
         progress.initial_accuracy = progress.last_accuracy = progress.best_accuracy = _mean(accs)
         line0 = {
             "round": 0, "participants": [], "n_participants": 0, "k": [], "round_time_s": 0.0,
             "sim_time_s": 0.0, "uplink_bits": 0, "downlink_bits": 0, "train_loss": None,
-            "eval_accuracy": progress.initial_accuracy, "eval": accs, "compute_s": 0.0,
-            "dropouts": [],
+            "eval_accuracy": progress.initial_accuracy, "eval": accs,
+            **eval_fields(run, progress, 0, results), "compute_s": 0.0, "dropouts": [],
         }  # fmt: skip
         _append_metrics(metrics_path, line0)
         progress.metrics_lines = 1
@@ -355,6 +358,8 @@ def _run_server(
     else:
         if _target_reached(cfg, progress):
             stop_reason = "target_accuracy"
+        elif _target_loss_reached(cfg, progress):
+            stop_reason = "target_loss"
     checkpoint()
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)

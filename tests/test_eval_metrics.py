@@ -1,0 +1,300 @@
+"""eval_loss, option_norm scoring, majority and chance scores, option training targets, and
+the engine's evaluation fields (issue 13): hand-computed on a model whose logits are forced."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedlora.config import load_config
+from fedlora.data import (
+    RESPONSE_PREFIX,
+    Example,
+    encode_continuation,
+    response_text,
+    tokenize_examples,
+)
+from fedlora.errors import ConfigError, DataError
+from fedlora.evaluation import (
+    candidate_logprobs,
+    candidate_token_logprobs,
+    chance_score,
+    discriminative_start,
+    evaluate,
+    majority_score,
+    question_id,
+)
+from fedlora.models import load_model
+
+DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
+
+
+def mc(q: str, options: list[str], answer: int, task: str = "t") -> Example:
+    labels = tuple(f"answer{i + 1}" for i in range(len(options)))
+    opts = " ".join(f"Answer{i + 1}: {o}" for i, o in enumerate(options))
+    instruction = (
+        f"Please choose the correct answer to the question: {q}\n\n{opts}\n\n"
+        f"Answer format: {'/'.join(labels)}"
+    )
+    return Example(task, instruction, RESPONSE_PREFIX + labels[answer], labels[answer], labels)
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple:
+    return load_model("tiny-llama", dtype="fp32", progress=False)
+
+
+def _force(model, bias: dict[int, float]):
+    """Every position's logits become 0, plus `bias[token]` for the given tokens."""
+
+    def hook(_module, _inputs, output):
+        out = torch.zeros_like(output)
+        for tok, b in bias.items():
+            out[..., tok] = b
+        return out
+
+    return model.get_output_embeddings().register_forward_hook(hook)
+
+
+def _tail(tok, text: str) -> list[int]:
+    ids, n = encode_continuation(tok, RESPONSE_PREFIX, text)
+    return ids[len(ids) - n :]
+
+
+# ----------------------------------------------------------------------------- eval_loss
+
+
+def test_discriminative_start() -> None:
+    assert discriminative_start([[5, 1], [5, 2], [5, 3]]) == 1  # " answer" shared
+    assert discriminative_start([[7], [8]]) == 0
+    assert discriminative_start([[5, 6, 1], [5, 6, 1, 2]]) == 2  # every tail keeps a token
+    assert discriminative_start([[5], [5]]) == 0
+
+
+def test_eval_loss_hand_computed_on_a_forced_model(llama) -> None:
+    model, tok = llama
+    vocab = model.config.vocab_size
+    tails = [_tail(tok, f"answer{i}") for i in (1, 2, 3)]
+    p = discriminative_start(tails)
+    assert p >= 1, tails  # " answer" + digit: the digit alone tells the labels apart
+    digit2 = tails[1][p]
+    exs = [mc("q1", ["a", "b", "c"], 1), mc("q2", ["a", "b", "c"], 0)]
+    b = 3.0
+    handle = _force(model, {digit2: b})
+    try:
+        result = evaluate(model, tok, exs, batch_size=2)
+    finally:
+        handle.remove()
+    # every position: logits 0 except the digit "2" at b. log p(2) = b - log(e^b + V - 1),
+    # log p(any other token) = -log(e^b + V - 1).
+    log_z = math.log(math.exp(b) + vocab - 1)
+    nll_q1 = -(b - log_z) * len(tails[1][p:]) / len(tails[1][p:])  # answer2 is right
+    nll_q2 = log_z  # answer1 is right: its digit has logit 0
+    assert result.nll == pytest.approx([nll_q1, nll_q2], abs=1e-5)
+    assert result.loss == pytest.approx((nll_q1 + nll_q2) / 2, abs=1e-5)
+    half = 1.959963984540054 * np.std([nll_q1, nll_q2], ddof=1) / math.sqrt(2)
+    assert result.loss_ci95 == pytest.approx((result.loss - half, result.loss + half), abs=1e-5)
+    # the forced model answers "answer2" everywhere: right on q1, wrong on q2
+    assert result.predictions == [1, 1] and result.correct == [True, False]
+    assert result.accuracy == 0.5 and result.ids == [question_id(e) for e in exs]
+
+
+def test_eval_loss_of_a_flat_model_is_log_vocab(llama) -> None:
+    model, tok = llama
+    handle = _force(model, {})
+    try:
+        for scoring in ("label", "option", "option_norm"):
+            r = evaluate(model, tok, [mc("q", ["red apple", "zebra", "blue"], 1)], scoring=scoring)
+            assert r.loss == pytest.approx(math.log(model.config.vocab_size), abs=1e-5)
+            assert math.isnan(r.loss_ci95[0])  # one question: no interval
+    finally:
+        handle.remove()
+
+
+# ----------------------------------------------------------------------------- option_norm
+
+
+def test_option_norm_divides_by_option_characters(llama) -> None:
+    model, tok = llama
+    options = ["an elephant in the room", "ox", "a cat"]
+    ex = mc("q", options, 0)
+    handle = _force(model, {})  # flat: every token costs log V
+    try:
+        sums = candidate_logprobs(model, tok, [ex], scoring="option")[0]
+        norm = candidate_logprobs(model, tok, [ex], scoring="option_norm")[0]
+        token_lps = candidate_token_logprobs(model, tok, [ex], scoring="option")[0]
+        acc_sum = evaluate(model, tok, [ex], scoring="option").predictions
+        acc_norm = evaluate(model, tok, [ex], scoring="option_norm").predictions
+    finally:
+        handle.remove()
+    log_v = math.log(model.config.vocab_size)
+    n_tokens = [len(_tail(tok, o)) for o in options]
+    assert [len(t) for t in token_lps] == n_tokens
+    np.testing.assert_allclose(sums, [-n * log_v for n in n_tokens], atol=1e-4)
+    expected = [-n * log_v / len(o) for n, o in zip(n_tokens, options)]
+    np.testing.assert_allclose(norm, expected, atol=1e-5)
+    # the sum prefers the fewest tokens; per character, the long option wins
+    assert acc_sum == [int(np.argmin(n_tokens))]
+    assert acc_norm == [int(np.argmax(expected))] == [0]
+
+
+def test_option_norm_on_a_biased_model(llama) -> None:
+    model, tok = llama
+    vocab = model.config.vocab_size
+    options = ["zebra", "zebra zebra zebra zebra"]  # the same tokens, 1x and 4x
+    z = _tail(tok, "zebra")
+    b = 2.0
+    handle = _force(model, dict.fromkeys(z, b))
+    try:
+        norm = candidate_logprobs(model, tok, [mc("q", options, 0)], scoring="option_norm")[0]
+    finally:
+        handle.remove()
+    tails = [_tail(tok, o) for o in options]
+    log_z = math.log(len(set(z)) * math.exp(b) + vocab - len(set(z)))
+    expected = [
+        sum((b if t in z else 0.0) - log_z for t in tail) / len(o)
+        for tail, o in zip(tails, options)
+    ]
+    np.testing.assert_allclose(norm, expected, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def test_majority_and_chance_scores() -> None:
+    exs = [mc("a", ["x", "y", "z", "w"], i) for i in (0, 1, 2, 2, 2, 3)]
+    assert majority_score(exs) == pytest.approx(3 / 6)  # "always answer3"
+    assert chance_score(exs) == pytest.approx(0.25)
+    mixed = [mc("a", ["x", "y"], 0), mc("b", ["x", "y", "z", "w"], 0)]
+    assert chance_score(mixed) == pytest.approx((1 / 2 + 1 / 4) / 2)
+    assert majority_score(mixed) == 1.0
+    with pytest.raises(DataError, match="no examples"):
+        majority_score([])
+    with pytest.raises(DataError, match="no examples"):
+        chance_score([])
+
+
+def test_evaluate_reports_majority_and_chance(llama) -> None:
+    model, tok = llama
+    exs = [mc(q, ["x", "y", "z"], i) for q, i in (("a", 0), ("b", 2), ("c", 2))]
+    r = evaluate(model, tok, exs)
+    assert r.majority == pytest.approx(2 / 3) and r.chance == pytest.approx(1 / 3)
+    assert len(set(r.ids)) == 3 and r.n == 3 and r.scoring == "label"
+
+
+# ----------------------------------------------------------------------------- training target
+
+
+def test_option_response_trains_on_the_option_text(llama) -> None:
+    _, tok = llama
+    ex = mc("q", ["red apple", "zebra", "blue"], 1)
+    assert response_text(ex) == ex.output == "the correct answer is answer2"
+    assert response_text(ex, "option") == "the correct answer is zebra"
+    boolq = Example("boolq", "Q?\n\nAnswer format: true/false", "x", "false", ("true", "false"))
+    assert response_text(boolq, "option") == "the correct answer is false"
+    with pytest.raises(DataError, match=r"data.response = 'text' is invalid: allowed: label, opt"):
+        response_text(ex, "text")
+    ts = tokenize_examples([ex], tok, 128, response="option")
+    target = ts.input_ids[0][ts.labels[0] != -100].tolist()
+    # the scored option tokens are exactly what evaluation scores, then EOS
+    assert target[-1] == tok.eos_token_id
+    assert target[-1 - len(_tail(tok, "zebra")) : -1] == _tail(tok, "zebra")
+    assert tok.decode(target[:-1]) == "the correct answer is zebra"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_evaluation_config_and_bad_values() -> None:
+    cfg = load_config(None, ["evaluation.scoring=option_norm", "data.response=option"])
+    assert cfg.evaluation.scoring == "option_norm" and cfg.data.response == "option"
+    assert load_config().evaluation.scoring == "label" and load_config().data.response == "label"
+    bad = {
+        "evaluation.scoring=acc": r"evaluation.scoring = 'acc' is invalid: allowed: label, "
+        r"option, option_norm",
+        "evaluation.batch_size=0": r"evaluation.batch_size = 0 is invalid: must be >= 1",
+        "evaluation.predictions=1": r"evaluation.predictions = 1 is invalid: true or false",
+        "data.response=text": r"data.response = 'text' is invalid: allowed: label, option",
+        "training.target_loss=-1": r"training.target_loss = -1(.0)? is invalid: must be >= 0",
+    }
+    for override, msg in bad.items():
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, [override])
+
+
+# ----------------------------------------------------------------------------- engine
+
+TINY = [
+    "model.name=tiny-llama",
+    "model.threads=1",
+    f'data.data_dir="{DATA}"',
+    'data.tasks=["arc-e"]',
+    'data.eval_tasks=["arc-e", "boolq"]',
+    "data.train_limit=40",
+    "data.eval_limit=10",
+    "data.max_seq_len=96",
+    "data.n_clients=2",
+    "data.min_client_examples=4",
+    "lora.rank=4",
+    "lora.layers=1",
+    "training.rounds=2",
+    "training.local_steps=1",
+    "training.batch_size=2",
+    "training.eval_every=1",
+    "training.lr=0.05",
+    "method.q=full",
+    "method.k=full",
+    "output.progress=false",
+]
+
+
+@pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
+def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None:
+    from fedlora.engine import describe, prepare_run_dir, run_experiment
+
+    cfg = load_config(None, [*TINY, "evaluation.scoring=option_norm", "data.response=option"])
+    run_dir = tmp_path / "run"
+    prepare_run_dir(cfg, run_dir)
+    summary = run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == [0, 1, 2]
+    for line in lines:
+        assert set(line["eval_losses"]) == {"arc-e", "boolq"}
+        assert line["eval_loss"] == pytest.approx(np.mean(list(line["eval_losses"].values())))
+        assert line["eval_n"] == {"arc-e": 10, "boolq": 10}
+        assert line["eval_chance"]["boolq"] == 0.5 and line["eval_scoring"] == "option_norm"
+        for task, (lo, hi) in line["eval_ci95"].items():
+            assert lo <= line["eval"][task] <= hi
+    preds = [json.loads(x) for x in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert [(p["round"], p["task"]) for p in preds] == [
+        (r, t) for r in (0, 1, 2) for t in ("arc-e", "boolq")
+    ]
+    for p in preds:
+        line = lines[p["round"]]
+        assert len(p["ids"]) == len(p["pred"]) == len(p["correct"]) == len(p["nll"]) == 10
+        assert np.mean(p["correct"]) == pytest.approx(line["eval"][p["task"]])
+        assert np.mean(p["nll"]) == pytest.approx(line["eval_losses"][p["task"]], abs=1e-5)
+    assert summary["initial_eval_loss"] == pytest.approx(lines[0]["eval_loss"])
+    assert summary["final_eval_loss"] == pytest.approx(lines[-1]["eval_loss"])
+    assert summary["final_eval"]["boolq"]["majority"] == lines[0]["eval_majority"]["boolq"]
+    text = describe(summary)
+    assert "most-frequent label" in text and "eval_loss" in text and "boolq (n = 10)" in text
+
+
+@pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
+def test_target_loss_stops_the_run(tmp_path: Path) -> None:
+    from fedlora.engine import prepare_run_dir, run_experiment
+
+    cfg = load_config(None, [*TINY, "training.rounds=5", "training.target_loss=1000.0"])
+    run_dir = tmp_path / "run"
+    prepare_run_dir(cfg, run_dir)
+    summary = run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)
+    # the untrained adapter's eval_loss (round 0) is already below 1000
+    assert summary["stop_reason"] == "target_loss" and summary["rounds"] == 0
+    assert summary["time_to_target_loss_s"] == 0.0 and summary["target_loss"] == 1000.0
