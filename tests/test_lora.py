@@ -274,3 +274,28 @@ def test_bad_inputs(base):
     state.pop(next(iter(state)))
     with pytest.raises(ConfigError, match="missing"):
         lora.load_global(state)
+
+
+def test_add_to_base_in_bf16_carries_the_rounding_error_over_20_merges(base):
+    # Prepare: a bf16 base; 20 FedStackLoRA-sized merges (mean |ΔW| = 1e-5, below bf16's
+    # resolution at |W| ~ 0.02, where one ulp is ~1e-4)
+    model = copy.deepcopy(base[0]).to(torch.bfloat16)
+    lora = inject_lora(model, LoraConfig(target_modules=("q_proj",), layers="all"), slots=1)
+    name = lora.names[0]
+    w0 = model.get_submodule(name).weight.detach().float().clone()
+    gen = torch.Generator().manual_seed(0)
+    total = torch.zeros_like(w0)
+    # Execute
+    for _ in range(20):
+        delta = torch.randn(w0.shape, generator=gen) * 1.25e-5  # mean |d| = 1e-5
+        total += delta
+        lora.add_to_base({name: delta})
+    # Assert: the bf16 weight is the fp32 merge rounded once (to bf16 resolution: half an
+    # ulp, 2^-8 relative); per-merge rounding instead loses most of these updates
+    w = model.get_submodule(name).weight.detach().float()
+    ref = w0 + total
+    assert torch.all((w - ref).abs() <= ref.abs() * 2.0**-8 * 1.0001)
+    assert (w == ref.to(torch.bfloat16).float()).float().mean() > 0.999
+    # and the fp32 residual holds what bf16 cannot: weight + residual = the fp32 merge
+    residual = lora.base_residual()[name]
+    torch.testing.assert_close(w + residual, ref, rtol=0, atol=1e-7)

@@ -248,6 +248,7 @@ def test_round_cost_downlink_broadcast_time():
     with_dl = round_cost(cfg, _profiles([1.0], [0.0]), plan, method, SHAPES, 0)
     # 32 params · 16 bits = 512 bits at 64 bit/s = 8 s, plus τ = 1 s, upload free (t = 0)
     assert with_dl.round_time_s == pytest.approx(9.0)
+    assert with_dl.downlink_s == pytest.approx(8.0)  # recorded per round (re-clocking)
 
 
 def test_derived_streams_are_independent_and_reproducible():

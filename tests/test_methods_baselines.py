@@ -167,11 +167,12 @@ def test_heterolora_plan_truncates_to_the_rank_budget():
     method = HeteroLoRA(a=np.array([0.2, 0.8]), ranks=np.array([1, 3]), gamma=3)
     plan = method.plan_round(0, _rng(), _rng())
     assert plan.participants == [0, 1]
-    assert plan.tasks[0].scale.tolist() == [1, 0, 0] and plan.tasks[0].rank_used == 1
+    # scale γ/r_n on the first r_n: the client's forward factor is α/r_n (HetLoRA)
+    assert plan.tasks[0].scale.tolist() == [3, 0, 0] and plan.tasks[0].rank_used == 1
     assert plan.tasks[1].scale.tolist() == [1, 1, 1] and plan.tasks[1].weight == 0.8
 
 
-def test_heterolora_zero_pads_and_averages_with_data_weights():
+def test_heterolora_zero_pads_the_updates_and_averages_with_data_weights():
     # Prepare: γ = 3, client 0 has rank 1 (its rows/columns 1, 2 are the untouched global
     # values 1), client 1 rank 3; data weights 1 and 3 → p = 0.25, 0.75.
     method = HeteroLoRA(a=np.array([1.0, 3.0]), ranks=np.array([1, 3]), gamma=3, weighting="data")
@@ -181,9 +182,10 @@ def test_heterolora_zero_pads_and_averages_with_data_weights():
     plan = method.plan_round(0, _rng(), _rng())
     # Execute
     agg = method.aggregate(global_state, plan, [c0, c1])
-    # Assert: row 0 = .25·2 + .75·4 = 3.5; rows 1, 2 = .25·0 (padding) + .75·5 / .75·6
-    assert np.allclose(agg.global_state["m.lora_A"], [[3.5, 3.5], [3.75, 3.75], [4.5, 4.5]])
-    assert np.allclose(agg.global_state["m.lora_B"], [[3.5, 3.75, 4.5]])
+    # Assert: X + Σ p_n pad(X_n − X): row 0 = 1 + .25·1 + .75·3 = 3.5; rows 1, 2 get client 0's
+    # padded update 0: 1 + .75·4 = 4, 1 + .75·5 = 4.75
+    assert np.allclose(agg.global_state["m.lora_A"], [[3.5, 3.5], [4, 4], [4.75, 4.75]])
+    assert np.allclose(agg.global_state["m.lora_B"], [[3.5, 4, 4.75]])
     assert agg.info["weights"]["m"] == [0.25, 0.75]
 
 
@@ -198,10 +200,10 @@ def test_heterolora_sparsity_weights_are_frobenius_norms_of_padded_products():
     plan = method.plan_round(0, _rng(), _rng())
     # Execute
     agg = method.aggregate(global_state, plan, [c0, c1])
-    # Assert: B = .6·[3, 0, 0] + .4·[1, 1, 0]; A = .6·[1, 0, 0] + .4·[1, 1, 0]
+    # Assert: B = 9 + .6·[3 − 9, 0, 0] + .4·[1 − 9, 1 − 9, 0]; A likewise with [1, 9, 9], [1, 1, 9]
     assert np.allclose(agg.info["weights"]["m"], [0.6, 0.4])
-    assert np.allclose(agg.global_state["m.lora_B"], [[2.2, 0.4, 0.0]])
-    assert np.allclose(agg.global_state["m.lora_A"], [[1.0], [0.4], [0.0]])
+    assert np.allclose(agg.global_state["m.lora_B"], [[2.2, 5.8, 9.0]])
+    assert np.allclose(agg.global_state["m.lora_A"], [[1.0], [5.8], [9.0]])
 
 
 def test_heterolora_sparsity_falls_back_to_data_weights_when_all_products_vanish():
@@ -320,11 +322,11 @@ def test_flexlora_hand_computed_svd_redistribution():
     agg = method.aggregate(global_state, plan, [c0, c1])
     b, a = agg.global_state["m.lora_B"], agg.global_state["m.lora_A"]
     # Assert: B A = W; the rank-1 client gets the best rank-1 part [[1, 0], [0, 0]];
-    # B = U√Σ has squared column norms σ = 1, .5 and so has A = √ΣVᵀ (rows)
+    # B = UΣ has column norms σ = 1, .5; A = Vᵀ has unit rows
     assert np.allclose(b @ a, [[1, 0], [0, 0.5]])
     assert np.allclose(b[:, :1] @ a[:1], [[1, 0], [0, 0]])
-    assert np.allclose(np.sum(b**2, axis=0), [1, 0.5])
-    assert np.allclose(np.sum(a**2, axis=1), [1, 0.5])
+    assert np.allclose(np.linalg.norm(b, axis=0), [1, 0.5])
+    assert np.allclose(np.linalg.norm(a, axis=1), [1, 1])
     assert np.allclose(agg.info["singular_values"]["m"], [1, 0.5])
 
 
@@ -354,14 +356,15 @@ def test_flexlora_gives_each_client_the_best_rank_r_approximation():
         assert np.linalg.norm(w - got) == pytest.approx(np.sqrt(np.sum(sv[r:] ** 2)), abs=1e-9)
 
 
-def test_truncated_svd_pads_with_zeros_when_w_has_low_rank():
-    # one rank-1 product, γ = 3: components 1 and 2 are zero, B A = W exactly
+def test_truncated_svd_completes_a_with_orthonormal_rows_when_w_has_low_rank():
+    # one rank-1 product, γ = 3: B's components 1 and 2 are zero (σ = 0) but A's rows are an
+    # orthonormal basis (V of a full SVD), so those components can still be trained
     b_stack, a_stack = np.array([[1.0], [2.0]]), np.array([[3.0, 0.0, 4.0]])
-    b, a = truncated_svd_factors(b_stack, a_stack, 3)
+    b, a = truncated_svd_factors(b_stack, a_stack, 3, rng=_rng())
     assert b.shape == (2, 3) and a.shape == (3, 3)
     assert np.allclose(b @ a, b_stack @ a_stack)
-    assert np.allclose(b[:, 1:], 0) and np.allclose(a[1:], 0)
-    assert np.sum(b[:, 0] ** 2) == pytest.approx(np.sqrt(5) * 5)  # σ = ‖[1, 2]‖·‖[3, 0, 4]‖
+    assert np.allclose(b[:, 1:], 0) and np.allclose(a @ a.T, np.eye(3))
+    assert np.linalg.norm(b[:, 0]) == pytest.approx(np.sqrt(5) * 5)  # σ = ‖[1, 2]‖·‖[3, 0, 4]‖
 
 
 # ----------------------------------------------------------------------------- shared
@@ -393,7 +396,7 @@ def test_make_method_builds_each_baseline_with_shared_budgets(name, cls):
     cfg = load_config(
         None,
         [f'method.name="{name}"', "data.n_clients=4", "lora.rank=8", "lora.alpha=4.0",
-         "method.clients_per_round=2"],
+         "method.clients_per_round=2", 'method.fslora_k="ranks"'],
     )  # fmt: skip
     tau = np.array([1.0, 2.0, 4.0, 0.5])
     method = make_method(cfg, np.full(4, 0.25), _rng(), tau_full_s=tau)
@@ -439,3 +442,252 @@ def test_full_rank_heterolora_and_fslora_reduce_to_fedavg():
     out = fs.aggregate(global_state, fs.plan_round(0, _rng(), _rng()), states).global_state
     expected = weighted_mean(states, np.ones(3))
     assert all(np.allclose(out[k], expected[k]) for k in expected)
+
+
+# ----------------------------------------------------------------------------- issue 12: HetLoRA
+
+
+def _live_rank(state: dict[str, np.ndarray], mod: str = "l") -> int:
+    """Components j with B[:, j] or A[j] non-zero; with both zero, neither gets a gradient
+    (∂/∂B_j ∝ A_j, ∂/∂A_j ∝ B_j) and the component is dead for ever."""
+    a, b = state[f"{mod}.lora_A"], state[f"{mod}.lora_B"]
+    return int(np.sum((np.abs(a).sum(axis=1) > 0) | (np.abs(b).sum(axis=0) > 0)))
+
+
+def test_heterolora_pads_updates_so_untrained_components_keep_their_global_values():
+    # Prepare: γ = 3, both participants have rank 1 (no one trains components 1, 2);
+    # global A rows 1, 2 and B columns 1, 2 are 7 (client uploads carry them unchanged)
+    method = HeteroLoRA(a=np.array([1.0, 3.0]), ranks=np.array([1, 1]), gamma=3, weighting="data")
+    g = _state([[1, 1], [7, 7], [7, 7]], [[1, 7, 7]])
+    c0 = _state([[2, 2], [7, 7], [7, 7]], [[3, 7, 7]])
+    c1 = _state([[4, 4], [7, 7], [7, 7]], [[5, 7, 7]])
+    plan = method.plan_round(0, _rng(), _rng())
+    # Execute
+    out = method.aggregate(g, plan, [c0, c1]).global_state
+    # Assert: X + Σ p_n pad(X_n − X): row 0 = 1 + .25·1 + .75·3 = 3.5; rows 1, 2 stay 7
+    # (padding the modules would make them .25·0 + .75·0 = 0, dead for ever)
+    assert np.allclose(out["m.lora_A"], [[3.5, 3.5], [7, 7], [7, 7]])
+    assert np.allclose(out["m.lora_B"], [[1 + 0.25 * 2 + 0.75 * 4, 7, 7]])
+
+
+def test_heterolora_keeps_the_live_rank_under_partial_participation():
+    # Prepare: N = 10, γ = 16, 2 clients per round, ranks 3..11 (the run in the issue lost 10
+    # of 16 components by round 4). Each "training" moves the client's active components.
+    rng = _rng(0)
+    gamma, ranks = 16, np.array([11, 5, 9, 10, 6, 9, 5, 6, 3, 8])
+    method = HeteroLoRA(a=np.full(10, 0.1), ranks=ranks, gamma=gamma, clients_per_round=2)
+    g = {"l.lora_A": rng.normal(size=(gamma, 6)), "l.lora_B": rng.normal(size=(5, gamma))}
+    for r in range(20):
+        plan = method.plan_round(r, _rng(r), _rng(r))
+        states = []
+        for t in plan.tasks:
+            m = t.scale != 0
+            s = {k: v.copy() for k, v in g.items()}
+            s["l.lora_A"][m] += 0.1 * rng.normal(size=(m.sum(), 6))
+            s["l.lora_B"][:, m] += 0.1 * rng.normal(size=(5, m.sum()))
+            states.append(s)
+        g = method.aggregate(g, plan, states).global_state
+    # Assert: every component is still alive
+    assert _live_rank(g) == gamma
+
+
+def test_heterolora_modules_padding_is_kept_as_an_option():
+    method = HeteroLoRA(
+        a=np.array([1.0, 3.0]), ranks=np.array([1, 3]), gamma=3, weighting="data",
+        padding="modules", scaling="global",
+    )  # fmt: skip
+    g = _state([[1, 1], [1, 1], [1, 1]], [[1, 1, 1]])
+    c0 = _state([[2, 2], [1, 1], [1, 1]], [[2, 1, 1]])
+    c1 = _state([[4, 4], [5, 5], [6, 6]], [[4, 5, 6]])
+    out = method.aggregate(g, method.plan_round(0, _rng(), _rng()), [c0, c1]).global_state
+    assert np.allclose(out["m.lora_A"], [[3.5, 3.5], [3.75, 3.75], [4.5, 4.5]])
+
+
+def test_heterolora_scales_each_client_by_alpha_over_its_own_rank():
+    # the slot computes (α/γ)·B diag(s) A; s = γ/r_n on the first r_n gives α/r_n (HetLoRA:
+    # every client is a LoRA of rank r_n with the same α)
+    method = HeteroLoRA(a=np.ones(2), ranks=np.array([2, 4]), gamma=4)
+    plan = method.plan_round(0, _rng(), _rng())
+    assert plan.tasks[0].scale.tolist() == [2, 2, 0, 0] and plan.tasks[0].rank_used == 2
+    assert plan.tasks[1].scale.tolist() == [1, 1, 1, 1]
+    legacy = HeteroLoRA(a=np.ones(2), ranks=np.array([2, 4]), gamma=4, scaling="global")
+    assert legacy.plan_round(0, _rng(), _rng()).tasks[0].scale.tolist() == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"padding": "zeros"}, "padding = 'zeros'.*updates, modules"),
+        ({"scaling": "rs"}, "scaling = 'rs'.*rank, global"),
+        ({"pruning": 1.0}, r"method.heterolora_pruning = 1.0.*0 \(off\) or in \(0, 1\)"),
+        ({"pruning": -0.5}, r"method.heterolora_pruning = -0.5"),
+    ],
+)
+def test_heterolora_rejects_bad_options(kw, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        HeteroLoRA(a=np.ones(1), ranks=np.ones(1, dtype=int), gamma=1, **kw)
+
+
+def _tail_state(gamma: int, rank: int, head: float, tail: float) -> dict[str, np.ndarray]:
+    """A rank-γ adapter whose first components are `head` and the HetLoRA tail `tail`."""
+    a = np.zeros((gamma, 2))
+    b = np.zeros((2, gamma))
+    keep = int(np.floor(0.5 * rank))
+    a[:keep], b[:, :keep] = head, head
+    a[keep:rank], b[:, keep:rank] = tail, tail
+    return {"l.lora_A": a, "l.lora_B": b}
+
+
+def test_heterolora_self_pruning_shrinks_a_rank_when_its_tail_norm_falls():
+    # Prepare: decay 0.5, one client of rank 4: the tail is components 2, 3.
+    # Round 0: tail entries 1 → ‖B_tail‖·‖A_tail‖ = 2·2 = 4 (remembered, no pruning yet).
+    # Round 1: tail 0.5 → 1 < 4: the rank becomes ⌊0.5·4⌋ = 2. Round 2: tail 2.0 (of rank 2:
+    # component 1) — first value at the new rank, remembered; round 3: larger → kept.
+    method = HeteroLoRA(a=np.ones(1), ranks=np.array([4]), gamma=4, pruning=0.5)
+    g = _tail_state(4, 4, 0.0, 0.0)
+    ranks = []
+    for r, tail in enumerate([1.0, 0.5, 2.0, 3.0]):
+        plan = method.plan_round(r, _rng(), _rng())
+        agg = method.aggregate(g, plan, [_tail_state(4, int(method.ranks[0]), 1.0, tail)])
+        ranks.append(int(method.ranks[0]))
+    # Assert
+    assert ranks == [4, 2, 2, 2]
+    assert agg.info["ranks"] == [2]
+    # the state survives a checkpoint
+    again = HeteroLoRA(a=np.ones(1), ranks=np.array([4]), gamma=4, pruning=0.5)
+    again.load_state_dict(method.state_dict())
+    assert again.ranks.tolist() == [2] and again.state_dict() == method.state_dict()
+
+
+def test_heterolora_never_prunes_below_rank_one_and_is_off_by_default():
+    method = HeteroLoRA(a=np.ones(1), ranks=np.array([1]), gamma=2, pruning=0.5)
+    g = _tail_state(2, 1, 0.0, 0.0)
+    for r, tail in enumerate([1.0, 0.1, 0.01]):
+        method.aggregate(g, method.plan_round(r, _rng(), _rng()), [_tail_state(2, 1, 1.0, tail)])
+    assert method.ranks.tolist() == [1]
+    off = HeteroLoRA(a=np.ones(1), ranks=np.array([2]), gamma=2)
+    for r, tail in enumerate([1.0, 0.1, 0.01]):
+        off.aggregate(g, off.plan_round(r, _rng(), _rng()), [_tail_state(2, 2, 1.0, tail)])
+    assert off.ranks.tolist() == [2]
+
+
+def test_make_method_passes_heterolora_pruning():
+    cfg = load_config(
+        None,
+        ['method.name="heterolora"', "data.n_clients=2", "method.ranks=[2, 4]",
+         "method.heterolora_pruning=0.75"],
+    )  # fmt: skip
+    assert make_method(cfg, np.full(2, 0.5), _rng()).pruning == 0.75
+    with pytest.raises(ConfigError, match="method.heterolora_pruning = 1.5"):
+        load_config(None, ["method.heterolora_pruning=1.5"])
+
+
+# ----------------------------------------------------------------------------- issue 12: FlexLoRA
+
+
+def _flex_round(gamma: int, ranks: list[int], seed: int = 0):
+    """One FlexLoRA aggregation of random client uploads; returns (method, W, global)."""
+    rng = _rng(seed)
+    ranks_arr = np.array(ranks)
+    a = np.full(len(ranks), 1.0 / len(ranks))
+    method = FlexLoRA(a=a, ranks=ranks_arr, gamma=gamma, seed=seed)
+    g = {"l.lora_A": rng.normal(size=(gamma, 24)), "l.lora_B": np.zeros((20, gamma))}
+    states = [
+        {"l.lora_A": rng.normal(size=(gamma, 24)), "l.lora_B": rng.normal(size=(20, gamma))}
+        for _ in ranks
+    ]
+    plan = method.plan_round(0, _rng(), _rng())
+    w = sum(p * s["l.lora_B"][:, :r] @ s["l.lora_A"][:r] for p, r, s in zip(a, ranks, states))
+    return method, w, method.aggregate(g, plan, states)
+
+
+def test_flexlora_splits_w_as_u_sigma_and_v_transpose():
+    # FlexLoRA's reference: W_g = UΣVᵀ, client n gets B = U_r Σ_r, A = V_rᵀ
+    _, w, agg = _flex_round(8, [2, 3, 4])
+    b, a = agg.global_state["l.lora_B"], agg.global_state["l.lora_A"]
+    u, sv, vt = np.linalg.svd(w)
+    for r in (2, 3, 4, 8):  # each client's slice = the reference split (up to signs)
+        ref_b, ref_a = u[:, :r] * sv[:r], vt[:r]
+        signs = np.sign(np.sum(a[:r] * ref_a, axis=1))
+        assert np.allclose(b[:, :r] * signs, ref_b, atol=1e-10)
+        assert np.allclose(a[:r] * signs[:, None], ref_a, atol=1e-10)
+    assert np.allclose(a @ a.T, np.eye(8), atol=1e-10)  # A = V_γᵀ: orthonormal rows
+    assert np.allclose(np.linalg.norm(b, axis=0), sv[:8], atol=1e-10)  # ‖U_j σ_j‖ = σ_j
+    assert np.allclose(agg.info["singular_values"]["l"], sv[:8], atol=1e-10)
+
+
+def test_flexlora_keeps_every_component_trainable_when_ranks_sum_below_gamma():
+    # Prepare: participants of ranks 3 and 2, γ = 16: W has rank 5 (the issue's case)
+    _, w, agg = _flex_round(16, [3, 2])
+    b, a = agg.global_state["l.lora_B"], agg.global_state["l.lora_A"]
+    # Execute: the gradient of a loss L(W0 + B A) w.r.t. B is G Aᵀ (G = ∂L/∂W, generic)
+    g = _rng(9).normal(size=w.shape)
+    grad_b = g @ a.T  # (out, γ)
+    # Assert: every component of a rank-16 client gets a non-zero gradient, and B A = W
+    assert np.all(np.linalg.norm(grad_b, axis=0) > 1e-3)
+    assert np.allclose(b @ a, w, atol=1e-10)
+    assert np.allclose(b[:, 5:], 0, atol=1e-10)  # σ_j = 0 beyond rank(W)
+    assert np.allclose(a @ a.T, np.eye(16), atol=1e-10)
+
+
+def test_flexlora_reports_what_the_rank_gamma_global_loses():
+    # Σ r_n = 9 > γ = 4: the global adapter is W's best rank-4 part; clients (r_n <= γ) get
+    # exactly the reference's per-client truncation of the full W
+    _, w, agg = _flex_round(4, [3, 3, 3])
+    sv = np.linalg.svd(w, compute_uv=False)
+    lost = np.sqrt(np.sum(sv[4:] ** 2)) / np.sqrt(np.sum(sv**2))
+    assert agg.info["truncation_loss"]["l"] == pytest.approx(lost, rel=1e-9)
+    _, _, agg = _flex_round(8, [2, 3])
+    assert agg.info["truncation_loss"]["l"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_flexlora_null_components_are_seeded():
+    one = _flex_round(16, [3, 2], seed=1)[2].global_state["l.lora_A"]
+    two = _flex_round(16, [3, 2], seed=1)[2].global_state["l.lora_A"]
+    assert np.array_equal(one, two)
+
+
+# ----------------------------------------------------------------------------- issue 12: FSLoRA
+
+
+def test_fslora_default_draws_k_uniformly_in_4_to_gamma_as_its_reference():
+    cfg = load_config(None, ['method.name="fslora"', "data.n_clients=2000", "lora.rank=16"])
+    assert cfg.method.fslora_k == "reference"
+    # Execute
+    method = make_method(cfg, np.full(2000, 1 / 2000), _rng(3))
+    again = make_method(cfg, np.full(2000, 1 / 2000), _rng(3))
+    # Assert: integers 4..16, each with probability 1/13, reproducible from the seed
+    counts = np.bincount(method.k, minlength=17)
+    assert method.k.min() == 4 and method.k.max() == 16 and counts[:4].sum() == 0
+    assert np.all(np.abs(counts[4:] - 2000 / 13) < 4 * np.sqrt(2000 / 13))
+    assert np.array_equal(method.k, again.k)
+
+
+def test_fslora_k_from_the_shared_rank_budgets_and_small_gamma():
+    base = ['method.name="fslora"', "data.n_clients=3", "lora.rank=3"]
+    ranks = make_method(load_config(None, [*base, "method.ranks=[1, 2, 3]",
+                                           'method.fslora_k="ranks"']), np.ones(3) / 3, _rng())  # fmt: skip
+    assert ranks.k.tolist() == [1, 2, 3]
+    # γ < 4: the reference's range [4, γ] is empty; every client sketches all γ
+    small = make_method(load_config(None, base), np.ones(3) / 3, _rng())
+    assert small.k.tolist() == [3, 3, 3]
+    with pytest.raises(ConfigError, match="method.fslora_k = 'paper'.*reference, ranks"):
+        load_config(None, ['method.fslora_k="paper"'])
+
+
+def test_docs_reference_tables_name_existing_tests():
+    # docs/methods.md: "reference behaviour | fedlora | test" per baseline; every test it names
+    # must exist, so the tables cannot drift from the suite
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "methods.md").read_text(encoding="utf-8")
+    section = doc[
+        doc.index("## Reference behaviour, step by step") : doc.index("## Exact payloads")
+    ]
+    named = re.findall(r"`(?:(tests/\w+\.py)::)?(test_\w+)`", section)
+    assert len(named) > 20
+    for path, name in named:
+        text = (root / (path or "tests/test_methods_baselines.py")).read_text(encoding="utf-8")
+        assert f"def {name}(" in text, f"docs/methods.md names {path or ''}::{name}"

@@ -491,3 +491,115 @@ def test_profiles_reject_length_mismatch_and_negative_times():
         ClientProfiles(np.array([1.0, -1.0]), np.ones(2), nan2, nan2, nan2, nan2)
     with pytest.raises(ConfigError, match="no clients"):
         profiles_from_rows([])
+
+
+# ----------------------------------------------------------------------------- issue 12: fading
+
+
+def _mc_gains(size: int = 400_000, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).exponential(1.0, size)
+
+
+@pytest.mark.parametrize("snr_db", [-5.0, 3.0, 20.0])
+def test_ergodic_spectral_efficiency_matches_monte_carlo_and_the_closed_form(snr_db):
+    from scipy.special import exp1
+
+    from fedlora.network import ergodic_spectral_efficiency
+
+    s = 10 ** (snr_db / 10)
+    h = _mc_gains()
+    draws = np.log2(1 + s * h)
+    got = float(ergodic_spectral_efficiency(np.array([snr_db]))[0])
+    # E[log2(1 + s h)] = e^{1/s} E1(1/s) / ln 2 for h ~ Exp(1)
+    assert got == pytest.approx(np.exp(1 / s) * exp1(1 / s) / np.log(2), rel=1e-7)
+    assert abs(got - draws.mean()) < 4 * draws.std() / np.sqrt(draws.size)
+    assert got < float(
+        spectral_efficiency(np.array([snr_db]))[0]
+    )  # Jensen: below the mean-SNR rate
+
+
+@pytest.mark.parametrize(("snr_db", "floor"), [(3.0, 0.05), (20.0, 0.01), (-5.0, 0.2)])
+def test_fading_time_factor_with_an_outage_floor_matches_monte_carlo(snr_db, floor):
+    from fedlora.network import fading_time_factor
+
+    s = 10 ** (snr_db / 10)
+    h = np.maximum(_mc_gains(), floor)
+    draws = np.log2(1 + s) / np.log2(1 + s * h)  # upload time relative to the mean-SNR time
+    got = float(fading_time_factor(np.array([snr_db]), floor)[0])
+    assert abs(got - draws.mean()) < 4 * draws.std() / np.sqrt(draws.size)
+    assert got > 1.0  # fading makes the mean upload longer
+
+
+def test_fading_time_factor_without_a_floor_is_infinite_and_the_sample_mean_does_not_settle():
+    from fedlora.network import fading_time_factor
+
+    # E[1/log2(1 + s h)] diverges (≈ ln2 / (s h) near h = 0, and ∫ e^{-h}/h dh = ∞): the
+    # function says so instead of returning a finite number
+    assert fading_time_factor(np.array([10.0]), 0.0)[0] == np.inf
+    # heavy tail: the sample mean over 10⁶ draws is well above the one over 10³ (seeded)
+    s = 10.0
+    means = [float(np.mean(np.log2(1 + s) / np.log2(1 + s * _mc_gains(10**e, e)))) for e in (3, 6)]
+    assert means[1] > means[0]
+
+
+def test_fading_functions_reject_bad_inputs():
+    from fedlora.network import fading_time_factor
+
+    with pytest.raises(ConfigError, match=r"network.fading_floor = -0.1 is invalid"):
+        fading_time_factor(np.array([3.0]), -0.1)
+    with pytest.raises(ConfigError, match=r"snr_db\[0\] = nan"):
+        fading_time_factor(np.array([np.nan]), 0.1)
+
+
+def test_planning_time_factor_uses_the_ergodic_rate_without_a_floor():
+    from fedlora.network import (
+        ergodic_spectral_efficiency,
+        fading_time_factor,
+        planning_time_factor,
+    )
+
+    snr = np.array([0.0, 10.0, 25.0])
+    expected = spectral_efficiency(snr) / ergodic_spectral_efficiency(snr)
+    np.testing.assert_allclose(planning_time_factor(snr, 0.0), expected)
+    np.testing.assert_allclose(planning_time_factor(snr, 0.1), fading_time_factor(snr, 0.1))
+    # a floor near 0 makes the mean time grow without bound (log-divergent)
+    assert fading_time_factor(snr[:1], 1e-6)[0] > fading_time_factor(snr[:1], 1e-2)[0]
+
+
+def test_engine_applies_the_outage_floor_to_the_fading_gains():
+    from fedlora.config import load_config
+    from fedlora.engine import round_cost
+    from fedlora.methods.sketched import Sketched
+
+    shapes = {"m": (4, 4)}
+    prof = generate_profiles(
+        1, full_payload_bits=1e6, local_steps=1, f_tot_hz=1e6, rng=np.random.default_rng(0)
+    )
+    method = Sketched(a=np.array([1.0]), q=np.array([1.0]), k=np.array([4]), gamma=4)
+    plan = method.plan_round(0, np.random.default_rng(0), np.random.default_rng(0))
+    base = ["lora.rank=4", "data.n_clients=1", 'network.fading="rayleigh"']
+    times = {}
+    for floor in (0.0, 1e9):  # a huge floor: every gain is lifted to it
+        cfg = load_config(None, [*base, f"network.fading_floor={floor}"])
+        times[floor] = [
+            round_cost(cfg, prof, plan, method, shapes, r).round_time_s for r in range(50)
+        ]
+    assert min(np.subtract(times[0.0], times[1e9])) > 0  # the floor only shortens uploads
+    assert np.ptp(times[1e9]) == pytest.approx(0.0, abs=1e-9)  # no fading left above it
+
+
+def test_proposed_plans_with_the_fading_aware_upload_time():
+    from fedlora.config import load_config
+    from fedlora.methods.proposed import planning_t_full
+    from fedlora.network import planning_time_factor
+
+    clients = {"t_full": np.array([2.0, 3.0]), "snr_db": np.array([5.0, 15.0])}
+    plain = load_config(None, ["data.n_clients=2"])
+    faded = load_config(None, ["data.n_clients=2", 'network.fading="rayleigh"',
+                               "network.fading_floor=0.05"])  # fmt: skip
+    np.testing.assert_array_equal(planning_t_full(plain, clients), [2.0, 3.0])
+    np.testing.assert_allclose(
+        planning_t_full(faded, clients), [2.0, 3.0] * planning_time_factor([5.0, 15.0], 0.05)
+    )
+    given = {"t_full": np.array([2.0, 3.0]), "snr_db": np.array([np.nan, np.nan])}
+    np.testing.assert_array_equal(planning_t_full(faded, given), [2.0, 3.0])  # no channel data

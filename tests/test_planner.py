@@ -367,6 +367,26 @@ def test_greedy_passes_equal_the_literal_loop(seed, bound, vectorised, monkeypat
     np.testing.assert_array_equal(got, greedy_reference(p, p.constants, q, o))
 
 
+def test_greedy_equals_the_literal_loop_when_it_needs_more_than_gamma_passes():
+    # Prepare: N = 172 (the vectorised pass), γ = 16; 171 light clients shrink k one step per
+    # pass while one heavy client (a = 0.4) starts late: the literal greedy needs 19 passes
+    # (a loop capped at γ + 1 = 17 passes stopped with that client one step short)
+    n = 172
+    a = np.full(n, 0.6 / (n - 1))
+    a[-1] = 0.4
+    p = PlanProblem(
+        gamma=16, f_tot=100.0, a=a, tau_full_s=np.full(n, 0.5), t_full=np.full(n, 50.0),
+        constants=Constants(1.0, 1.0, 0.01, 0.1),
+    )  # fmt: skip
+    o = dataclasses.replace(QUAD, q_lower_bound="none")
+    q = np.full(n, 0.5)
+    # Execute
+    got = greedy_k(p, p.constants, q, o)
+    # Assert
+    np.testing.assert_array_equal(got, greedy_reference(p, p.constants, q, o))
+    assert got[-1] == 7
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_k_never_increases_p2(seed):
     p = random_problem(40, seed)
@@ -400,6 +420,46 @@ def test_alternation_returns_the_best_iterate_and_stops(bound):
     assert res.objective == pytest.approx(res.expected_rounds * res.expected_round_time_s)
     assert res.objective == pytest.approx(p2_objective(p, p.constants, res.q, res.k, o))
     assert res.objective < res.history[0]  # better than the q-step at k = γ alone
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("bound", ["per_client", "paper"])
+def test_multi_start_is_never_worse_than_one_start(seed, bound):
+    p = random_problem(30, seed)
+    o = dataclasses.replace(QUAD, q_lower_bound=bound)
+    # Execute
+    one = alternate(p, p.constants, o)
+    res = planner.multi_start(p, p.constants, o)
+    # Assert: the best of the starts, reported by name, and a consistent plan
+    assert res.objective <= one.objective
+    assert list(res.starts)[:2] == ["gamma", "capability"]
+    assert res.starts["gamma"] == one.objective
+    assert res.objective == min(res.starts.values()) == res.starts[res.start]
+    assert res.objective == pytest.approx(p2_objective(p, p.constants, res.q, res.k, o))
+
+
+def test_multi_start_finds_a_lower_plan_from_the_capability_start():
+    # Prepare: seed 1 with the paper's bound, where k = γ leads to a worse fixed point
+    p = random_problem(30, 1)
+    o = dataclasses.replace(QUAD, q_lower_bound="paper")
+    # Execute
+    res = plan(p, o)
+    # Assert: 0.017414 from the capability ranks vs 0.025672 from k = γ (measured)
+    assert res.start == "capability"
+    assert res.objective < 0.7 * res.starts["gamma"]
+    assert res.to_dict()["start"] == "capability"
+    np.testing.assert_array_equal(
+        planner.capability_start(p),
+        np.clip(np.ceil(16 * p.tau_full_s.min() / p.tau_full_s - 1e-9), 1, 16),
+    )
+
+
+def test_multi_start_with_given_starts_and_none():
+    p = random_problem(10, 0)
+    res = planner.multi_start(p, p.constants, QUAD, starts={"mine": np.full(10, 4)})
+    assert res.start == "mine" and list(res.starts) == ["mine"]
+    with pytest.raises(ConfigError, match="starts"):
+        planner.multi_start(p, p.constants, QUAD, starts={})
 
 
 def test_alternation_max_iterations():

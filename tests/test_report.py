@@ -286,6 +286,29 @@ def test_reclock_recomputes_round_times_under_another_cost_model(tmp_path):
         reclock(run, "cubic", "affine")
 
 
+def test_reclock_keeps_a_recorded_downlink_and_refuses_an_unrecorded_one(tmp_path):
+    # Prepare: the same run with a paid downlink whose broadcast took 5 s in round 1, 7 s in 2
+    d = _reclock_run(tmp_path)
+    cfg = (d / "config.toml").read_text().replace("rho = 0.5", "rho = 0.5\ndownlink_rate_bps = 1e6")
+    (d / "config.toml").write_text(cfg)
+    lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for line, dl in zip(lines, [None, 5.0, 7.0, 0.0]):
+        if dl is not None:
+            line["downlink_s"] = dl
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    t2 = (9 + math.sqrt(41)) / 2
+    # Execute
+    paper = reclock(load_run(d), "quadratic", "quadratic")
+    # Assert: the broadcast times are added to the re-clocked upload + compute times
+    assert [x["sim_time_s"] for x in paper.lines] == pytest.approx(
+        [0, 1.5 + 5, 1.5 + 5 + t2 + 7, 1.5 + 5 + t2 + 7]
+    )
+    del lines[2]["downlink_s"]  # a run from before downlink_s was recorded
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(ConfigError, match="free downlink or one recorded per round"):
+        reclock(load_run(d), "quadratic", "quadratic")
+
+
 def test_report_cli_reclocks(tmp_path, capsys):
     d = _reclock_run(tmp_path / "suite")
     out = tmp_path / "exact"

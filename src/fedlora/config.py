@@ -167,6 +167,9 @@ class NetworkConfig:
     tx_power_dbm: float = 20.0
     noise_psd_dbm_hz: float = -174.0
     fading: str = "none"  # none | rayleigh (block fading, redrawn every round)
+    # outage floor on the Rayleigh gain |h|² (a deeper fade is served at the floor's rate);
+    # 0 = none: the mean upload time is then infinite (docs/network.md)
+    fading_floor: float = 0.0
     bits_per_param: int = 16  # what one uploaded parameter costs on the air
     comm_cost: str = "exact"  # exact (bits actually sent) | linear | quadratic (paper)
     comp_cost: str = "affine"  # affine | linear | quadratic (paper)
@@ -184,6 +187,7 @@ class NetworkConfig:
         _check_number("network.tx_power_dbm", self.tx_power_dbm)
         _check_number("network.noise_psd_dbm_hz", self.noise_psd_dbm_hz)
         _check_choice("network.fading", self.fading, ("none", "rayleigh"))
+        _check_number("network.fading_floor", self.fading_floor, lo=0)
         _check_int("network.bits_per_param", self.bits_per_param, lo=1, hi=64)
         _check_choice("network.comm_cost", self.comm_cost, ("exact", "linear", "quadratic"))
         _check_choice("network.comp_cost", self.comp_cost, ("affine", "linear", "quadratic"))
@@ -273,6 +277,12 @@ class MethodConfig:
     # rank budgets r_n of fslora (its k_n), heterolora, fedstacklora, flexlora: "capability"
     # (from each device's compute time), a k strategy, a .json/.csv file, or a list
     ranks: Union[str, tuple[int, ...]] = "capability"  # noqa: UP007
+    # heterolora: HetLoRA's rank self-pruning decay factor d (r_n -> floor(d r_n) when the
+    # tail norm falls); 0 = off
+    heterolora_pruning: float = 0.0
+    # fslora's sketch sizes: "reference" (k_n uniform on [4, γ], FSLoRA's code) or "ranks"
+    # (the shared budgets of method.ranks)
+    fslora_k: str = "reference"
 
     def __post_init__(self) -> None:
         _check_choice("method.name", self.name, METHODS)
@@ -281,6 +291,10 @@ class MethodConfig:
         _check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
         _check_int("method.clients_per_round", self.clients_per_round, lo=0)
         _check_vector_or_strategy("method.ranks", self.ranks, RANK_STRATEGIES, integer=True)
+        _check_number(
+            "method.heterolora_pruning", self.heterolora_pruning, lo=0, hi=1, hi_open=True
+        )
+        _check_choice("method.fslora_k", self.fslora_k, ("reference", "ranks"))
 
 
 @dataclass(frozen=True)

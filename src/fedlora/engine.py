@@ -175,6 +175,7 @@ class RoundCost:
     uplink_bits: int
     downlink_bits: int
     bandwidth_hz: list[float]
+    downlink_s: float = 0.0  # the broadcast's share of round_time_s (0 when the downlink is free)
 
 
 def round_cost(
@@ -207,12 +208,20 @@ def round_cost(
         t = profiles.t_full[clients] * comm_factor(ranks, gamma, net.comm_cost)
     if net.fading == "rayleigh" and profiles.has_channel:
         gains = rayleigh_gains(profiles.n, derive_rng(cfg.training.seed, "fading", round_index))
+        gains = np.maximum(gains, net.fading_floor)  # the outage floor (0: none)
         faded = spectral_efficiency(profiles.snr_db, gains)[clients]
         t = t * profiles.spectral_efficiency[clients] / faded
     round_time_s, f = allocate_bandwidth(tau, t, net.f_tot_hz)
+    downlink_s = 0.0
     if net.downlink_rate_bps > 0:  # a broadcast before local training: the largest download
-        round_time_s += float(down_bits.max()) / net.downlink_rate_bps
-    return RoundCost(round_time_s, int(up_bits.sum()), int(down_bits.sum()), f.tolist())
+        downlink_s = float(down_bits.max()) / net.downlink_rate_bps
+    return RoundCost(
+        round_time_s + downlink_s,
+        int(up_bits.sum()),
+        int(down_bits.sum()),
+        f.tolist(),
+        downlink_s,
+    )
 
 
 # ----------------------------------------------------------------------------- setup
@@ -765,6 +774,7 @@ def close_round(
     progress.downlink_bits += cost.downlink_bits
     line.update(
         round_time_s=cost.round_time_s,
+        downlink_s=cost.downlink_s,
         sim_time_s=progress.sim_time_s,
         uplink_bits=cost.uplink_bits,
         downlink_bits=cost.downlink_bits,

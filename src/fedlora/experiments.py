@@ -1,7 +1,8 @@
 """Suites: several methods side by side on the same data partition, client profiles, eval
 subset and seeds (the engine derives all of those from the seed), then a report.
 
-    table1    proposed, fslora, heterolora, fedstacklora, flexlora        (Table I)
+    table1    proposed, fslora, heterolora, fedstacklora, flexlora        (Table I), and
+              fedstacklora-free-downlink (its clock without the downlink)
     sampling  proposed q vs full, fixed 0.2, uniform 1/N, weighted; k = γ (Figure 2)
     ranks     proposed k vs full, normal, uniform; q = 0.2                 (Figure 3)
 
@@ -45,6 +46,9 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
         "fslora": ("method.name=fslora",),
         "heterolora": ("method.name=heterolora",),
         "fedstacklora": ("method.name=fedstacklora",),
+        # the same training with the downlink free (the paper's clock): FedStackLoRA's
+        # stacked download grows with the participants, so it is reported both ways
+        "fedstacklora-free-downlink": ("method.name=fedstacklora", "network.downlink_rate_bps=0"),
         "flexlora": ("method.name=flexlora",),
     },
     "sampling": {

@@ -140,6 +140,7 @@ class SlotLora:
         self.cfg = cfg
         self.modules: dict[str, nn.Linear] = {n: model.get_submodule(n) for n in self.names}
         self.layers: dict[str, SlotLoraLayer] = {}
+        self._base_residual: dict[str, torch.Tensor] = {}  # see add_to_base
         self._handles = []
         for n, lin in self.modules.items():
             layer = SlotLoraLayer(
@@ -241,7 +242,13 @@ class SlotLora:
             layer.train(mode)
 
     def add_to_base(self, deltas: dict[str, torch.Tensor]) -> None:
-        """W0[name] += delta (out, in), in the base weight's dtype (FedStackLoRA merges)."""
+        """W0[name] += delta (out, in) (FedStackLoRA merges).
+
+        A base stored below fp32 (bf16) cannot hold small merges: rounding each one into bf16
+        would drop most of an update of 1e-5 at |W| ~ 0.02. The merge is done in fp32 and the
+        rounding error is carried to the next merge (`base_residual`), so after any number of
+        merges the weight is the fp32 sum rounded once.
+        """
         unknown = sorted(set(deltas) - set(self.modules))
         if unknown:
             raise ConfigError(
@@ -255,7 +262,20 @@ class SlotLora:
                     raise ConfigError(
                         f"add_to_base[{n!r}] has shape {tuple(d.shape)}, expected {tuple(w.shape)}"
                     )
-                w.add_(d.to(device=w.device, dtype=w.dtype))
+                d = d.to(device=w.device, dtype=torch.float32)
+                if w.dtype == torch.float32:
+                    w.add_(d)
+                    continue
+                target = w.float() + d
+                if n in self._base_residual:
+                    target += self._base_residual[n]
+                w.copy_(target.to(w.dtype))
+                self._base_residual[n] = target - w.float()  # what the bf16 weight lost
+
+    def base_residual(self) -> dict[str, torch.Tensor]:
+        """The fp32 rounding error `add_to_base` carries per layer of a bf16 base (empty in
+        fp32): weight + residual is the exact fp32 merge."""
+        return {k: v.clone() for k, v in self._base_residual.items()}
 
     def remove(self) -> None:
         """Detach the LoRA hooks: the model computes the base alone again."""

@@ -215,6 +215,69 @@ def rayleigh_gains(n: int, rng: np.random.Generator) -> np.ndarray:
     return rng.exponential(1.0, size=n)
 
 
+def _check_snr(snr_db: np.ndarray | Sequence[float]) -> np.ndarray:
+    snr_db = np.asarray(snr_db, dtype=float)
+    bad = np.flatnonzero(~np.isfinite(snr_db))
+    if bad.size:
+        i = int(bad[0])
+        raise bad_value(f"snr_db[{i}]", float(snr_db[i]), "a finite number of dB")
+    return snr_db
+
+
+def ergodic_spectral_efficiency(snr_db: np.ndarray | Sequence[float]) -> np.ndarray:
+    """E[log2(1 + SNR·h)] in bit/s/Hz under Rayleigh fading, h = |h|² ~ Exp(1).
+
+    Closed form e^{1/s} E1(1/s) / ln 2 (s the mean SNR, E1 the exponential integral); below
+    the mean-SNR rate log2(1 + s) (Jensen). It is the long-run mean *rate*; the mean upload
+    *time* is another matter (`fading_time_factor`).
+    """
+    from scipy.special import exp1
+
+    x = 1.0 / 10.0 ** (_check_snr(snr_db) / 10.0)
+    big = x > 500.0  # e^x overflows: asymptotic e^x E1(x) = (1/x)(1 − 1/x + 2/x² − 6/x³ …)
+    xs = np.where(big, 1.0, x)
+    scaled = np.where(big, (1 - 1 / x + 2 / x**2 - 6 / x**3) / x, np.exp(xs) * exp1(xs))
+    return scaled / math.log(2.0)
+
+
+def fading_time_factor(snr_db: np.ndarray | Sequence[float], floor: float = 0.0) -> np.ndarray:
+    """E[log2(1 + s) / log2(1 + s·max(h, floor))], h ~ Exp(1): the mean upload time under
+    Rayleigh block fading relative to the time at the mean SNR s, per client.
+
+    Without a floor it is infinite: near h = 0, 1/log2(1 + s h) ≈ ln 2/(s h) and
+    ∫₀ e^{−h}/h dh diverges, so simulated round times are heavy-tailed and their sample mean
+    never settles. An outage floor (``network.fading_floor``: a fade below it is served at the
+    floor's rate, e.g. by power control or retransmission) makes it finite:
+    (1 − e^{−f})/log2(1 + s f) + ∫_f^∞ e^{−h}/log2(1 + s h) dh, times log2(1 + s).
+    """
+    from scipy.integrate import quad
+
+    snr_db = _check_snr(snr_db)
+    if isinstance(floor, bool) or not (math.isfinite(floor) and floor >= 0):
+        raise bad_value("network.fading_floor", floor, "a finite number >= 0")
+    if floor == 0:
+        return np.full(snr_db.shape, np.inf)
+    out = np.empty(snr_db.shape)
+    for i, s in enumerate(10.0 ** (snr_db / 10.0)):
+        tail, _ = quad(lambda h, s=s: math.exp(-h) / math.log2(1.0 + s * h), floor, np.inf)
+        head = -math.expm1(-floor) / math.log2(1.0 + s * floor)
+        out[i] = math.log2(1.0 + s) * (head + tail)
+    return out
+
+
+def planning_time_factor(snr_db: np.ndarray | Sequence[float], floor: float = 0.0) -> np.ndarray:
+    """What the planner multiplies t_full (mean-SNR upload time) by when fading is on.
+
+    With an outage floor: the exact mean, `fading_time_factor`. Without one the mean time is
+    infinite, so the planner uses the ergodic rate instead, log2(1 + s) / E[log2(1 + s h)]:
+    the time the upload takes at the long-run mean rate (finite; below the simulated mean).
+    """
+    if floor > 0:
+        return fading_time_factor(snr_db, floor)
+    snr_db = _check_snr(snr_db)
+    return spectral_efficiency(snr_db) / ergodic_spectral_efficiency(snr_db)
+
+
 def generate_profiles(
     n: int,
     *,

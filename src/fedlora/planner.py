@@ -307,6 +307,8 @@ class PlanResult:
     stop_reason: str  # fixed_point | cycle | max_iterations
     history: tuple[float, ...] = field(default=())  # P2 of every iterate, in order
     m: float = math.nan  # M of the chosen q-step
+    start: str = "gamma"  # the k⁰ whose alternation gave this plan (`multi_start`)
+    starts: dict[str, float] = field(default_factory=dict)  # P2 reached from each start
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -320,6 +322,8 @@ class PlanResult:
             "solver": self.solver,
             "stop_reason": self.stop_reason,
             "history": [float(x) for x in self.history],
+            "start": self.start,
+            "starts": {name: float(v) for name, v in self.starts.items()},
         }
 
 
@@ -867,7 +871,7 @@ def greedy_k(
     rows = np.arange(problem.n)
     if problem.n <= _SCALAR_PASS_MAX_N:
         return _greedy_scalar(w_tab, v_tab, k, floor, constants.B)
-    for _ in range(gamma + 1):
+    while True:  # until a pass changes nothing (a client may start moving late: no γ cap)
         cand = k > floor
         if not cand.any():
             break
@@ -966,15 +970,75 @@ def alternate(
     )
 
 
+def capability_start(problem: PlanProblem) -> np.ndarray:
+    """k⁰_n = ⌈γ · τ_min / τ_n⌉ in 1..γ: rank proportional to device speed (the baselines'
+    `capability` budgets, `fedlora.methods.ranks`); τ_n = 0 gets γ."""
+    tau, gamma = problem.tau_full_s, problem.gamma
+    k = np.full(problem.n, gamma, dtype=np.int64)
+    pos = tau > 0
+    if pos.any():
+        k[pos] = np.clip(np.ceil(gamma * tau[pos].min() / tau[pos] - 1e-9), 1, gamma)
+    return k
+
+
+def multi_start(
+    problem: PlanProblem,
+    constants: Constants,
+    options: PlanOptions,
+    starts: dict[str, Sequence[int] | np.ndarray] | None = None,
+) -> PlanResult:
+    """The alternation from several k⁰, keeping the best plan by P2 (PAPER_NOTES #11).
+
+    The alternation is a descent on P2 that ends in a fixed point or a cycle, and different
+    k⁰ can end in different ones. Default starts, in order: ``gamma`` (k = γ, Algorithm 2's
+    start), ``capability`` (`capability_start`), then ``previous_best``: the alternation again
+    from the best k found by those two (skipped when it equals a start already tried). The
+    result is the best iterate over all of them (ties: the earliest start), with `start`
+    naming the start it came from and `starts` the P2 each start reached. `iterations`
+    counts all q-steps.
+    """
+    if starts is None:
+        starts = {
+            "gamma": np.full(problem.n, problem.gamma, dtype=np.int64),
+            "capability": capability_start(problem),
+        }
+        restart = True
+    else:
+        restart = False
+    best: PlanResult | None = None
+    reached: dict[str, float] = {}
+    iterations = 0
+    tried: set[bytes] = set()
+    queue = list(starts.items())
+    while queue:
+        name, k0 = queue.pop(0)
+        k0 = np.asarray(k0, dtype=np.int64)
+        if k0.tobytes() in tried:
+            continue
+        tried.add(k0.tobytes())
+        res = alternate(problem, constants, options, k0=k0)
+        iterations += res.iterations
+        reached[name] = res.objective
+        if best is None or res.objective < best.objective:
+            best = dataclasses.replace(res, start=name)
+        if not queue and restart:
+            restart = False
+            queue.append(("previous_best", best.k))
+    if best is None:
+        raise bad_value("starts", starts, "at least one k⁰")
+    return dataclasses.replace(best, iterations=iterations, starts=reached)
+
+
 def plan(problem: PlanProblem, options: PlanOptions | None = None) -> PlanResult:
-    """Algorithm 2: estimate A–D if the problem gives calibration runs, then alternate."""
+    """Algorithm 2: estimate A–D if the problem gives calibration runs, then alternate from
+    several starts and keep the best plan (`multi_start`)."""
     options = options or PlanOptions()
     constants = problem.constants
     if constants is None:
         constants = estimate_constants(
             problem.calibration, problem.gamma, problem.a, options.estimation_matrix
         )
-    return alternate(problem, constants, options)
+    return multi_start(problem, constants, options)
 
 
 # ----------------------------------------------------------------------------- PROBLEM.json

@@ -255,11 +255,17 @@ def _reclock_lines(
     from fedlora.network import allocate_bandwidth, comm_factor, comp_factor
 
     net = config.get("network", {})
-    if net.get("fading", "none") != "none" or float(net.get("downlink_rate_bps", 0.0)) > 0:
+    # the downlink's broadcast time does not depend on the cost model: runs record it per
+    # round (`downlink_s`); runs from before that record cannot be re-clocked with a downlink
+    paid_downlink = float(net.get("downlink_rate_bps", 0.0)) > 0
+    unrecorded = paid_downlink and any(
+        x.get("round", 0) >= 1 and x.get("participants") and "downlink_s" not in x for x in lines
+    )
+    if net.get("fading", "none") != "none" or unrecorded:
         raise ConfigError(
             f"{clients.parent}: re-clocking needs network.fading = none and a free downlink "
-            f"(got fading = {net.get('fading')!r}, downlink_rate_bps = "
-            f"{net.get('downlink_rate_bps')!r})"
+            f"or one recorded per round (got fading = {net.get('fading')!r}, "
+            f"downlink_rate_bps = {net.get('downlink_rate_bps')!r})"
         )
     gamma = int(config.get("lora", {}).get("rank", 16))
     f_tot = float(net.get("f_tot_hz", 20e6))
@@ -274,6 +280,7 @@ def _reclock_lines(
             tau = tau_full[who] * comp_factor(k, gamma, comp, rho)
             t = t_full[who] * comm_factor(k, gamma, comm)  # exact = linear: uplink ∝ k
             line["round_time_s"] = float(allocate_bandwidth(tau, t, f_tot)[0])
+            line["round_time_s"] += float(line.get("downlink_s", 0.0)) if paid_downlink else 0.0
         elif line.get("round", 0) >= 1:
             line["round_time_s"] = 0.0
         clock += line.get("round_time_s", 0.0) if line.get("round", 0) >= 1 else 0.0

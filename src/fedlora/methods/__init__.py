@@ -43,11 +43,25 @@ def make_method(
         ranks = resolve_ranks(m.ranks, n=a.size, gamma=gamma, rng=rng, tau_full_s=tau_full_s)
         per_round = m.clients_per_round
         if m.name == "fslora":
+            if m.fslora_k == "reference":  # FSLoRA's code: k_n uniform on [4, γ] (γ < 4: γ)
+                ranks = rng.integers(min(4, gamma), gamma + 1, size=a.size)
             return FSLoRA(k=ranks, gamma=gamma, clients_per_round=per_round)
         if m.name == "heterolora":
-            return HeteroLoRA(a=a, ranks=ranks, gamma=gamma, clients_per_round=per_round)
+            return HeteroLoRA(
+                a=a,
+                ranks=ranks,
+                gamma=gamma,
+                clients_per_round=per_round,
+                pruning=m.heterolora_pruning,
+            )
         if m.name == "flexlora":
-            return FlexLoRA(a=a, ranks=ranks, gamma=gamma, clients_per_round=per_round)
+            return FlexLoRA(
+                a=a,
+                ranks=ranks,
+                gamma=gamma,
+                clients_per_round=per_round,
+                seed=cfg.training.seed,
+            )
         return FedStackLoRA(
             a=a,
             ranks=ranks,

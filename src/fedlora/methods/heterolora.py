@@ -4,32 +4,50 @@ The global adapter has rank γ. Participant n (m sampled uniformly per round,
 ``method.clients_per_round``; 0 = all) has rank budget r_n ≤ γ (``method.ranks``):
 
 - download: the global adapter truncated to its first r_n components (B[:, :r_n], A[:r_n]);
-- local training of those r_n components (rank truncation scale vector: 1 on the first r_n,
-  0 elsewhere, no rescaling);
-- upload: the r_n trained components; the server zero-pads them back to rank γ
-  (B̃_n = [B_n, 0], Ã_n = [A_n; 0]) and averages the padded *modules*:
+- local training of those r_n components as a LoRA of rank r_n: its forward factor is α/r_n
+  (`scaling = "rank"`, HetLoRA: every client's LoRA has the same α). The slot computes
+  (α/γ)·B diag(s) A, so s = γ/r_n on the first r_n components and 0 elsewhere.
+  ``scaling = "global"`` keeps α/γ for everyone (s = 1);
+- upload: the r_n trained components; the server zero-pads the *updates* back to rank γ and
+  adds their weighted mean (``padding = "updates"``, the reference):
 
-      B ← Σ_{n∈K} p_n B̃_n,   A ← Σ_{n∈K} p_n Ã_n,   Σ_{n∈K} p_n = 1.
+      B ← B + Σ_{n∈K} p_n pad(B_n − B),   A ← A + Σ_{n∈K} p_n pad(A_n − A),   Σ_{n∈K} p_n = 1,
 
-  Component j ≥ r_n receives a zero from client n, so high-rank components are shrunk by the
-  low-rank clients' share (the dilution later papers criticise). That is the method.
+  so a component nobody trained this round keeps its global value, and one trained by some
+  participants moves by their share. ``padding = "modules"`` averages the zero-padded modules
+  themselves (B ← Σ p_n B̃_n): a component no participant trains becomes 0 and, with B and A
+  both 0, never gets a gradient again: under partial participation the live rank can only
+  shrink. Kept for comparison only.
 
 Weights p_n (`weighting`): ``"sparsity"`` (HetLoRA's sparsity-weighted aggregation, the
 default): per LoRA module, p_n ∝ ‖B̃_n Ã_n‖_F, the Frobenius norm of the client's padded
 product, normalised over the participants (all norms zero: falls back to data weights);
-``"data"``: p_n = a_n / Σ_{K} a_n. HetLoRA's optional local rank self-pruning is not
-implemented. Payload: r_n(out + in) parameters per module, up and down.
+``"data"``: p_n = a_n / Σ_{K} a_n.
+
+Rank self-pruning (`pruning` = the decay factor d in (0, 1), HetLoRA §3; 0 = off): after its
+local training, client n measures the norm of its tail components j ∈ [⌊d·r_n⌋, r_n),
+‖B_tail‖_F·‖A_tail‖_F summed over the modules; when it is smaller than the value it measured
+the last time it trained at the same rank, the client prunes its rank to max(1, ⌊d·r_n⌋) for
+the following rounds. The decision needs only the uploaded adapter, so the server makes it.
+HetLoRA also adds this tail norm, times λ, to the local loss to push the tail down; fedlora's
+local training has no such term (the schedule is the paper's, the regulariser is not).
+
+Payload: r_n(out + in) parameters per module, up and down.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from fedlora.errors import bad_value
-from fedlora.methods.base import Adapter, Aggregation, RoundPlan
+from fedlora.methods.base import Adapter, Aggregation, ClientTask, RoundPlan
 from fedlora.methods.fedavg import RankTruncationMethod, weighted_mean
 
 WEIGHTINGS = ("sparsity", "data")
+PADDINGS = ("updates", "modules")
+SCALINGS = ("rank", "global")
 
 
 def lora_modules(state: Adapter) -> list[str]:
@@ -43,6 +61,17 @@ def product_fro_norm(b: np.ndarray, a: np.ndarray) -> float:
     return float(np.sqrt(max(np.sum((b.T @ b) * (a @ a.T)), 0.0)))
 
 
+def tail_norm(state: Adapter, rank: int, decay: float) -> float:
+    """HetLoRA's pruning statistic: Σ_modules ‖B[:, t:r]‖_F·‖A[t:r]‖_F, t = ⌊decay·r⌋."""
+    start = int(math.floor(decay * rank))
+    total = 0.0
+    for mod in lora_modules(state):
+        a = state[f"{mod}.lora_A"][start:rank].astype(np.float64)
+        b = state[f"{mod}.lora_B"][:, start:rank].astype(np.float64)
+        total += float(np.linalg.norm(b) * np.linalg.norm(a))
+    return total
+
+
 class HeteroLoRA(RankTruncationMethod):
     name = "heterolora"
 
@@ -54,11 +83,35 @@ class HeteroLoRA(RankTruncationMethod):
         gamma: int,
         clients_per_round: int = 0,
         weighting: str = "sparsity",
+        padding: str = "updates",
+        scaling: str = "rank",
+        pruning: float = 0.0,
     ) -> None:
         if weighting not in WEIGHTINGS:
             raise bad_value("heterolora weighting", weighting, f"one of {', '.join(WEIGHTINGS)}")
+        if padding not in PADDINGS:
+            raise bad_value("heterolora padding", padding, f"one of {', '.join(PADDINGS)}")
+        if scaling not in SCALINGS:
+            raise bad_value("heterolora scaling", scaling, f"one of {', '.join(SCALINGS)}")
+        if isinstance(pruning, bool) or not (pruning == 0 or 0 < pruning < 1):
+            raise bad_value("method.heterolora_pruning", pruning, "0 (off) or in (0, 1)")
         super().__init__(a=a, ranks=ranks, gamma=gamma, clients_per_round=clients_per_round)
-        self.weighting = weighting
+        self.ranks = self.ranks.copy()  # pruning changes them
+        self.weighting, self.padding, self.scaling = weighting, padding, scaling
+        self.pruning = float(pruning)
+        self._tail: dict[int, tuple[int, float]] = {}  # client -> (rank, last tail norm)
+
+    def plan_round(
+        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
+    ) -> RoundPlan:
+        plan = super().plan_round(round_index, rng_sampling, rng_sketch)
+        if self.scaling == "global":
+            return plan
+        tasks = tuple(  # s = γ/r_n on the first r_n: the slot's α/γ becomes α/r_n
+            ClientTask(t.client, t.scale * (self.gamma / t.rank_used), t.rank_used, t.weight)
+            for t in plan.tasks
+        )
+        return RoundPlan(plan.round, tasks)
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
@@ -80,10 +133,46 @@ class HeteroLoRA(RankTruncationMethod):
                 if norms.sum() > 0:
                     p = norms / norms.sum()
             info["weights"][mod] = p.tolist()
-            dtype_a, dtype_b = global_state[ka].dtype, global_state[kb].dtype
-            out[ka] = sum(w * x for w, x in zip(p, padded_a)).astype(dtype_a)
-            out[kb] = sum(w * x for w, x in zip(p, padded_b)).astype(dtype_b)
+            g_a = global_state[ka].astype(np.float64)
+            g_b = global_state[kb].astype(np.float64)
+            if self.padding == "updates":  # untouched components: update 0, value kept
+                new_a = g_a + sum(w * (x - m[:, None] * g_a) for w, x, m in zip(p, padded_a, masks))
+                new_b = g_b + sum(w * (x - g_b * m[None, :]) for w, x, m in zip(p, padded_b, masks))
+            else:
+                new_a = sum(w * x for w, x in zip(p, padded_a))
+                new_b = sum(w * x for w, x in zip(p, padded_b))
+            out[ka] = np.asarray(new_a).astype(global_state[ka].dtype)
+            out[kb] = np.asarray(new_b).astype(global_state[kb].dtype)
         rest = [k for k in global_state if k not in out]
         if rest:  # anything that is not a LoRA pair: the data-weighted mean
             out.update(weighted_mean([{k: s[k] for k in rest} for s in client_states], data_w))
+        if self.pruning:
+            self._self_prune(plan, client_states)
+            info["ranks"] = [int(self.ranks[t.client]) for t in plan.tasks]
         return Aggregation(out, info=info)
+
+    def _self_prune(self, plan: RoundPlan, client_states: list[Adapter]) -> None:
+        """HetLoRA's schedule: prune r_n to ⌊d·r_n⌋ when the tail norm fell since last time."""
+        for t, state in zip(plan.tasks, client_states):
+            rank = t.rank_used
+            value = tail_norm(state, rank, self.pruning)
+            last = self._tail.get(t.client)
+            new_rank = max(1, int(math.floor(self.pruning * rank)))
+            if last is not None and last[0] == rank and value < last[1] and new_rank < rank:
+                self.ranks[t.client] = new_rank
+                self._tail.pop(t.client)
+            else:
+                self._tail[t.client] = (rank, value)
+
+    def state_dict(self) -> dict:
+        if not self.pruning:
+            return {}
+        return {
+            "ranks": [int(r) for r in self.ranks],
+            "tail": {int(c): [int(r), float(v)] for c, (r, v) in self._tail.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ranks") is not None:
+            self.ranks = np.asarray(state["ranks"], dtype=np.int64)
+        self._tail = {int(c): (int(r), float(v)) for c, (r, v) in state.get("tail", {}).items()}

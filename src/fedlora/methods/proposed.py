@@ -137,7 +137,22 @@ def calibration_config(cfg: ExperimentConfig, q: float, k: int) -> ExperimentCon
 def _read_clients(path: Path) -> dict[str, np.ndarray]:
     with open(path, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
-    return {key: np.array([float(r[key]) for r in rows]) for key in ("a", "tau_full_s", "t_full")}
+    out = {key: np.array([float(r[key]) for r in rows]) for key in ("a", "tau_full_s", "t_full")}
+    if rows and "snr_db" in rows[0]:  # generated profiles: the mean SNR (fading-aware plan)
+        out["snr_db"] = np.array([float(r["snr_db"]) for r in rows])
+    return out
+
+
+def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
+    """t_full for the planner: with Rayleigh fading, the mean-SNR time times the expected
+    factor of fading (`fedlora.network.planning_time_factor`; the ergodic rate when there is
+    no outage floor, the exact mean with one); unchanged without fading or channel data."""
+    snr = clients.get("snr_db")
+    if cfg.network.fading != "rayleigh" or snr is None or not np.all(np.isfinite(snr)):
+        return clients["t_full"]
+    from fedlora.network import planning_time_factor
+
+    return clients["t_full"] * planning_time_factor(snr, cfg.network.fading_floor)
 
 
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
@@ -243,7 +258,7 @@ def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[d
         f_tot=cfg.network.f_tot_hz,
         a=a,
         tau_full_s=clients["tau_full_s"],
-        t_full=clients["t_full"],
+        t_full=planning_t_full(cfg, clients),
         calibration=tuple(observations),
     )
     try:
@@ -255,9 +270,14 @@ def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[d
         constants = nonnegative_constants(observations, gamma, a)
         fit = f"nonnegative (the SVD fit was refused: {e})"
     if cfg.planner.optimize == "qk":
-        result = pl.alternate(problem, constants, options)
+        result = pl.multi_start(problem, constants, options)
         q, k = result.q, result.k
-        extra = {"iterations": result.iterations, "stop_reason": result.stop_reason}
+        extra = {
+            "iterations": result.iterations,
+            "stop_reason": result.stop_reason,
+            "start": result.start,
+            "starts": result.starts,
+        }
     else:
         from fedlora.engine import derive_rng
         from fedlora.methods.strategies import resolve_k, resolve_q
