@@ -207,6 +207,29 @@ def paired_z(a: list[int] | list[float], b: list[int] | list[float]) -> float:
     return float(d.mean() / (sd / math.sqrt(d.size)))
 
 
+def prior_nll(answers: list[str]) -> float:
+    """eval_loss of the label-prior predictor: the entropy of the gold-label frequencies (the
+    best constant distribution over labels, in nats per question)."""
+    _, counts = np.unique(answers, return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def prior_lines(records: list[dict]) -> list[str]:
+    from fedlora.config import DataConfig
+    from fedlora.data import load_eval_sets
+
+    if not any(r["protocol"] == "label" for r in records):
+        return []
+    examples = load_eval_sets(DataConfig(eval_tasks=(EVAL_TASK,), eval_limit=EVAL_N), SEED)
+    answers = [ex.answer for ex in examples[EVAL_TASK]]
+    counts = {a: answers.count(a) for a in sorted(set(answers))}
+    return [
+        f"gold labels of the {len(answers)} questions: {counts}; label-prior eval_loss "
+        f"(entropy of these frequencies) = {prior_nll(answers):.3f} nats"
+    ]
+
+
 def summarize(records: list[dict]) -> str:
     base = {r["protocol"]: r for r in records if r["method"] is None}
     rows, lines = [], []
@@ -249,6 +272,7 @@ def summarize(records: list[dict]) -> str:
                 f"{u['load_before']:.1f} | |",
             )
     text = "\n".join(head + lines)
+    text += "".join(f"\n{x}" for x in prior_lines(records))
     if rows:
         best = max(rows, key=lambda x: (x[0], x[1], x[2]))
         text += f"\n\nchosen by the rule: {best[3]['name']} (margin z = {best[0]:+.2f}); "
