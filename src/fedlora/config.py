@@ -124,7 +124,7 @@ class DataConfig:
     )  # training mix (add "boolq" for the full offline mix)
     task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
     eval_tasks: tuple[str, ...] = ("arc-e",)
-    eval_limit: int = 100  # examples per eval task (seeded subset); 0 = whole test set
+    eval_limit: int = 500  # examples per eval task (seeded subset); 0 = whole test set
     train_limit: int = 0  # examples per training task (seeded subset); 0 = all
     max_seq_len: int = 128
     n_clients: int = 20  # N
@@ -207,7 +207,7 @@ class TrainingConfig:
     batch_size: int = 4  # b
     lr: float = 0.2  # η (plain SGD, as in the paper's analysis)
     slots: int = 5  # clients trained together in one forward/backward
-    eval_every: int = 4  # E
+    eval_every: int = 8  # E (8 = the demo evaluates before and after training only)
     seed: int = 0
     target_accuracy: float = 0.0  # stop when reached; 0 = off
     target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
