@@ -272,7 +272,7 @@ def summarize(records: list[dict]) -> str:
                 f"{u['load_before']:.1f} | |",
             )
     text = "\n".join(head + lines)
-    text += "".join(f"\n{x}" for x in prior_lines(records))
+    text += "".join(f"\n\n{x}" for x in prior_lines(records))
     if rows:
         best = max(rows, key=lambda x: (x[0], x[1], x[2]))
         text += f"\n\nchosen by the rule: {best[3]['name']} (margin z = {best[0]:+.2f}); "
