@@ -85,7 +85,7 @@ def test_step_sizes_hand_computed():
         client_step_sizes(0.2, scales, "scaled"), [0.003125, 0.025, 0.2, 0.2], rtol=1e-12
     )
     # the config path: "paper" hands local_train the scalar η (the unchanged plain-SGD path)
-    assert step_sizes_for(TrainingConfig(lr=0.2), scales) == 0.2
+    assert step_sizes_for(TrainingConfig(lr=0.2, sketch_step="paper"), scales) == 0.2
     np.testing.assert_allclose(
         step_sizes_for(TrainingConfig(lr=0.2, sketch_step="scaled"), scales),
         [0.003125, 0.025, 0.2, 0.2],
@@ -123,9 +123,9 @@ def test_config_rejects_bad_values(field, value, match):
         TrainingConfig(**{field: value})
 
 
-def test_config_defaults_keep_the_paper_step():
+def test_config_defaults_are_the_cpu_protocol():
     cfg = TrainingConfig()
-    assert (cfg.sketch_step, cfg.momentum) == ("paper", 0.0)
+    assert (cfg.sketch_step, cfg.momentum) == ("scaled", 0.0)
 
 
 # ----------------------------------------------------------------------------- the property
@@ -296,3 +296,32 @@ def test_engine_passes_each_clients_step_size_and_momentum(tmp_path, monkeypatch
     k = np.array([t.rank_used for t in plan.tasks])
     np.testing.assert_allclose(seen[0][0], 0.4 * (k / 4) ** 1.5)
     assert seen[0][1] == 0.5
+
+
+def test_run_dirs_written_before_the_protocol_change_resume_with_their_old_values(tmp_path):
+    # Prepare: a config.toml as written before data.response, evaluation.scoring and
+    # training.sketch_step existed (the defaults changed to the CPU protocol since)
+    from fedlora.config import ExperimentConfig, dump_toml
+    from fedlora.engine import load_run_config
+
+    text = dump_toml(ExperimentConfig())
+    old = "\n".join(
+        line
+        for line in text.splitlines()
+        if not line.startswith(("response =", "scoring =", "sketch_step ="))
+    )
+    (tmp_path / "config.toml").write_text(old)
+    # Execute
+    cfg = load_run_config(tmp_path)
+    # Assert: the old behaviour, while a fresh config gets the new defaults
+    assert (cfg.data.response, cfg.evaluation.scoring, cfg.training.sketch_step) == (
+        "label",
+        "label",
+        "paper",
+    )
+    new = ExperimentConfig()
+    assert (new.data.response, new.evaluation.scoring, new.training.sketch_step) == (
+        "option",
+        "option_norm",
+        "scaled",
+    )

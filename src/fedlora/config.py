@@ -133,7 +133,7 @@ class DataConfig:
     min_client_examples: int = 8
     # what the training response names after "the correct answer is ": the label ("answer2",
     # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
-    response: str = "label"
+    response: str = "option"
 
     def __post_init__(self) -> None:
         if not self.tasks and not self.task_files:
@@ -219,7 +219,7 @@ class TrainingConfig:
     # "paper": every client steps with η (Eq. 4). "scaled": client n steps with
     # η·(k_n/γ)^1.5, which makes the expected size of its first-step ΔW independent of k_n
     # (docs/methods.md, "Sketch-scaled local steps"); no effect on unsketched clients.
-    sketch_step: str = "paper"
+    sketch_step: str = "scaled"
     momentum: float = 0.0  # local heavy-ball momentum μ (reset every round); 0 = plain SGD
 
     def __post_init__(self) -> None:
@@ -354,7 +354,7 @@ class EvaluationConfig:
 
     # label: log-likelihood of the answer label (the paper's protocol for large models);
     # option: of the option text; option_norm: of the option text per character (acc_norm)
-    scoring: str = "label"
+    scoring: str = "option_norm"
     batch_size: int = 16  # questions (with all their candidates) per forward pass
     predictions: bool = True  # write every question's prediction to predictions.jsonl
 

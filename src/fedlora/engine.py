@@ -29,7 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig, diff_configs, dump_toml, load_config
+from fedlora.config import (
+    ExperimentConfig,
+    config_from_dict,
+    diff_configs,
+    dump_toml,
+    read_toml,
+)
 from fedlora.errors import ConfigError, FedloraError
 from fedlora.methods import Method, RoundPlan, make_method
 from fedlora.network import (
@@ -107,6 +113,25 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
     _atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
 
 
+# Keys whose default changed after run directories were written without them: such a run
+# resumes with the value it was started with (issue 13's CPU protocol changed these defaults).
+LEGACY_DEFAULTS = {
+    ("data", "response"): "label",
+    ("evaluation", "scoring"): "label",
+    ("training", "sketch_step"): "paper",
+}
+
+
+def load_saved_config(path: Path) -> ExperimentConfig:
+    """A run directory's config.toml; keys it lacks take `LEGACY_DEFAULTS`, else the defaults."""
+    raw = read_toml(path)
+    for (section, key), value in LEGACY_DEFAULTS.items():
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):
+            table.setdefault(key, value)
+    return config_from_dict(raw, source=str(path))
+
+
 def load_run_config(
     run_dir: Path, given: ExperimentConfig | None = None, *, force: bool = False
 ) -> ExperimentConfig:
@@ -114,7 +139,7 @@ def load_run_config(
     path = run_dir / "config.toml"
     if not path.exists():
         raise ConfigError(f"--resume {str(run_dir)!r}: no config.toml there (not a fedlora run)")
-    saved = load_config(path)
+    saved = load_saved_config(path)
     if given is not None:
         differing = diff_configs(saved, given)
         if differing and not force:
