@@ -79,6 +79,8 @@ def test_step_sizes_hand_computed():
     scales[2, :] = 1.0
     scales[3, :2] = 1.0  # a rank truncation (r_n = 2): no sketch scale
     assert SKETCH_STEP_POWER == 1.5
+    # a client with no active component trains nothing; it keeps η
+    np.testing.assert_allclose(client_step_sizes(0.2, np.zeros((1, 16)), "scaled"), [0.2])
     np.testing.assert_allclose(client_step_sizes(0.2, scales, "paper"), [0.2] * 4)
     # η·(k/γ)^1.5: 0.2/64, 0.2/8, 0.2, 0.2
     np.testing.assert_allclose(
@@ -100,7 +102,8 @@ def test_step_sizes_hand_computed():
         (float("nan"), np.ones((1, 4)), "scaled", r"training\.lr = nan"),
         (True, np.ones((1, 4)), "scaled", r"training\.lr = True"),
         (0.1, np.ones(4), "scaled", r"scales must be \(c, γ\)"),
-        (0.1, np.zeros((2, 4)), "scaled", "needs a positive entry"),
+        (0.1, -np.ones((2, 4)), "scaled", "finite and >= 0"),
+        (0.1, np.full((1, 4), np.inf), "scaled", "finite and >= 0"),
     ],
 )
 def test_step_sizes_bad_input(lr, scales, mode, match):

@@ -427,12 +427,13 @@ def client_step_sizes(lr: float, scales: np.ndarray, sketch_step: str = "paper")
     scales = np.asarray(scales, dtype=np.float64)
     if scales.ndim != 2 or scales.shape[0] == 0:
         raise ConfigError(f"scales must be (c, γ) with c >= 1, got shape {scales.shape}")
+    if not np.all(np.isfinite(scales) & (scales >= 0)):
+        raise ConfigError(f"scales must be finite and >= 0, got {scales.tolist()}")
     s = scales.max(axis=1)  # (c,)
-    if not np.all(np.isfinite(s) & (s > 0)):
-        raise ConfigError(f"every client's scale vector needs a positive entry, got maxima {s}")
     if sketch_step == "paper":
         return np.full(s.shape, float(lr))
-    return float(lr) * s ** (-SKETCH_STEP_POWER)
+    # a client with no active component (all scales 0) trains nothing: it keeps η
+    return float(lr) * np.where(s > 0, s, 1.0) ** (-SKETCH_STEP_POWER)
 
 
 def step_sizes_for(training: Any, scales: np.ndarray) -> float | np.ndarray:
