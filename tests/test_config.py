@@ -236,7 +236,13 @@ BAD_VALUES = [
     (["data.n_clients=2", "method.ranks=[4, 17]"], "method.ranks = (4, 17) is invalid"),
     (["method.ranks=biggest"], "method.ranks = 'biggest' is invalid"),
     # other ranges and choices
-    (["model.dtype=fp16"], "model.dtype = 'fp16' is invalid: allowed: fp32, bf16"),
+    (["model.dtype=fp16"], "model.dtype = 'fp16' is invalid: allowed: auto, fp32, bf16"),
+    (
+        ["model.device=gpu"],
+        "model.device = 'gpu' is invalid: allowed: auto, cpu, cuda, cuda:N, mps",
+    ),
+    (['model.device="cuda:x"'], "model.device = 'cuda:x' is invalid: allowed: auto, cpu, cuda"),
+    (["model.device=3"], "model.device = 3 is invalid: a string"),
     (["model.name=''"], "model.name = '' is invalid"),
     (["model.threads=-1"], "model.threads = -1 is invalid"),
     (["lora.alpha=0"], "lora.alpha = 0.0 is invalid"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from fedlora.engine import (
     run_experiment,
     train_participants,
 )
+from fedlora.errors import ConfigError
 from fedlora.methods.base import ClientTask, RoundPlan, sketch_payload_params
 from fedlora.network import allocate_bandwidth, comp_factor
 from fedlora.sketch import sample_participants, unbiased_aggregate
@@ -199,6 +201,29 @@ def test_target_accuracy_and_time_budget_stop(tmp_path):
     assert summary["stop_reason"] == "time_budget" and summary["rounds"] == 1
 
 
+def test_eval_schedule_in_simulated_time_and_at_the_budget(tmp_path):
+    # Round times do not depend on evaluation: a reference run gives the clock c_1..c_4.
+    ref, _ = _run(tmp_path, "ref", "training.rounds=4", "training.eval_every=100")
+    clock = [m["sim_time_s"] for m in _metrics(ref)]
+    assert [("eval" in m) for m in _metrics(ref)] == [True, False, False, False, True]
+    # every_s between c_1 and c_2: evaluated where floor(c_r / every_s) grows (by hand)
+    every = (clock[1] + clock[2]) / 2
+    due = [math.floor(clock[r] / every) > math.floor(clock[r - 1] / every) for r in range(1, 5)]
+    timed, _ = _run(tmp_path, "s", "training.rounds=4", "training.eval_every=100",
+                    f"training.eval_every_s={every!r}")  # fmt: skip
+    lines = _metrics(timed)
+    assert [m["sim_time_s"] for m in lines] == clock
+    assert [("eval" in m) for m in lines[1:]] == [d or r == 4 for r, d in enumerate(due, 1)]
+    # a budget between c_2 and c_3: round 3 spends it, is evaluated and is the last
+    budget = (clock[2] + clock[3]) / 2
+    spent, summary = _run(tmp_path, "b", "training.rounds=4", "training.eval_every=100",
+                          f"training.time_budget_s={budget!r}")  # fmt: skip
+    assert summary["stop_reason"] == "time_budget" and summary["rounds"] == 3
+    assert [("eval" in m) for m in _metrics(spent)] == [True, False, False, True]
+    with pytest.raises(ConfigError, match="training.eval_every_s"):
+        _cfg("training.eval_every_s=-1")
+
+
 def test_nan_loss_stops_with_clear_message_and_keeps_checkpoint(tmp_path, monkeypatch):
     # Prepare: local training diverges in round 2 (train.py raises TrainingError on a
     # non-finite loss; tests/test_train.py covers that detection itself)
@@ -250,7 +275,7 @@ def test_existing_output_dir_and_resume_config_checks(tmp_path, capsys):
 
 def test_damaged_checkpoint_falls_back_to_previous(tmp_path):
     run_dir, _ = _run(tmp_path, "d")
-    newest = sorted((run_dir / "checkpoints").glob("round-*.pt"))[-1]
+    newest = sorted((run_dir / "checkpoints").glob("round-*.safetensors"))[-1]
     newest.write_bytes(b"not a checkpoint")
     warnings = []
     state = load_checkpoint(run_dir, warn=warnings.append)

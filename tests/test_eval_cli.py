@@ -141,3 +141,21 @@ def test_task_and_task_file_are_exclusive_and_one_is_required(capsys, task_file:
             main(["eval", *argv])
         assert e.value.code == 2
         capsys.readouterr()
+
+
+def test_device_is_honoured_and_a_missing_one_is_exit_2(capsys, task_file, monkeypatch) -> None:
+    import torch
+
+    import fedlora.device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(fedlora.device, "_mps_available", lambda: False)
+    argv = ["--model", "tiny-llama", "--task-file", str(task_file)]
+    out = run_json(capsys, [*argv, "--device", "cpu"])
+    assert (out["device"], out["dtype"]) == ("cpu", "fp32")
+    assert run_json(capsys, argv)["device"] == "cpu"  # auto, without a GPU
+    err = _bad(capsys, [*argv, "--device", "cuda"])
+    assert "--device = 'cuda' is invalid: not available on this machine; available: cpu" in err
+    assert "--device = 'gpu' is invalid: allowed: auto, cpu, cuda" in _bad(
+        capsys, [*argv, "--device", "gpu"]
+    )

@@ -300,3 +300,101 @@ def test_target_loss_stops_the_run(tmp_path: Path) -> None:
     # the untrained adapter's eval_loss (round 0) is already below 1000
     assert summary["stop_reason"] == "target_loss" and summary["rounds"] == 0
     assert summary["time_to_target_loss_s"] == 0.0 and summary["target_loss"] == 1000.0
+
+
+# ----------------------------------------------------------------------------- eval cache
+
+CACHE_EXAMPLES = [
+    mc("Which gas do plants take in?", ["oxygen", "carbon dioxide", "helium", "neon"], 1),
+    mc("What is frozen water called?", ["ice", "steam", "fog"], 0),
+    mc("A much longer question about the moon and the tides of the sea?", ["x", "y"], 1),
+    Example(
+        "boolq",
+        "Please answer the following question with true or false, question: is ice cold?"
+        "\n\nAnswer format: true/false",
+        "the correct answer is true",
+        "true",
+        ("true", "false"),
+    ),
+]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("scoring", ["label", "option_norm"])
+def test_cached_evaluation_equals_uncached(name: str, scoring: str) -> None:
+    from fedlora.config import LoraConfig
+    from fedlora.evaluation import eval_cache_for
+    from fedlora.lora import inject_lora
+
+    model, tok = load_model(name, dtype="fp32", progress=False)
+    lora = inject_lora(model, LoraConfig(rank=4, layers=1), slots=2, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    lora.load_global(
+        {k: torch.randn(v.shape, generator=gen) * 0.5 for k, v in lora.global_state().items()}
+    )
+    lora.set_clients(torch.ones(1, 4))
+    cache = eval_cache_for(model, lora, 64.0)
+    assert cache is not None and cache.first_layer == 1
+    assert eval_cache_for(model, lora, 64.0) is cache  # kept for the run
+    ref = evaluate(model, tok, CACHE_EXAMPLES, batch_size=3, scoring=scoring)
+    for _ in range(2):  # the first evaluation fills the cache, the second reads it
+        got = evaluate(model, tok, CACHE_EXAMPLES, batch_size=3, scoring=scoring, cache=cache)
+        assert got.predictions == ref.predictions and got.correct == ref.correct
+        np.testing.assert_allclose(got.nll, ref.nll, atol=1e-5)
+        ref_lp = candidate_token_logprobs(model, tok, CACHE_EXAMPLES, scoring=scoring)
+        got_lp = candidate_token_logprobs(model, tok, CACHE_EXAMPLES, scoring=scoring, cache=cache)
+        for r, g in zip(ref_lp, got_lp):
+            for rt, gt in zip(r, g):
+                np.testing.assert_allclose(gt, rt, atol=1e-5)
+    stats = cache.stats()
+    assert stats["misses"] == len(CACHE_EXAMPLES) and stats["hits"] == 3 * len(CACHE_EXAMPLES)
+    # a new global adapter changes only the top layers: the cache stays valid
+    lora.load_global({k: v * 0.5 for k, v in lora.global_state().items()})
+    ref2 = evaluate(model, tok, CACHE_EXAMPLES, batch_size=2, scoring=scoring)
+    got2 = evaluate(model, tok, CACHE_EXAMPLES, batch_size=2, scoring=scoring, cache=cache)
+    np.testing.assert_allclose(got2.nll, ref2.nll, atol=1e-5)
+    assert cache.stats()["misses"] == len(CACHE_EXAMPLES)
+
+
+def test_eval_cache_is_bounded_and_off_when_nothing_is_frozen() -> None:
+    from fedlora.config import LoraConfig
+    from fedlora.evaluation import eval_cache_for
+    from fedlora.lora import inject_lora
+
+    model, tok = load_model("tiny-llama", dtype="fp32", progress=False)
+    lora_all = inject_lora(model, LoraConfig(rank=2, layers="all"), slots=1, seed=0)
+    assert eval_cache_for(model, lora_all, 64.0) is None
+    model, tok = load_model("tiny-llama", dtype="fp32", progress=False)
+    lora = inject_lora(model, LoraConfig(rank=2, layers=1), slots=1, seed=0)
+    assert eval_cache_for(model, lora, 0.0) is None
+    big = eval_cache_for(model, lora, 64.0)
+    evaluate(model, tok, CACHE_EXAMPLES, cache=big)
+    sizes = [big._entry_bytes(k, v) for k, v in big._entries.items()]
+    assert len(sizes) == len(CACHE_EXAMPLES)
+    # room for the largest question and not one more: it keeps the first, adds no other
+    cache = eval_cache_for(model, lora, (max(sizes) + min(sizes) - 1) / 2**20)
+    assert cache is not big
+    ref = evaluate(model, tok, CACHE_EXAMPLES, batch_size=4)
+    for _ in range(2):
+        got = evaluate(model, tok, CACHE_EXAMPLES, batch_size=4, cache=cache)
+        np.testing.assert_allclose(got.nll, ref.nll, atol=1e-5)
+    assert len(cache) == 1 and cache.nbytes <= cache.max_bytes and cache.evictions == 0
+
+
+def test_write_predictions_replaces_rounds_a_resumed_run_repeats(tmp_path: Path) -> None:
+    from fedlora.engine import write_predictions
+    from fedlora.evaluation import EvalResult
+
+    def result(pred: int) -> EvalResult:
+        return EvalResult(
+            "arc-e", 1.0, 1, (0.2, 1.0), 0.0, ids=["q"], predictions=[pred], correct=[True],
+            nll=[0.5],
+        )  # fmt: skip
+
+    for r in (0, 4, 8):
+        write_predictions(tmp_path, r, {"arc-e": result(r)})
+    with open(tmp_path / "predictions.jsonl", "a") as f:
+        f.write('{"round": 12, "task": "ar')  # torn by a kill
+    write_predictions(tmp_path, 8, {"arc-e": result(99)})  # resumed after round 4
+    lines = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [(x["round"], x["pred"]) for x in lines] == [(0, [0]), (4, [4]), (8, [99])]

@@ -13,12 +13,13 @@ from fedlora import engine
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.experiments import SUITES, load_suite
+from fedlora.experiments import SUITES, load_suite, pilot_targets, with_pilot_targets
 from fedlora.methods import make_method
 from fedlora.methods.proposed import (
     Proposed,
     calibration_config,
     calibration_settings,
+    plan_outcome,
     prepare_proposed,
     rounds_to_loss,
     smoothed_losses,
@@ -49,8 +50,12 @@ def test_smoothed_losses_trailing_mean_over_non_empty_rounds():
 
 
 def test_calibration_config_is_sketched_with_every_client_alike():
-    cfg = load_config(None, ["data.n_clients=3", "planner.calibration_rounds=7", "training.seed=5"])
+    cfg = load_config(None, ["data.n_clients=3", "planner.calibration_rounds=7", "training.seed=5",
+                             "training.eval_every_s=2.5", "training.time_budget_s=9",
+                             "training.target_loss=0.5"])  # fmt: skip
     c = calibration_config(cfg, 0.3, 4)
+    assert c.training.eval_every_s == 0.0 and c.training.time_budget_s == 0.0
+    assert c.training.target_loss == 0.0
     assert (c.method.name, c.method.q, c.method.k) == ("sketched", (0.3,) * 3, (4,) * 3)
     assert (c.training.rounds, c.training.eval_every, c.training.seed) == (7, 7, 5)
     assert c.training.target_accuracy == 0.0 and c.data.eval_limit == 8
@@ -71,15 +76,17 @@ def _fake_engine(calls: list):
 
     def run(cfg, run_dir, *, resume=False, quiet=False, log=None, stop=None):
         q, k = cfg.method.q[0], cfg.method.k[0]
-        calls.append((q, k))
+        calls.append((q, k) if not resume else ("resume", q, k, cfg.training.rounds))
         big_r = KNOWN_R[(q, k)]
         path = Path(run_dir) / "metrics.jsonl"
-        path.write_text(json.dumps({"round": 0, "sim_time_s": 0.0, "train_loss": None}) + "\n")
+        done = len(path.read_text().splitlines()) - 1 if resume else 0
+        if not resume:
+            path.write_text(json.dumps({"round": 0, "sim_time_s": 0.0, "train_loss": None}) + "\n")
         rows = ["client,n_examples,a,tau_full_s,t_full"]
         rows += [f"{i},{n},{a},{tau},{t}" for i, (n, a, tau, t) in enumerate(
             [(10, 0.1, 1.0, 4e6), (20, 0.2, 2.0, 2e6), (30, 0.3, 0.5, 8e6), (40, 0.4, 1.5, 1e6)])]  # fmt: skip
         (Path(run_dir) / "clients.csv").write_text("\n".join(rows) + "\n")
-        for r in range(1, cfg.training.rounds + 1):
+        for r in range(done + 1, cfg.training.rounds + 1):
             loss = 2.0 if r == 1 else (1.2 if r < big_r else 0.3)
             line = {"round": r, "sim_time_s": float(r), "train_loss": loss}
             with open(path, "a") as f:
@@ -112,6 +119,14 @@ def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path, 
     assert [r["rounds_run"] for r in runs] == [112, 120, 140, 210]
     assert plan["calibration"]["loss_target"] == plan["calibration"]["loss_used"] == 1.0
     assert calibration_s == plan["calibration"]["sim_time_s"] == 112 + 120 + 140 + 210
+    assert [r["reached"] for r in runs] == [True] * 4
+    assert "0.5 x the first round's train loss" in plan["calibration"]["loss_rule"]
+    # the exact constants predict every run's rounds: zero residuals, a plan that is checked
+    fit = plan["fit"]
+    assert [f["predicted_rounds"] for f in fit] == pytest.approx([112, 120, 140, 210])
+    assert [f["row_residual"] for f in fit] == pytest.approx([0] * 4, abs=1e-9)
+    assert set(plan["degeneracy"]) >= {"degenerate", "reasons", "k_at_1", "q_at_lower_bound"}
+    assert plan["degeneracy"]["degenerate"] == (plan["degeneracy"]["reasons"] != [])
     c = plan["constants"]
     assert [c["A"], c["B"], c["C"], c["D"]] == pytest.approx([105, 1, 0.05, 0.0125], rel=1e-9)
     q, k = np.array(plan["q"]), np.array(plan["k"])
@@ -138,6 +153,85 @@ def test_prepare_proposed_fallback_when_a_run_never_reaches_f_s(tmp_path, monkey
     with pytest.raises(ConfigError, match="calibration"):
         prepare_proposed(cfg, tmp_path, log=lambda m: None)
     assert len(calls) == 4
+
+
+def test_calibration_is_continued_when_the_cap_is_raised(tmp_path, monkeypatch):
+    # Cap 150: (0.15, 4) stops short of its R = 210 and the fallback cannot fit (see above).
+    # Raising the cap to 300 continues that run from round 150 (not from 0) to R = 210; the
+    # three runs that reached F_s are reused, and the constants come out exact.
+    calls: list = []
+    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
+    cfg = load_config(None, ["data.n_clients=4", "planner.calibration_rounds=150"])
+    with pytest.raises(ConfigError, match="calibration"):
+        prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    calls.clear()
+    raised = load_config(None, ["data.n_clients=4", "planner.calibration_rounds=300"])
+    prepare_proposed(raised, tmp_path, log=lambda m: None)
+    assert calls == [("resume", 0.15, 4, 300)]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [r["rounds"] for r in plan["calibration"]["runs"]] == [112, 120, 140, 210]
+    assert [r["reached"] for r in plan["calibration"]["runs"]] == [True] * 4
+    c = plan["constants"]
+    assert [c["A"], c["C"], c["D"]] == pytest.approx([105, 0.05, 0.0125], rel=1e-9)
+    sub = tmp_path / "calibration" / "run-3-q0.15-k4"
+    assert load_config(sub / "config.toml").training.rounds == 300
+
+
+def test_calibration_loss_fraction_sets_f_s(tmp_path, monkeypatch):
+    # F_s = 0.7 x 2.0 = 1.4: the smoothed loss (2.0, 1.6, 1.47, 1.2 ...) is <= 1.4 at round 4
+    # in every run, so all R = 4 -> the fit is refused; plan.json is not written
+    calls: list = []
+    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
+    cfg = load_config(None, ["data.n_clients=4", "planner.calibration_loss_fraction=0.7"])
+    with pytest.raises(ConfigError, match="calibration"):
+        prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    for sub in sorted((tmp_path / "calibration").iterdir()):
+        assert len((sub / "metrics.jsonl").read_text().splitlines()) == 1 + 4
+    for bad in (0, 1, 1.5, -0.1):
+        with pytest.raises(ConfigError, match=r"planner.calibration_loss_fraction"):
+            load_config(None, [f"planner.calibration_loss_fraction={bad}"])
+
+
+def test_plan_outcome_compares_predicted_and_observed_rounds(tmp_path):
+    # F_s' = 1.0; training losses 2.0, 1.2, 0.6, 0.3: smoothed 2.0, 1.6, 1.27, 0.7 -> R = 4
+    plan = {
+        "expected_rounds": 3.5,
+        "degeneracy": {"degenerate": True, "reasons": ["every k_n = 1"]},
+        "fit": [{"observed_rounds": 5.0, "predicted_rounds": 4.0}],
+        "calibration": {
+            "loss_used": 1.0,
+            "sim_time_s": 12.5,
+            "runs": [{"q": 0.3, "k": 4, "reached": False}],
+        },
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    lines = [{"round": 0, "sim_time_s": 12.5, "train_loss": None}]
+    lines += [{"round": r, "sim_time_s": 12.5 + r, "train_loss": x}
+              for r, x in enumerate([2.0, 1.2, 0.6, 0.3], 1)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = plan_outcome(tmp_path)
+    assert out["predicted_rounds"] == 3.5 and out["observed_rounds"] == 4
+    assert out["rounds_run"] == 4 and out["loss_used"] == 1.0
+    assert out["degenerate"] is True and out["degenerate_reasons"] == ["every k_n = 1"]
+    assert out["calibration"] == [
+        {"q": 0.3, "k": 4, "observed_rounds": 5.0, "predicted_rounds": 4.0, "reached_f_s": False}
+    ]
+    assert out["calibration_sim_time_s"] == 12.5
+    assert plan_outcome(tmp_path / "nothing") is None
+
+
+@pytest.mark.parametrize(("in_budget", "budget_s"), [("true", 10.0), ("false", 10.0 + 582)])
+def test_calibration_in_budget_or_after_it(tmp_path, monkeypatch, in_budget, budget_s):
+    # the fake calibration takes 112 + 120 + 140 + 210 = 582 simulated seconds
+    monkeypatch.setattr(engine, "run_experiment", _fake_engine([]))
+    cfg = load_config(
+        None, ["data.n_clients=4", "planner.calibration_rounds=300", "training.time_budget_s=10",
+               f"planner.calibration_in_budget={in_budget}", "method.name=proposed"],
+    )  # fmt: skip
+    planned, calibration_s = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    assert calibration_s == 582 and planned.training.time_budget_s == budget_s
+    with pytest.raises(ConfigError, match="planner.calibration_in_budget = 1 is invalid"):
+        load_config(None, ["planner.calibration_in_budget=1"])
 
 
 def test_prepare_proposed_uses_a_given_plan_file(tmp_path):
@@ -183,6 +277,9 @@ def test_suite_labels_build_the_paper_configs(tmp_path):
     assert c.data.eval_tasks == ("arc-e", "arc-c") and c.training.target_accuracy == 0.0
 
 
+RULE = "target_rule = {budget_fraction = 0.6, floor_se = 4, text = 'slowest at 60%'}"
+
+
 @pytest.mark.parametrize(
     ("suite", "text", "kwargs", "message"),
     [
@@ -195,12 +292,51 @@ def test_suite_labels_build_the_paper_configs(tmp_path):
         ("table1", "[suite]\ntargets = {arc-e = 0.5}\n", {"seeds": 0}, "--seeds (suite.seeds) = 0"),
         ("table1", "[suite]\ntargets = {arc-e = 0.5}\n[training]\nrounds = 0\n", {},
          "training.rounds = 0 is invalid"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\nseeds = [1, 1]\n", {},
+         "--seeds (suite.seeds) = [1, 1] is invalid"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\nseeds = [1, -2]\n", {},
+         "--seeds (suite.seeds) = [1, -2]"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\ntarget_losses = {arc-e = 0}\n", {},
+         "suite.target_losses.arc-e = 0"),
+        ("table1", "[suite]\ntargets = {arc-e = 0.5}\nsimilar_margin = 2\n", {},
+         "suite.similar_margin = 2"),
+        ("table1", f"[suite]\n{RULE}\n", {},
+         "training.time_budget_s = 0.0 is invalid: > 0 with suite.target_rule"),
+        ("table1", f"[suite]\n{RULE}\npilot_seed = 1\nseeds = [1, 2]\n[training]\n"
+         "time_budget_s = 60\n", {}, "suite.pilot_seed = 1 is invalid: a seed that no main"),
+        ("table1", f"[suite]\n{RULE}\npilot_seed = -1\n[training]\ntime_budget_s = 60\n", {},
+         "suite.pilot_seed = -1"),
+        ("table1", "[suite]\ntarget_rule = {budget_fraction = 2, text = 'x'}\n", {},
+         "suite.target_rule.budget_fraction = 2"),
     ],
 )  # fmt: skip
 def test_load_suite_bad_input(tmp_path, suite, text, kwargs, message):
     with pytest.raises(ConfigError) as e:
         load_suite(suite, _suite_file(tmp_path, text), **kwargs)
     assert message in str(e.value)
+
+
+def test_suite_with_a_rule_reads_its_targets_from_the_pilot(tmp_path):
+    text = f"[suite]\n{RULE}\npilot_seed = 9\nseeds = [3, 5]\n[training]\ntime_budget_s = 60\n"
+    spec = load_suite("table1", _suite_file(tmp_path, text))
+    assert spec.seeds == (3, 5) and spec.pilot_seed == 9 and spec.targets == {}
+    assert spec.rule["budget_fraction"] == 0.6 and spec.tasks == ("arc-e",)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ConfigError, match=r"run `fedlora compare \.\.\. --pilot` first"):
+        with_pilot_targets(spec, out)
+    (out / "targets.toml").write_text('[targets]\n"arc-e" = 0.41\n[target_losses]\n"arc-e" = 1.1\n')
+    filled = with_pilot_targets(spec, out)
+    assert filled.targets == {"arc-e": 0.41} and filled.target_losses == {"arc-e": 1.1}
+    # a target given in the suite file wins over the pilot's
+    given = load_suite("table1", _suite_file(tmp_path, text.replace(
+        "pilot_seed", "targets = {arc-e = 0.5}\ntarget_losses = {arc-e = 0.9}\npilot_seed")))  # fmt: skip
+    assert with_pilot_targets(given, out).targets == {"arc-e": 0.5}
+    assert with_pilot_targets(given, out).target_losses == {"arc-e": 0.9}
+    # --pilot without a pilot seed is refused
+    no_pilot = load_suite("table1", _suite_file(tmp_path, text.replace("pilot_seed = 9\n", "")))
+    with pytest.raises(ConfigError, match="--pilot needs"):
+        pilot_targets(no_pilot, out)
 
 
 def test_compare_cli_bad_input_exits_2(tmp_path, capsys):
@@ -275,6 +411,9 @@ def test_quick_suite_writes_a_report_with_every_method(tmp_path, suite, capsys, 
     assert len(list((proposed / "calibration").iterdir())) == 4
     plan = json.loads((proposed / "plan.json").read_text())
     assert plan["constants"] == known.to_dict()
+    outcome = json.loads((proposed / "summary.json").read_text())["plan"]
+    assert outcome["predicted_rounds"] == plan["expected_rounds"]
+    assert outcome["rounds_run"] == 2 and outcome["degenerate"] == plan["degeneracy"]["degenerate"]
     assert plan["optimize"] == {"table1": "qk", "sampling": "q", "ranks": "k"}[suite]
     if suite == "sampling":  # k fixed at γ, q planned
         assert plan["k"] == [4] * 10
@@ -326,3 +465,99 @@ def test_nonnegative_constants_fallback():
     c = nonnegative_constants(obs(faster), 16, a)
     assert c.A > 0 and c.C > 0
     assert c.D == pytest.approx(1e-9 * max(c.A, c.C))
+
+
+# ----------------------------------------------------------------------------- powered pipeline
+
+
+@needs_data
+def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch):
+    # Prepare: a tiny suite with targets fixed by a rule from a pilot seed, two main seeds and
+    # a common simulated-time budget. As in the quick suites, the random-init model's
+    # calibration is noise, so the estimate alone is replaced by known constants.
+    from fedlora import planner
+
+    known = planner.Constants(105.0, 1.0, 0.05, 0.0125)
+    monkeypatch.setattr(planner, "estimate_constants", lambda *a, **k: known)
+    cfg = _suite_file(
+        tmp_path,
+        '[suite]\nmethods = ["proposed", "fslora"]\nseeds = [0, 1]\npilot_seed = 7\n'
+        "target_rule = {budget_fraction = 0.6, floor_se = 0, text = 'slowest baseline at 60%'}"
+        "\n[training]\ntime_budget_s = 3.0\neval_every_s = 0.5\n",
+    )
+    out = tmp_path / "suite"
+    argv = ["compare", "--suite", "table1", "-c", cfg, "--out", str(out), "-q",
+            *TINY, "training.rounds=3", "planner.calibration_rounds=2", "--tasks", "arc-e"]  # fmt: skip
+    # Execute: the main runs refuse to start before the pilot fixed the targets
+    assert main(argv) == 2
+    assert main([*argv, "--pilot"]) == 0
+    # Assert: the pilot ran the baseline only, with its own seed, and wrote the targets
+    assert sorted(p.name for p in (out / "pilot").iterdir() if p.is_dir()) == ["fslora-seed7"]
+    import tomllib
+
+    fixed = tomllib.loads((out / "targets.toml").read_text())
+    assert fixed["rule"] == "slowest baseline at 60%" and 0 < fixed["targets"]["arc-e"] <= 1
+    assert fixed["target_losses"]["arc-e"] > 0  # eval_loss target by the same rule
+    assert "## Over seeds (powered report)" in (out / "pilot" / "report.md").read_text()
+    # Execute: the main runs, then a report rebuilt from the files alone
+    assert main(argv) == 0
+    runs = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name != "pilot")
+    assert runs == ["fslora-seed0", "fslora-seed1", "proposed-seed0", "proposed-seed1"]
+    suite = tomllib.loads((out / "suite.toml").read_text())
+    assert suite["targets"] == fixed["targets"] and suite["seeds"] == [0, 1]
+    first = (out / "report.md").read_text()
+    assert main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert text == first
+    assert "## Over seeds (powered report)" in text and "## Claims of the paper" in text
+    assert "Targets fixed before the main runs by the rule: slowest baseline at 60%" in text
+    assert "| proposed | 2 | " in text and "| fslora | 2 | " in text
+    assert f"time to loss <= {fixed['target_losses']['arc-e']:.4g} (s)" in text
+    assert "McNemar, pooled over seeds" in text
+    assert "## Algorithm 2: does Theorem 1's model predict the rounds?" in text
+    assert (out / "accuracy_bands.png").stat().st_size > 1000
+    # the exact cost model clocked from the same runs (issue 14 item 4), same sections
+    exact = tmp_path / "exact"
+    argv_exact = [
+        "report",
+        str(out),
+        "--comm-cost",
+        "exact",
+        "--comp-cost",
+        "affine",
+        "-o",
+        str(exact),
+    ]
+    assert main(argv_exact) == 0
+    text_exact = (exact / "report.md").read_text()
+    assert (
+        "Re-clocked under comm_cost = exact" in text_exact
+        and "## Claims of the paper" in text_exact
+    )
+    for seed in (0, 1):  # every run stops at the common budget (or the round cap) ...
+        s = json.loads((out / f"fslora-seed{seed}" / "summary.json").read_text())
+        assert s["stop_reason"] in ("time_budget", "max_rounds")
+        lines = [json.loads(x) for x in (out / f"fslora-seed{seed}" / "metrics.jsonl").open()]
+        assert "eval" in lines[-1]  # ... and is evaluated there
+        plan = json.loads((out / f"proposed-seed{seed}" / "summary.json").read_text())["plan"]
+        assert plan["predicted_rounds"] is not None and "degenerate" in plan
+
+
+def test_powered_suite_files_load_and_share_runs_where_they_say():
+    # Prepare / Execute: the three drafted protocol files of issue 14
+    root = Path(__file__).parents[1] / "configs"
+    specs = {s: load_suite(s, str(root / f"powered_{name}.toml"))
+             for s, name in (("table1", "table1"), ("sampling", "sampling"), ("ranks", "ranks"))}  # fmt: skip
+    # Assert: >= 3 seeds, a separate pilot seed, a rule, a common budget with a time schedule
+    for spec in specs.values():
+        assert spec.seeds == (1, 2, 3) and spec.pilot_seed == 100 and spec.rule is not None
+        assert spec.targets == {}  # fixed by the pilot, not by hand
+        cfg = spec.config_for(spec.labels[0], 1)
+        assert cfg.data.n_clients >= 20 and cfg.data.dirichlet_alpha == 0.1
+        assert cfg.training.time_budget_s > 0 and cfg.training.eval_every_s > 0
+        assert set(cfg.data.tasks) == {"arc-e", "arc-c", "obqa"}
+    # ranks' "full" is sampling's "fixed-0.2": the same config, so its runs can be copied
+    for seed in (1, 100):
+        assert specs["ranks"].config_for("full", seed) == specs["sampling"].config_for(
+            "fixed-0.2", seed
+        )

@@ -356,6 +356,37 @@ def test_client_app_reads_and_checks_the_worker_address() -> None:
         worker_address(SimpleNamespace(node_config={"worker-address": "0.0.0.0:7001"}))
 
 
+def test_each_node_picks_its_own_device_from_node_config(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from fedlora.config import dump_toml
+    from fedlora.flower.client_app import config_from_message
+
+    # the server ran on a GPU: its resolved config names cuda:0; a node decides for itself
+    text = dump_toml(load_config(None, ['model.device="cuda:0"', "model.dtype=bf16"]))
+    message = SimpleNamespace(
+        content=SimpleNamespace(config_records={"fedlora": {"config-toml": text}})
+    )
+
+    def device_of(nc: dict) -> str:
+        return config_from_message(message, SimpleNamespace(node_config=nc)).model.device
+
+    assert device_of({}) == "auto"
+    assert device_of({"device": "cuda:1"}) == "cuda:1"
+    assert device_of({"device": "cpu"}) == "cpu"
+    with pytest.raises(ConfigError, match=r"model.device = 'gpu1' is invalid: allowed: auto"):
+        device_of({"device": "gpu1"})
+    # a device the node does not have is refused before the model loads
+    import torch
+
+    from fedlora.flower import node
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = config_from_message(message, SimpleNamespace(node_config={"device": "cuda:1"}))
+    with pytest.raises(ConfigError, match=r"'cuda:1' is invalid: not available.*available: cpu"):
+        node.client_state(cfg)
+
+
 class _ThreadWorker:
     """`worker.serve` on a free loopback port in a daemon thread, for `n` requests."""
 
@@ -426,10 +457,9 @@ def test_worker_trains_exactly_like_the_in_process_node(tmp_path: Path) -> None:
 
 
 def _final_global(run_dir: Path) -> dict[str, np.ndarray]:
-    import torch
+    from fedlora.rundir import load_checkpoint
 
-    ckpt = sorted((run_dir / "checkpoints").glob("round-*.pt"))[-1]
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = load_checkpoint(run_dir)
     return {k: np.asarray(v) for k, v in state["global"].items()}
 
 
@@ -653,7 +683,7 @@ def test_ray_simulation_matches_the_engine_on_loopback_and_resumes(tmp_path: Pat
     # Prepare: a crash after round 1 (round 2's checkpoint and summary lost; its metrics line
     # written, so resume must cut it)
     before = _metrics(out)
-    (out / "checkpoints" / "round-000002.pt").unlink()
+    (out / "checkpoints" / "round-000002.safetensors").unlink()
     (out / "summary.json").unlink()
     # Execute
     seen, _ = _simulate(["--resume", str(out)], tmp_path / "resume.log")

@@ -24,11 +24,13 @@ from fedlora.planner import (
     PlanProblem,
     _curve,
     alternate,
+    calibration_fit,
     estimate_constants,
     greedy_k,
     load_problem,
     p2_objective,
     plan,
+    plan_degeneracy,
     problem_from_dict,
     q_lower_bounds,
     q_step,
@@ -632,3 +634,53 @@ def test_load_problem_reads_the_documented_example(tmp_path):
     path.write_text(json.dumps(raw_problem()))
     p, o = load_problem(path, {"solver": "cvxpy"})
     assert o.solver == "cvxpy" and p.n == 2
+
+
+# ----------------------------------------------------------------------------- fit and degeneracy
+
+
+def test_calibration_fit_predicted_rounds_and_residuals_by_hand():
+    # A=105, B=1, C=0.05, D=0.0125, a = (.1,.2,.3,.4): Σa² = 0.3; q = 0.3, k = γ = 16 gives
+    # Y = Z = 1 and R̂ = 105/0.9375 = 112. Observed 112: exact. Observed 140: R̂/R − 1 = −0.2,
+    # row residual 105/140 − 0.9375 = −0.1875. q = 0.01, k = 1: Y = 30, Z = 7680, unreachable.
+    c = Constants(105.0, 1.0, 0.05, 0.0125)
+    a = [0.1, 0.2, 0.3, 0.4]
+    obs = [
+        Observation(np.full(4, 0.3), np.full(4, 16), 112.0),
+        Observation(np.full(4, 0.3), np.full(4, 16), 140.0),
+        Observation(np.full(4, 0.01), np.full(4, 1), 50.0),
+    ]
+    exact, off, unreachable = calibration_fit(obs, 16, a, c)
+    assert exact["Y"] == pytest.approx(1.0) and exact["Z"] == pytest.approx(1.0)
+    assert exact["predicted_rounds"] == pytest.approx(112.0)
+    assert exact["relative_error"] == pytest.approx(0.0, abs=1e-12)
+    assert exact["row_residual"] == pytest.approx(0.0, abs=1e-12)
+    assert off["observed_rounds"] == 140.0 and off["predicted_rounds"] == pytest.approx(112.0)
+    assert off["relative_error"] == pytest.approx(-0.2)
+    assert off["row_residual"] == pytest.approx(-0.1875)
+    assert unreachable["Z"] == pytest.approx(30 * 256)
+    assert math.isinf(unreachable["predicted_rounds"])
+
+
+def test_plan_degeneracy_flags_all_k_one_and_q_at_bounds():
+    # a = (0.6, 0.4), N = 2, γ = 4: per-client lo at k = (1, 1) is a²·2·(C + 16 D)
+    p = PlanProblem(
+        gamma=4, f_tot=1.0, a=[0.6, 0.4], tau_full_s=[1, 1], t_full=[1, 1], constants=CONSTANTS
+    )
+    opts = PlanOptions(q_lower_bound="per_client")
+    lo = [0.36 * 2 * 0.026, 0.16 * 2 * 0.026]
+    d = plan_degeneracy(p, CONSTANTS, [lo[0], 1.0], [1, 1], opts)
+    assert d["degenerate"] and d["reasons"] == [
+        "every k_n = 1",
+        "every q_n at a bound (lower bound or 1)",
+    ]
+    assert (d["k_at_1"], d["k_at_gamma"], d["q_at_lower_bound"], d["q_at_1"]) == (2, 0, 1, 1)
+    fine = plan_degeneracy(p, CONSTANTS, [0.5, 1.0], [4, 2], opts)
+    assert not fine["degenerate"] and fine["reasons"] == []
+    assert (fine["k_at_gamma"], fine["q_at_1"], fine["q_at_lower_bound"]) == (1, 1, 0)
+    # only one of the two: still degenerate, with its reason
+    only_k = plan_degeneracy(p, CONSTANTS, [0.5, 0.7], [1, 1], opts)
+    assert only_k["reasons"] == ["every k_n = 1"]
+    # no lower bound: only q = 1 counts as a bound
+    none = plan_degeneracy(p, CONSTANTS, [lo[0], 1.0], [4, 4], PlanOptions(q_lower_bound="none"))
+    assert not none["degenerate"] and none["q_at_lower_bound"] == 0

@@ -29,7 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # overrides may follow options (`run --out X a.b=1 --data-dir D c.d=2`): argparse
+        # leaves those after the first option unparsed
+        if hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -37,6 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FedloraError as e:
         print(f"fedlora {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, an unwritable path: one line, not a traceback
+        from fedlora.rundir import os_error_message
+
+        print(f"fedlora {args.command}: error: {os_error_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fedlora {args.command}: interrupted", file=sys.stderr)

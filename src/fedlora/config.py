@@ -27,6 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from fedlora.device import check_device_spec
 from fedlora.errors import ConfigError, bad_value
 
 # ----------------------------------------------------------------------------- helpers
@@ -73,14 +74,18 @@ class ModelConfig:
     `tiny-llama` / `tiny-qwen2` (random-init test models)."""
 
     name: str = "smollm2-135m"
-    dtype: str = "fp32"  # fp32 | bf16 (bf16 pays only on CPUs with AVX512-BF16/AMX or GPUs)
+    # auto | fp32 | bf16. auto: bf16 on a CUDA GPU; on a CPU bf16 only with native bf16
+    # (avx512_bf16/amx_bf16) and a probe measuring it faster; else fp32 (fedlora.device)
+    dtype: str = "auto"
+    device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N | mps
     threads: int = 0  # torch threads; 0 = torch's default
     cache_dir: str = ""  # where converted models are kept; "" = ~/.cache/fedlora
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise bad_value("model.name", self.name, "a non-empty model spec")
-        _check_choice("model.dtype", self.dtype, ("fp32", "bf16"))
+        _check_choice("model.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        check_device_spec("model.device", self.device)
         _check_int("model.threads", self.threads, lo=0)
 
 
@@ -212,6 +217,8 @@ class TrainingConfig:
     target_accuracy: float = 0.0  # stop when reached; 0 = off
     target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
     time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
+    # also evaluate at the first round whose clock passes each multiple of this; 0 = off
+    eval_every_s: float = 0.0
     checkpoint_every: int = 5
     # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
     layer_cache_mb: float = 2048.0  # memory bound of that cache in MB; 0 = off
@@ -233,6 +240,7 @@ class TrainingConfig:
         _check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
         _check_number("training.target_loss", self.target_loss, lo=0)
         _check_number("training.time_budget_s", self.time_budget_s, lo=0)
+        _check_number("training.eval_every_s", self.eval_every_s, lo=0)
         _check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
         _check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
         _check_choice("training.layer_cache_dtype", self.layer_cache_dtype, ("fp32", "bf16"))
@@ -311,6 +319,12 @@ class PlannerConfig:
     calibration_loss: float = 0.0  # F_s for the `proposed` calibration runs; 0 = auto
     # `proposed`: at most this many rounds per calibration run (fedlora.methods.proposed)
     calibration_rounds: int = 30
+    # `proposed` with calibration_loss = 0: F_s = this fraction of the first round's loss
+    calibration_loss_fraction: float = 0.5
+    # `proposed` with training.time_budget_s: true = the budget counts the calibration's
+    # simulated time (its clock starts there); false = the budget starts after it, so it
+    # trains as long as the other methods (times to target still include the calibration)
+    calibration_in_budget: bool = True
     # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
     # with q from method.q ("k", Figure 3)
     optimize: str = "qk"
@@ -328,8 +342,20 @@ class PlannerConfig:
         _check_int("planner.max_iterations", self.max_iterations, lo=1)
         _check_number("planner.calibration_loss", self.calibration_loss, lo=0)
         _check_int("planner.calibration_rounds", self.calibration_rounds, lo=2)
+        _check_number(
+            "planner.calibration_loss_fraction",
+            self.calibration_loss_fraction,
+            lo=0,
+            hi=1,
+            lo_open=True,
+            hi_open=True,
+        )
         _check_choice("planner.optimize", self.optimize, ("qk", "q", "k"))
         _check_choice("planner.calibration_fit", self.calibration_fit, ("refuse", "nonnegative"))
+        if not isinstance(self.calibration_in_budget, bool):
+            raise bad_value(
+                "planner.calibration_in_budget", self.calibration_in_budget, "true or false"
+            )
 
 
 @dataclass(frozen=True)
@@ -357,10 +383,13 @@ class EvaluationConfig:
     scoring: str = "option_norm"
     batch_size: int = 16  # questions (with all their candidates) per forward pass
     predictions: bool = True  # write every question's prediction to predictions.jsonl
+    # with lora.layers = K: memory bound (MB) of the eval set's frozen-layer cache; 0 = off
+    cache_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         _check_choice("evaluation.scoring", self.scoring, SCORINGS)
         _check_int("evaluation.batch_size", self.batch_size, lo=1)
+        _check_number("evaluation.cache_mb", self.cache_mb, lo=0)
         if not isinstance(self.predictions, bool):
             raise bad_value("evaluation.predictions", self.predictions, "true or false")
 
@@ -551,6 +580,23 @@ def load_config(
 # ----------------------------------------------------------------------------- TOML out
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def toml_string(value: str) -> str:
+    """`value` as a TOML basic string: quotes, backslashes and control characters escaped
+    (an unescaped control character makes the file unreadable)."""
+    out = []
+    for ch in value:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -559,8 +605,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        return f'"{escaped}"'
+        return toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -29,13 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import (
-    ExperimentConfig,
-    config_from_dict,
-    diff_configs,
-    dump_toml,
-    read_toml,
-)
+from fedlora.config import ExperimentConfig
+from fedlora.device import resolve_runtime, synchronize
 from fedlora.errors import ConfigError, FedloraError
 from fedlora.methods import Method, RoundPlan, make_method
 from fedlora.network import (
@@ -48,6 +41,22 @@ from fedlora.network import (
     profiles_to_rows,
     rayleigh_gains,
     spectral_efficiency,
+)
+
+# Run directories, checkpoints and metrics files live in fedlora.rundir; re-exported here
+# because the Flower ServerApp and older callers import them from the engine.
+from fedlora.rundir import (
+    _append_metrics,
+    _atomic_write,
+    _checkpoint_paths,  # noqa: F401
+    _truncate_metrics,  # noqa: F401
+    load_checkpoint,
+    load_run_config,  # noqa: F401
+    prepare_run_dir,  # noqa: F401
+    restore_metrics,
+    run_dir_for,  # noqa: F401
+    run_dir_lock,
+    save_checkpoint,
 )
 
 STREAMS = {
@@ -74,121 +83,6 @@ def derive_rng(seed: int, stream: str, *ids: int) -> np.random.Generator:
 
 def derive_seed(seed: int, stream: str, *ids: int) -> int:
     return int(derive_rng(seed, stream, *ids).integers(2**62))
-
-
-# ----------------------------------------------------------------------------- run directory
-
-
-def run_dir_for(cfg: ExperimentConfig, out: str | None = None) -> Path:
-    if out:
-        return Path(out)
-    name = cfg.output.name or f"{cfg.method.name}-seed{cfg.training.seed}"
-    return Path(cfg.output.dir) / name
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
-    """Create a fresh run directory; refuse an existing one unless `overwrite`."""
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
-            raise ConfigError(
-                f"output directory {str(run_dir)!r} exists: use --resume {run_dir} to continue it "
-                "or --overwrite to replace it"
-            )
-        if not (run_dir / "config.toml").exists():
-            raise ConfigError(
-                f"refusing to overwrite {str(run_dir)!r}: it is not a fedlora run directory "
-                "(no config.toml)"
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
-
-
-# Keys whose default changed after run directories were written without them: such a run
-# resumes with the value it was started with (issue 13's CPU protocol changed these defaults).
-LEGACY_DEFAULTS = {
-    ("data", "response"): "label",
-    ("evaluation", "scoring"): "label",
-    ("training", "sketch_step"): "paper",
-}
-
-
-def load_saved_config(path: Path) -> ExperimentConfig:
-    """A run directory's config.toml; keys it lacks take `LEGACY_DEFAULTS`, else the defaults."""
-    raw = read_toml(path)
-    for (section, key), value in LEGACY_DEFAULTS.items():
-        table = raw.setdefault(section, {})
-        if isinstance(table, dict):
-            table.setdefault(key, value)
-    return config_from_dict(raw, source=str(path))
-
-
-def load_run_config(
-    run_dir: Path, given: ExperimentConfig | None = None, *, force: bool = False
-) -> ExperimentConfig:
-    """The config a run was started with; with `given`, refuse differences unless `force`."""
-    path = run_dir / "config.toml"
-    if not path.exists():
-        raise ConfigError(f"--resume {str(run_dir)!r}: no config.toml there (not a fedlora run)")
-    saved = load_saved_config(path)
-    if given is not None:
-        differing = diff_configs(saved, given)
-        if differing and not force:
-            raise ConfigError(
-                f"--resume {str(run_dir)!r}: the config differs from the run's in "
-                f"{', '.join(differing)}; use --force to resume with the new values"
-            )
-        if differing:
-            _atomic_write(path, dump_toml(given).encode())
-            return given
-    return saved
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _checkpoint_paths(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "checkpoints").glob("round-*.pt"), reverse=True)
-
-
-def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
-    import torch
-
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(exist_ok=True)
-    path = ckpt_dir / f"round-{state['round']:06d}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    for old in _checkpoint_paths(run_dir)[keep:]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
-    """The newest readable checkpoint; a damaged one is named and skipped."""
-    import torch
-
-    for path in _checkpoint_paths(run_dir):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if not isinstance(state, dict) or "round" not in state or "global" not in state:
-                raise ValueError("missing fields")
-            return state
-        except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
-            warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
-    return None
 
 
 # ----------------------------------------------------------------------------- network
@@ -266,6 +160,8 @@ class Run:
     method: Method
     shapes: dict[str, tuple[int, int]]
     base_delta: dict[str, np.ndarray] = field(default_factory=dict)
+    device: str = "cpu"  # where the model, the slots, batches and the layer cache live
+    slots_per_pass: int = 0  # clients per forward/backward; 0 = training.slots
 
 
 def build_profiles(cfg: ExperimentConfig, full_payload_bits: float) -> ClientProfiles:
@@ -307,16 +203,18 @@ def write_clients_csv(run_dir: Path, fed: Any, profiles: ClientProfiles) -> None
 
 def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
     """Model, LoRA slots, federated data, client profiles and the method of one run."""
-    import torch
-
     from fedlora.data import build_federated_data
     from fedlora.lora import inject_lora
     from fedlora.models import load_model
 
-    if cfg.model.threads:
-        torch.set_num_threads(cfg.model.threads)
+    resolved = resolve_runtime(cfg)  # sets the threads; auto device/dtype made concrete
+    cfg = resolved.cfg
+    log(f"model: {cfg.model.name} on {resolved.describe()}")
     model, tokenizer = load_model(
-        cfg.model.name, dtype=cfg.model.dtype, cache_dir=cfg.model.cache_dir or None
+        cfg.model.name,
+        dtype=cfg.model.dtype,
+        cache_dir=cfg.model.cache_dir or None,
+        device=cfg.model.device,
     )
     lora = inject_lora(
         model, cfg.lora, slots=cfg.training.slots, seed=derive_seed(cfg.training.seed, "init")
@@ -328,7 +226,40 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
     method = make_method(
         cfg, fed.a, derive_rng(cfg.training.seed, "strategy"), tau_full_s=profiles.tau_full_s
     )
-    return Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+    run = Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+    run.device = cfg.model.device
+    run.slots_per_pass = device_slots_per_pass(run, log)
+    return run
+
+
+def device_slots_per_pass(run: Run, log=print) -> int:
+    """training.slots, capped on a CUDA GPU by what half its free memory holds (an
+    over-estimate of one slot's activations, `fedlora.device.activation_bytes_per_slot`)."""
+    requested = run.cfg.training.slots
+    if not run.device.startswith("cuda"):
+        return requested
+    import torch
+
+    from fedlora.device import activation_bytes_per_slot, slots_for_memory
+    from fedlora.lora import _layer_index
+
+    free_bytes, _ = torch.cuda.mem_get_info(run.device)
+    n_layers = int(run.model.config.num_hidden_layers)
+    lowest = min((i for n in run.lora.names if (i := _layer_index(n)) is not None), default=0)
+    per_slot = activation_bytes_per_slot(
+        run.model.config,
+        batch_size=run.cfg.training.batch_size,
+        seq_len=run.cfg.data.max_seq_len,
+        trained_layers=n_layers - lowest,
+        dtype_bytes=2 if run.cfg.model.dtype == "bf16" else 4,
+    )
+    slots = slots_for_memory(requested, free_bytes, per_slot)
+    if slots < requested:
+        log(
+            f"training.slots = {requested}: {slots} per pass fit in half of the "
+            f"{free_bytes / 2**30:.1f} GiB free on {run.device}"
+        )
+    return slots
 
 
 # ----------------------------------------------------------------------------- one round
@@ -363,8 +294,9 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     states: list[dict[str, np.ndarray]] = []
     losses: list[float] = []
     tasks = list(plan.tasks)
-    for start in range(0, len(tasks), cfg.training.slots):
-        chunk = tasks[start : start + cfg.training.slots]
+    per_pass = run.slots_per_pass or cfg.training.slots
+    for start in range(0, len(tasks), per_pass):
+        chunk = tasks[start : start + per_pass]
         scales = torch.tensor(np.stack([t.scale for t in chunk]), dtype=torch.float32)  # (c, γ)
         run.lora.set_clients(scales)
         batches = [
@@ -402,10 +334,12 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
     """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
     import torch
 
-    from fedlora.evaluation import evaluate
+    from fedlora.evaluation import eval_cache_for, evaluate
 
     ecfg = run.cfg.evaluation
     run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
+    # lora.layers = K: the eval set's frozen lower layers once per run (same results)
+    cache = eval_cache_for(run.model, run.lora, ecfg.cache_mb)
     return {
         task: evaluate(
             run.model,
@@ -414,6 +348,7 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
             batch_size=ecfg.batch_size,
             scoring=ecfg.scoring,
             task=task,
+            cache=cache,
         )
         for task, examples in run.fed.eval_sets.items()
     }
@@ -560,20 +495,6 @@ class _Reporter:
             self.bar.close()
 
 
-def _append_metrics(path: Path, line: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _truncate_metrics(path: Path, lines: int) -> None:
-    if not path.exists():
-        return
-    kept = path.read_text(encoding="utf-8").splitlines()[:lines]
-    _atomic_write(path, "".join(line + "\n" for line in kept).encode())
-
-
 def _checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
     return {
         "round": progress.round,
@@ -600,7 +521,23 @@ def run_experiment(
     `stop(line)` is called after every round's metrics line is written; True ends the run
     (stop_reason "stop_condition"; `proposed` uses it to end calibration runs at F_s).
     """
+    with run_dir_lock(run_dir):  # a second process on the same directory is refused
+        return _run_experiment(cfg, run_dir, resume=resume, quiet=quiet, log=log, stop=stop)
+
+
+def _run_experiment(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    *,
+    resume: bool,
+    quiet: bool,
+    log: Callable[[str], Any] | None,
+    stop: Callable[[dict[str, Any]], bool] | None,
+) -> dict[str, Any]:
+    from fedlora.preflight import check_inputs
+
     log = log or (lambda msg: print(msg, file=sys.stderr))
+    check_inputs(cfg)  # bad inputs fail here, before the model loads
     wall_start = time.perf_counter()
     calibration_s = 0.0
     if cfg.method.name == "proposed":  # Algorithm 2: calibration runs and the plan come first
@@ -622,8 +559,8 @@ def run_experiment(
             run.method.load_state_dict(state.get("method", {}))
             log(f"resuming {run_dir} after round {progress.round}")
         else:
-            log(f"no usable checkpoint in {run_dir}: starting from round 0")
-        _truncate_metrics(metrics_path, progress.metrics_lines)
+            log(f"no checkpoint in {run_dir}: starting from round 0")
+        restore_metrics(metrics_path, state, warn=log)
     else:
         metrics_path.unlink(missing_ok=True)
     write_clients_csv(run_dir, run.fed, run.profiles)
@@ -662,8 +599,10 @@ def run_experiment(
                 stop_reason = early
                 break
             plan = plan_next_round(run, progress)
+            synchronize(run.device)  # on a GPU, compute_s counts the round's queued work too
             t0 = time.perf_counter()
             line = _one_round(run, plan, progress)
+            synchronize(run.device)
             record_round(metrics_path, progress, line, time.perf_counter() - t0)
             reporter.update(line, progress)
             if stop is not None and stop(line):
@@ -686,6 +625,10 @@ def run_experiment(
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)
     summary["calibration_sim_time_s"] = calibration_s
+    if cfg.method.name == "proposed":  # predicted vs observed rounds to F_s, degeneracy
+        from fedlora.methods.proposed import plan_outcome
+
+        summary["plan"] = plan_outcome(run_dir)
     _atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 
@@ -791,9 +734,11 @@ def close_round(
     train_loss: float | None,
 ) -> dict[str, Any]:
     """Advance the clock by the round time of `cost_plan` (who actually sent), record the
-    bits and the loss, and evaluate every E rounds and at the last round."""
+    bits and the loss, and evaluate every E rounds, when the clock passes a multiple of
+    training.eval_every_s, at the round that spends the time budget and at the last round."""
     cfg, r = run.cfg, cost_plan.round
     cost = round_cost(cfg, run.profiles, cost_plan, run.method, run.shapes, r)
+    before_s = progress.sim_time_s
     progress.sim_time_s += cost.round_time_s
     progress.uplink_bits += cost.uplink_bits
     progress.downlink_bits += cost.downlink_bits
@@ -805,8 +750,8 @@ def close_round(
         downlink_bits=cost.downlink_bits,
         train_loss=train_loss,
     )
-    last = r + 1 == cfg.training.rounds
-    if (r + 1) % cfg.training.eval_every == 0 or last:
+    last = r + 1 == cfg.training.rounds or _crossed_budget(cfg, before_s, progress.sim_time_s)
+    if (r + 1) % cfg.training.eval_every == 0 or last or _eval_due_s(cfg, before_s, progress):
         results = evaluate_tasks(run)
         accs = {task: res.accuracy for task, res in results.items()}
         acc = _mean(accs)
@@ -817,6 +762,19 @@ def close_round(
         if target and acc >= target and progress.time_to_target_s is None:
             progress.time_to_target_s = progress.sim_time_s
     return line
+
+
+def _crossed_budget(cfg: ExperimentConfig, before_s: float, after_s: float) -> bool:
+    """This round spent the time budget: the run's last round, evaluated so that every run
+    has an evaluation at the common budget."""
+    budget = cfg.training.time_budget_s
+    return bool(budget) and before_s < budget <= after_s
+
+
+def _eval_due_s(cfg: ExperimentConfig, before_s: float, progress: Progress) -> bool:
+    """training.eval_every_s: this round's clock passed a multiple of it."""
+    every = cfg.training.eval_every_s
+    return bool(every) and math.floor(progress.sim_time_s / every) > math.floor(before_s / every)
 
 
 def _one_round(run: Run, plan: RoundPlan, progress: Progress) -> dict[str, Any]:

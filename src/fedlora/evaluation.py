@@ -29,6 +29,7 @@ import hashlib
 import math
 import re
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -207,6 +208,9 @@ def _score_full(model: Any, rows: list[tuple[list[int], int]], pad_id: int) -> l
     return [tok_logp[i, k - n :] for i, (_, n) in enumerate(rows)]  # (n_i,) per row
 
 
+_EVAL_CACHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 class _NoCache(Exception):
     """The model returned no usable key/value cache."""
 
@@ -272,6 +276,76 @@ def _score_shared(
     return out
 
 
+def _score_packed(
+    model: Any, cache: Any, items: list[tuple[list[int], list[list[int]]]], pad_id: int
+) -> list[np.ndarray]:
+    """Same log-probs as `_score_shared`, one packed row per example through a `LayerCache`:
+    the context, then every candidate's tail but its last token, each tail attending to the
+    context and itself at positions continuing the context's. The layers below the first
+    LoRA layer come from the cache after the first evaluation."""
+    import torch
+
+    from fedlora.train import _decoder_and_head
+
+    _, head = _decoder_and_head(model)
+    seqs, poss, segs = [], [], []
+    where: list[list[int]] = []  # per candidate row: the packed index predicting each token
+    for context, tails in items:
+        ids, pos, seg = list(context), list(range(len(context))), [0] * len(context)
+        for j, tail in enumerate(tails):
+            start = len(ids)
+            ids += tail[:-1]
+            pos += range(len(context), len(context) + len(tail) - 1)
+            seg += [j + 1] * (len(tail) - 1)
+            where.append([len(context) - 1, *range(start, start + len(tail) - 1)])
+        seqs.append(ids)
+        poss.append(pos)
+        segs.append(seg)
+    t = max(len(x) for x in seqs)
+    ids_t = torch.full((len(seqs), t), pad_id, dtype=torch.long)
+    pos_t = torch.zeros((len(seqs), t), dtype=torch.long)
+    seg_t = torch.full((len(seqs), t), -1, dtype=torch.long)
+    for i, (a, b, c) in enumerate(zip(seqs, poss, segs)):
+        ids_t[i, : len(a)] = torch.tensor(a)
+        pos_t[i, : len(b)] = torch.tensor(b)
+        seg_t[i, : len(c)] = torch.tensor(c)
+    hidden = cache.packed_last_hidden_state(ids_t, pos_t, seg_t)  # (G, T, d)
+    rows = [g for g, (_, tails) in enumerate(items) for _ in tails]
+    dev = hidden.device
+    flat_rows = torch.tensor([g for g, w in zip(rows, where) for _ in w], device=dev)
+    flat_pos = torch.tensor([p for w in where for p in w], device=dev)
+    targets = torch.tensor(
+        [tok for _, tails in items for tail in tails for tok in tail], device=dev
+    )
+    logp = torch.log_softmax(head(hidden[flat_rows, flat_pos]).float(), dim=-1)  # (M, V)
+    tok_lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().cpu().numpy()  # (M,)
+    out, k = [], 0
+    for w in where:
+        out.append(tok_lp[k : k + len(w)])
+        k += len(w)
+    return out
+
+
+def eval_cache_for(model: Any, lora: Any, max_mb: float) -> Any:
+    """The evaluation `LayerCache` of (model, lora): the frozen layers below the first LoRA
+    layer, per packed eval question, kept across evaluations (the eval set is fixed for a
+    run); it keeps what fits in `max_mb` and stops adding when full (no LRU thrashing on a
+    set read in the same order every time). None when `max_mb` is 0 or nothing can be
+    cached (LoRA on every layer, an unsupported decoder, sliding-window attention)."""
+    from fedlora.train import LayerCache, cacheable_layers
+
+    cache = _EVAL_CACHES.get(lora)
+    if cache is not None and cache.model is model and cache.max_bytes == int(max_mb * 2**20):
+        return cache
+    if max_mb == 0 or cacheable_layers(model, lora)[0] == 0:
+        return None
+    cache = LayerCache(model, lora, max_mb=max_mb, dtype="fp32", evict=False)
+    if not cache.packable():
+        return None
+    _EVAL_CACHES[lora] = cache
+    return cache
+
+
 def _items(
     examples: Sequence[Example], tokenizer: Any, scoring: str
 ) -> list[tuple[list[int], list[list[int]]]]:
@@ -301,6 +375,7 @@ def _token_logprobs(
     *,
     batch_size: int,
     share_prompt: bool,
+    cache: Any = None,
 ) -> list[list[np.ndarray]]:
     import torch
 
@@ -319,7 +394,9 @@ def _token_logprobs(
             for start in range(0, len(order), batch_size):
                 group = order[start : start + batch_size]
                 row_lps = None
-                if share_prompt:
+                if cache is not None:
+                    row_lps = _score_packed(model, cache, [items[i] for i in group], pad_id)
+                elif share_prompt:
                     try:
                         row_lps = _score_shared(model, [items[i] for i in group], pad_id)
                     except _NoCache:
@@ -345,13 +422,14 @@ def candidate_token_logprobs(
     batch_size: int = 16,
     scoring: str = "label",
     share_prompt: bool = True,
+    cache: Any = None,
 ) -> list[list[np.ndarray]]:
     """Per example and candidate (aligned with ``ex.labels``), the log-probability of each
     scored token (float64). See `candidate_logprobs` for the arguments."""
     _check_args(scoring, batch_size)
     items = _items(examples, tokenizer, scoring)
     return _token_logprobs(
-        model, tokenizer, items, batch_size=batch_size, share_prompt=share_prompt
+        model, tokenizer, items, batch_size=batch_size, share_prompt=share_prompt, cache=cache
     )
 
 
@@ -372,6 +450,7 @@ def candidate_logprobs(
     batch_size: int = 16,
     scoring: str = "label",
     share_prompt: bool = True,
+    cache: Any = None,
 ) -> list[np.ndarray]:
     """Per example, the score of each label (float64, aligned with ``ex.labels``): the summed
     log-probability of its scored tokens (per character of the option for ``option_norm``).
@@ -379,7 +458,9 @@ def candidate_logprobs(
 
     `share_prompt`: compute each example's prompt once and reuse its KV cache for all its
     candidates (same scores, about as many times faster as there are candidates); models
-    that return no cache fall back to full sequences."""
+    that return no cache fall back to full sequences. `cache` (from `eval_cache_for`): one
+    packed row per example, the frozen lower layers from the cache (same scores, to float
+    rounding)."""
     lps = candidate_token_logprobs(
         model,
         tokenizer,
@@ -387,6 +468,7 @@ def candidate_logprobs(
         batch_size=batch_size,
         scoring=scoring,
         share_prompt=share_prompt,
+        cache=cache,
     )
     return [candidate_scores(ex, t, scoring) for ex, t in zip(examples, lps)]
 
@@ -399,15 +481,19 @@ def evaluate(
     batch_size: int = 16,
     scoring: str = "label",
     task: str = "",
+    cache: Any = None,
 ) -> EvalResult:
     """Accuracy of the arg-max label (ties -> first) with its 95% Wilson interval, eval_loss,
-    the majority-label and chance scores, and the per-question predictions."""
+    the majority-label and chance scores, and the per-question predictions. `cache`: see
+    `eval_cache_for` (same results, later evaluations of the same questions faster)."""
     if not examples:
         raise DataError(f"task {task!r}: no examples to evaluate")
     _check_args(scoring, batch_size)
     t0 = time.perf_counter()
     items = _items(examples, tokenizer, scoring)
-    lps = _token_logprobs(model, tokenizer, items, batch_size=batch_size, share_prompt=True)
+    lps = _token_logprobs(
+        model, tokenizer, items, batch_size=batch_size, share_prompt=True, cache=cache
+    )
     preds, correct, nll = [], [], []
     for ex, (_, tails), tok_lps in zip(examples, items, lps):
         pred = int(np.argmax(candidate_scores(ex, tok_lps, scoring)))

@@ -10,8 +10,19 @@ A suite file is an experiment TOML (the sections of `fedlora.config`) plus a `[s
 
     [suite]
     targets = {arc-e = 0.5, arc-c = 0.35}   # target accuracy per eval task, fixed beforehand
-    seeds = 1                               # seeds training.seed, +1, ...
+    seeds = 1                               # seeds training.seed, +1, ... (or a list [1, 2, 3])
     methods = ["proposed", "fslora"]        # optional: a subset of the suite's labels
+    target_losses = {arc-e = 1.2}           # optional: target eval_loss per task
+    similar_margin = 0.02                   # optional: "similar final accuracy" margin
+
+Targets by a rule from a pilot seed (issue 14) instead of `targets`:
+
+    pilot_seed = 100                        # a seed none of the main runs uses
+    target_rule = {budget_fraction = 0.6, floor_se = 4, text = "the level ..."}
+
+`fedlora compare --pilot` runs every baseline label with the pilot seed in DIR/pilot/, applies the
+rule (`fedlora.powered.rule_targets`) and writes DIR/targets.toml (targets, target_losses and
+the numbers behind them); the main runs then read their targets from it.
 
 Its directory holds one run directory per (label, seed), `<label>-seed<s>/`, and suite.toml
 (targets, labels, title, command) so `fedlora report DIR` rebuilds the report. Finished runs
@@ -25,7 +36,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +101,17 @@ TITLES = {
     "sampling": "Figure 2: sampling probabilities q (k = γ)",
     "ranks": "Figure 3: sketch sizes k (q = 0.2)",
 }
-SUITE_KEYS = ("targets", "seeds", "methods")
+SUITE_KEYS = (
+    "targets",
+    "seeds",
+    "methods",
+    "target_losses",
+    "target_rule",
+    "pilot_seed",
+    "similar_margin",
+)
+TARGETS_FILE = "targets.toml"
+PILOT_DIR = "pilot"
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,11 @@ class SuiteSpec:
     targets: dict[str, float]
     seeds: tuple[int, ...]
     labels: tuple[str, ...]
+    tasks: tuple[str, ...] = ()
+    target_losses: dict[str, float] = field(default_factory=dict)
+    rule: dict[str, Any] | None = None  # suite.target_rule (targets from a pilot seed)
+    pilot_seed: int | None = None
+    similar_margin: float = 0.02
 
     def config_for(self, label: str, seed: int) -> ExperimentConfig:
         raw = {s: dict(v) for s, v in self.raw.items()}
@@ -137,16 +163,47 @@ def load_suite(
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
     n_seeds = seeds if seeds is not None else suite.get("seeds", 1)
-    if isinstance(n_seeds, bool) or not isinstance(n_seeds, int) or n_seeds < 1:
-        raise bad_value("--seeds (suite.seeds)", n_seeds, "an integer >= 1")
+    seed_list = _seed_list(n_seeds) if isinstance(n_seeds, list) else None
+    if seed_list is None and (
+        isinstance(n_seeds, bool) or not isinstance(n_seeds, int) or n_seeds < 1
+    ):
+        raise bad_value(
+            "--seeds (suite.seeds)", n_seeds, "an integer >= 1 or a list of distinct seeds >= 0"
+        )
     all_targets = dict(suite.get("targets", {}))
     all_targets.update(targets or {})
     for task, value in all_targets.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise bad_value(f"suite.targets.{task}", value, "an accuracy in (0, 1]")
+    target_losses = suite.get("target_losses", {})
+    if not isinstance(target_losses, dict):
+        raise bad_value("suite.target_losses", target_losses, "a table {task = loss}")
+    for task, value in target_losses.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise bad_value(f"suite.target_losses.{task}", value, "an eval_loss > 0")
+    rule = None
+    if "target_rule" in suite:
+        from fedlora.powered import check_rule
+
+        rule = check_rule(suite["target_rule"])
+    margin = suite.get("similar_margin", 0.02)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 < margin < 1:
+        raise bad_value("suite.similar_margin", margin, "an accuracy difference in (0, 1)")
     base = config_from_dict(raw, source=source)  # validates the shared sections once
     eval_tasks = list(tasks) if tasks else list(base.data.eval_tasks)
     missing = [t for t in eval_tasks if t not in all_targets]
+    if rule is not None:
+        missing = []  # fixed later from the pilot (run_suite reads targets.toml)
+        if not base.training.time_budget_s > 0:
+            raise bad_value(
+                "training.time_budget_s", base.training.time_budget_s,
+                "> 0 with suite.target_rule (the rule is stated at a fraction of the budget)",
+            )  # fmt: skip
+    pilot_seed = suite.get("pilot_seed")
+    if pilot_seed is not None and (
+        isinstance(pilot_seed, bool) or not isinstance(pilot_seed, int) or pilot_seed < 0
+    ):
+        raise bad_value("suite.pilot_seed", pilot_seed, "an integer >= 0")
     if missing:
         raise ConfigError(
             f"no target accuracy for task(s) {', '.join(missing)}: set [suite] targets in the "
@@ -160,16 +217,33 @@ def load_suite(
     if unknown:
         raise bad_value("suite.methods", unknown, f"labels of {name}: {', '.join(SUITES[name])}")
     first = base.training.seed
+    seed_tuple = tuple(seed_list) if seed_list else tuple(range(first, first + n_seeds))
+    if pilot_seed is not None and pilot_seed in seed_tuple:
+        raise bad_value(
+            "suite.pilot_seed",
+            pilot_seed,
+            f"a seed that no main run uses (seeds {list(seed_tuple)})",
+        )
     spec = SuiteSpec(
         name,
         raw,
-        {t: float(all_targets[t]) for t in eval_tasks},
-        tuple(range(first, first + n_seeds)),
+        {t: float(all_targets[t]) for t in eval_tasks if t in all_targets},
+        seed_tuple,
         labels,
+        tuple(eval_tasks),
+        {t: float(v) for t, v in target_losses.items()},
+        rule,
+        pilot_seed,
+        float(margin),
     )
     for label in labels:  # every label's config must be valid before anything runs
         spec.config_for(label, first)
     return spec
+
+
+def _seed_list(values: list) -> list[int] | None:
+    ok = values and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+    return list(values) if ok and len(set(values)) == len(values) else None
 
 
 def _finished(run_dir: Path) -> bool:
@@ -189,12 +263,75 @@ def _write_suite_file(spec: SuiteSpec, out: Path, command: str) -> None:
         f"command = {json.dumps(command)}",
         "labels = [" + ", ".join(json.dumps(x) for x in SUITES[spec.name]) + "]",  # order
         "seeds = [" + ", ".join(str(s) for s in spec.seeds) + "]",
+        f"similar_margin = {spec.similar_margin!r}",
+        *([f"target_rule = {json.dumps(spec.rule['text'])}"] if spec.rule else []),
         "",
         "[targets]",
         *(f"{json.dumps(t)} = {v!r}" for t, v in spec.targets.items()),
         "",
+        "[target_losses]",
+        *(f"{json.dumps(t)} = {v!r}" for t, v in spec.target_losses.items()),
+        "",
     ]
     (out / SUITE_FILE).write_text("\n".join(lines), encoding="utf-8")
+
+
+def pilot_targets(spec: SuiteSpec, out: Path, *, quiet: bool = True, log=None) -> Path:
+    """Run every baseline label (not `proposed*`: the rule reads only baselines) with
+    suite.pilot_seed in out/pilot/ (resumable), apply suite.target_rule and write
+    out/targets.toml; returns its path."""
+    from fedlora.powered import rule_targets, targets_toml
+
+    if spec.rule is None or spec.pilot_seed is None:
+        raise ConfigError(
+            "--pilot needs [suite] target_rule and pilot_seed in the suite file (the rule is "
+            "written before the pilot runs)"
+        )
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    pilot = out / PILOT_DIR
+    pilot.mkdir(parents=True, exist_ok=True)
+    # the rule reads only the baselines: `proposed` (and its calibration) is not run here
+    baselines = tuple(lab for lab in spec.labels if not lab.startswith("proposed"))
+    if not baselines:
+        raise ConfigError(f"--pilot: suite.methods {list(spec.labels)} has no baseline label")
+    pilot_spec = replace(spec, seeds=(spec.pilot_seed,), labels=baselines)
+    _write_suite_file(pilot_spec, pilot, "fedlora compare --pilot")
+    _run_jobs(pilot_spec, pilot, quiet=quiet, log=log)
+    runs, _ = collect_runs([pilot])
+    budget = spec.config_for(spec.labels[0], spec.pilot_seed).training.time_budget_s
+    result = rule_targets(runs, spec.tasks, budget, spec.rule)
+    path = out / TARGETS_FILE
+    path.write_text(targets_toml(result, spec.rule, str(pilot)), encoding="utf-8")
+    log(f"pilot targets: {result['accuracy']} (loss {result['loss']}) -> {path}")
+    # the pilot's own report, at the targets it fixed (its numbers are committed with it)
+    fixed = replace(pilot_spec, targets=result["accuracy"], target_losses=result["loss"])
+    _write_suite_file(fixed, pilot, "fedlora compare --pilot")
+    report_suite([pilot], pilot)
+    return path
+
+
+def with_pilot_targets(spec: SuiteSpec, out: Path) -> SuiteSpec:
+    """Fill targets the suite file does not give from out/targets.toml (the pilot's)."""
+    missing = [t for t in spec.tasks if t not in spec.targets]
+    if not missing and spec.rule is None:
+        return spec
+    path = out / TARGETS_FILE
+    if not path.is_file():
+        if missing:
+            raise ConfigError(
+                f"no target for task(s) {', '.join(missing)} and no {path}: the suite fixes "
+                "its targets by a rule from a pilot seed; run `fedlora compare ... --pilot` "
+                "first"
+            )
+        return spec
+    found = read_toml(str(path))
+    acc = {t: float(v) for t, v in found.get("targets", {}).items()}
+    loss = {t: float(v) for t, v in found.get("target_losses", {}).items()}
+    targets = {t: spec.targets.get(t, acc.get(t)) for t in spec.tasks}
+    still = [t for t, v in targets.items() if v is None]
+    if still:
+        raise ConfigError(f"{path} has no target for task(s) {', '.join(still)}")
+    return replace(spec, targets=targets, target_losses={**loss, **spec.target_losses})
 
 
 def run_suite(
@@ -211,13 +348,21 @@ def run_suite(
     A run that fails with a fedlora error is recorded (summary.json with "error") and the
     suite goes on; it is retried the next time. Returns the report's path.
     """
-    from fedlora.engine import load_run_config, prepare_run_dir, run_experiment
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    spec = with_pilot_targets(spec, out)
     command = command or "fedlora compare --suite " + spec.name
     _write_suite_file(spec, out, command)
+    _run_jobs(spec, out, quiet=quiet, log=log)
+    return report_suite([out], report_dir or out)
+
+
+def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], None]) -> None:
+    """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
+    from fedlora.engine import load_run_config, prepare_run_dir, run_experiment
+
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
     start = time.perf_counter()
     for i, (label, seed) in enumerate(jobs, 1):
@@ -253,7 +398,6 @@ def run_suite(
             f"({summary['rounds']} rounds, {summary['sim_time_s']:.0f} s simulated); "
             f"suite {elapsed / 60:.1f} min so far"
         )
-    return report_suite([out], report_dir or out)
 
 
 def report_suite(
@@ -264,6 +408,8 @@ def report_suite(
     title: str | None = None,
     cost_model: tuple[str, str] | None = None,
     command: str | None = None,
+    target_loss: float | None = None,
+    mcnemar: bool = False,
 ) -> Path:
     """Rebuild report.md and the plot from run or suite directories (metrics files only).
 
@@ -281,7 +427,7 @@ def report_suite(
         )
     merged = dict(suite.get("targets", {}))
     merged.update(targets or {})
-    return write_report(
+    path = write_report(
         runs,
         merged,
         out_dir,
@@ -289,7 +435,38 @@ def report_suite(
         order=suite.get("labels"),
         command=command if command is not None else suite.get("command", ""),
         note=note,
+        target_loss=target_loss,
+        mcnemar=mcnemar,
     )
+    return _append_powered(path, runs, merged, suite, title or suite.get("title", ""))
+
+
+def _append_powered(
+    path: Path, runs: Sequence[Any], targets: dict[str, float], suite: dict[str, Any], title: str
+) -> Path:
+    """The over-seeds sections and band plots (`fedlora.powered`) after report.md."""
+    from fedlora import powered
+
+    runs = [r for r in runs if r.lines]
+    losses = {t: float(v) for t, v in suite.get("target_losses", {}).items()}
+    text = powered.render(
+        runs,
+        targets,
+        target_losses=losses,
+        suite=str(suite.get("suite", "")),
+        order=suite.get("labels"),
+        margin=float(suite.get("similar_margin", powered.SIMILAR_MARGIN)),
+        rule=str(suite.get("target_rule", "")),
+    )
+    images = []
+    for metric, name in (("accuracy", "accuracy_bands.png"), ("loss", "eval_loss_bands.png")):
+        drawn = powered.plot_bands(runs, targets, metric, path.parent / name, title=title,
+                                   order=suite.get("labels"), target_losses=losses)  # fmt: skip
+        if drawn is not None:
+            images.append(f"![{metric} over seeds against simulated minutes]({name})")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text + "\n" + "\n\n".join(images) + "\n")
+    return path
 
 
 def format_command(argv: Sequence[str]) -> str:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedlora.config import LoraConfig
+from fedlora.device import autocast_state
 from fedlora.errors import ConfigError, bad_value
 
 __all__ = ["SlotLoraLayer", "SlotLora", "inject_lora", "find_targets"]
@@ -69,7 +70,7 @@ class SlotLoraLayer(nn.Module):
                 "(the batch must hold the same number of rows per client)"
             )
         a, b = self.lora_A[:c], self.lora_B[:c]
-        if not torch.is_autocast_enabled("cpu") and x.dtype != a.dtype:
+        if not autocast_state(x.device.type)[0] and x.dtype != a.dtype:
             x = x.to(a.dtype)  # e.g. a bf16 base without autocast: LoRA in fp32
         xs = x.reshape(c, -1, self.in_features)  # (c, b*T, in)
         if self.dropout_p > 0 and self.training:
@@ -145,7 +146,7 @@ class SlotLora:
         for n, lin in self.modules.items():
             layer = SlotLoraLayer(
                 lin.in_features, lin.out_features, slots, cfg.rank, self.scaling, cfg.dropout
-            )
+            ).to(lin.weight.device)  # the slots live with the base (fp32 master weights)
             layer.train(False)  # dropout only inside local training (`SlotLora.train`)
             self.layers[n] = layer
             self._handles.append(lin.register_forward_hook(layer.hook))

@@ -105,9 +105,10 @@ def _torch_dtype(dtype: str):
     return torch.bfloat16 if dtype == "bf16" else torch.float32
 
 
-def _attn_implementation(dtype: str) -> str:
-    # Eager attention: SDPA's bf16 backward on CPU is about half a training step (DESIGN.md).
-    return "eager" if dtype == "bf16" else "sdpa"
+def _attn_implementation(dtype: str, device: str = "cpu") -> str:
+    # Eager attention: SDPA's bf16 backward on CPU is about half a training step (DESIGN.md);
+    # on a GPU SDPA (flash / memory-efficient kernels) is the fast path in any dtype.
+    return "eager" if dtype == "bf16" and device == "cpu" else "sdpa"
 
 
 def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple:
@@ -123,6 +124,14 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
+    return model, tokenizer
+
+
+def _to_device(loaded: tuple, device: str) -> tuple:
+    """(model on `device`, tokenizer); models load on the CPU first."""
+    model, tokenizer = loaded
+    if device != "cpu":
+        model.to(device)
     return model, tokenizer
 
 
@@ -183,13 +192,13 @@ def tiny_config(kind: str, vocab_size: int = TINY_VOCAB_SIZE):
     raise bad_value("model.name", kind, f"a tiny model: {', '.join(TINY_MODELS)}")
 
 
-def _load_tiny(kind: str, dtype: str, seed: int = TINY_SEED):
+def _load_tiny(kind: str, dtype: str, seed: int = TINY_SEED, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tiny_tokenizer()
     config = tiny_config(kind, vocab_size=len(tokenizer))
-    config._attn_implementation = _attn_implementation(dtype)
+    config._attn_implementation = _attn_implementation(dtype, device)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Seeded init with an explicit generator (no global RNG): weights ~ N(0, 0.02), biases
     # ~ N(0, 0.02) (so Qwen2's q/k/v biases matter in tests), norms 1.
@@ -287,24 +296,26 @@ def _convert_smollm2(target: Path, progress: bool) -> None:
     _log(progress, f"saved {SMOLLM2_SPEC} to {target} in {time.perf_counter() - t0:.0f} s")
 
 
-def _load_smollm2(dtype: str, cache_dir: str | None, progress: bool):
+def _load_smollm2(dtype: str, cache_dir: str | None, progress: bool, device: str = "cpu"):
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = root / SMOLLM2_SPEC
     if not _is_converted(target):
         _log(progress, f"{SMOLLM2_SPEC} is not in the cache {root}: converting once")
         _convert_smollm2(target, progress)
-    return _load_pretrained(str(target), dtype)
+    return _load_pretrained(str(target), dtype, device)
 
 
 # ----------------------------------------------------------------------------- HF paths
 
 
-def _load_pretrained(name_or_path: str, dtype: str):
+def _load_pretrained(name_or_path: str, dtype: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, dtype=_torch_dtype(dtype), attn_implementation=_attn_implementation(dtype)
+        name_or_path,
+        dtype=_torch_dtype(dtype),
+        attn_implementation=_attn_implementation(dtype, device),
     )
     return model, tokenizer
 
@@ -325,31 +336,38 @@ def load_model(
     dtype: str = "fp32",
     cache_dir: str | None = None,
     progress: bool = True,
+    device: str = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Resolve `spec` (see the module docstring) to ``(model, tokenizer)``.
 
     The model is frozen (no parameter requires grad), in eval mode, with ``use_cache=False``;
-    `dtype` ("fp32" | "bf16") is the storage dtype of the frozen base. Unknown specs raise
-    `ConfigError` listing the accepted forms.
+    `dtype` ("fp32" | "bf16" | "auto", see `fedlora.device.resolve_dtype`) is the storage
+    dtype of the frozen base; the model is moved to `device` ("cpu", "cuda:0", "mps", "auto").
+    Unknown specs raise `ConfigError` listing the accepted forms.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise bad_value("model.name", spec, ACCEPTED_FORMS)
+    if device == "auto" or dtype == "auto":
+        from fedlora.device import resolve_device, resolve_dtype
+
+        device = resolve_device(device) if device == "auto" else device
+        dtype, _ = resolve_dtype(dtype, device)
     _torch_dtype(dtype)  # validates dtype before any heavy work
     spec = spec.strip()
     if spec in TINY_MODELS:
-        return _finish(*_load_tiny(spec, dtype))
+        return _to_device(_finish(*_load_tiny(spec, dtype, device=device)), device)
     if spec.lower() == SMOLLM2_SPEC:
-        return _finish(*_load_smollm2(dtype, cache_dir, progress))
+        return _to_device(_finish(*_load_smollm2(dtype, cache_dir, progress, device)), device)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise bad_value(
                 "model.name", spec, f"the directory has no config.json; accepted: {ACCEPTED_FORMS}"
             )
-        return _finish(*_load_pretrained(str(path), dtype))
+        return _to_device(_finish(*_load_pretrained(str(path), dtype, device)), device)
     if _looks_like_hub_id(spec):
         try:
-            return _finish(*_load_pretrained(spec, dtype))
+            return _to_device(_finish(*_load_pretrained(spec, dtype, device)), device)
         except OSError as e:
             raise ConfigError(
                 f"model.name = {spec!r} could not be loaded from the Hugging Face hub "

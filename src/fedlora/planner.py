@@ -83,6 +83,7 @@ from fedlora.network import comm_factor, comp_factor
 
 STRICT_MARGIN = 1e-9  # relative margin that turns the paper's strict q_n > lo_n into q_n >= ...
 A_SUM_TOLERANCE = 1e-6  # |Σ a_n − 1| allowed without normalisation
+GAMMA_MAX = 4096  # the largest global rank γ a problem may name (LoRA ranks are far below)
 
 SOLVERS = ("exact", "cvxpy")
 ESTIMATION_MATRICES = ("fixed", "paper")
@@ -149,6 +150,8 @@ class PlanProblem:
         g = self.gamma
         if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
             raise bad_value("gamma", g, "an integer >= 1 (the global LoRA rank γ)")
+        if g > GAMMA_MAX:  # the k-step is O(N·γ): an absurd γ would run for ever
+            raise bad_value("gamma", g, f"at most {GAMMA_MAX} (the global LoRA rank γ)")
         object.__setattr__(self, "gamma", int(g))
         object.__setattr__(self, "f_tot", _positive("f_tot", self.f_tot))
         arrays = {}
@@ -483,6 +486,75 @@ def estimate_constants(
         f"calibration: the estimate contradicts the model (A, B, C, D must be > 0): "
         f"{', '.join(bad)} with B = 1; {hint}"
     )
+
+
+def calibration_fit(
+    observations: Sequence[Observation],
+    gamma: int,
+    a: Sequence[float] | np.ndarray,
+    constants: Constants,
+) -> list[dict[str, float]]:
+    """How well A–D explain each calibration run (Eq. 21 and Theorem 1).
+
+    Per observation: Y = Σ a²/q, Z = Σ a²/q·γ²/k², the observed R, the predicted
+    R̂ = A/(B − C·Y − D·Z) (inf when the denominator is <= 0), R̂/R − 1, and the residual of
+    its row of the linear system, (A/R − B + C·Y + D·Z)/B (0 for an exact fit; what the SVD or
+    non-negative fit minimises).
+    """
+    a2 = np.asarray(a, dtype=float) ** 2
+    out = []
+    for o in observations:
+        q = np.asarray(o.q, dtype=float)
+        k = np.asarray(o.k, dtype=float)
+        y = float(np.sum(a2 / q))
+        z = float(np.sum(a2 / q * gamma**2 / k**2))
+        den = constants.B - constants.C * y - constants.D * z
+        predicted = constants.A / den if den > 0 else math.inf
+        observed = float(o.rounds)
+        out.append(
+            {
+                "Y": y,
+                "Z": z,
+                "observed_rounds": observed,
+                "predicted_rounds": predicted,
+                "relative_error": predicted / observed - 1.0,
+                "row_residual": (constants.A / observed - den) / constants.B,
+            }
+        )
+    return out
+
+
+def plan_degeneracy(
+    problem: PlanProblem,
+    constants: Constants,
+    q: Sequence[float] | np.ndarray,
+    k: Sequence[int] | np.ndarray,
+    options: PlanOptions,
+    rtol: float = 1e-6,
+) -> dict[str, Any]:
+    """Whether a plan is degenerate: every k_n = 1, or every q_n at one of its bounds
+    (the lower bound lo_n of `options.q_lower_bound`, or 1). Such a plan is the optimiser
+    pressed against its box rather than a trade-off, and says more about the constants
+    than about the clients (issue 14). Also counts k_n = γ and each bound."""
+    q = np.asarray(q, dtype=float)
+    k = np.asarray(k, dtype=np.int64)
+    lo = q_lower_bounds(problem, constants, k, options.q_lower_bound)
+    at_lower = (lo > 0) & (q <= lo * (1 + rtol) + 1e-12)
+    at_one = q >= 1 - rtol
+    reasons = []
+    if np.all(k == 1):
+        reasons.append("every k_n = 1")
+    if np.all(at_lower | at_one):
+        reasons.append("every q_n at a bound (lower bound or 1)")
+    return {
+        "degenerate": bool(reasons),
+        "reasons": reasons,
+        "k_at_1": int(np.sum(k == 1)),
+        "k_at_gamma": int(np.sum(k == problem.gamma)),
+        "q_at_lower_bound": int(np.sum(at_lower)),
+        "q_at_1": int(np.sum(at_one)),
+        "n": int(q.size),
+    }
 
 
 # ----------------------------------------------------------------------------- q-step
@@ -970,6 +1042,23 @@ def alternate(
     )
 
 
+def check_plan(result: PlanResult) -> None:
+    """Refuse a degenerate plan (a q_n of 0 or a non-finite objective): inputs so extreme
+    that the bound P2 is not finite in floating point."""
+    bad_q = np.flatnonzero(~np.isfinite(result.q) | (result.q <= 0))
+    if bad_q.size or not math.isfinite(result.objective):
+        what = (
+            f"q[{int(bad_q[0])}] = {float(result.q[bad_q[0]]):.6g}"
+            if bad_q.size
+            else f"the objective P2 = {result.objective}"
+        )
+        raise ConfigError(
+            f"no usable plan: {what} (the inputs span too many orders of magnitude for the "
+            "bound P2 to be finite); check the clients' tau_full_s, t_full, a and the "
+            "constants or calibration runs"
+        )
+
+
 def capability_start(problem: PlanProblem) -> np.ndarray:
     """k⁰_n = ⌈γ · τ_min / τ_n⌉ in 1..γ: rank proportional to device speed (the baselines'
     `capability` budgets, `fedlora.methods.ranks`); τ_n = 0 gets γ."""
@@ -1106,6 +1195,8 @@ def problem_from_dict(
             raise ConfigError(f"{source}: constants lacks {', '.join(missing)}")
         constants = Constants(cr["A"], cr["B"], cr["C"], cr["D"])
     calibration: list[Observation] = []
+    if not isinstance(raw.get("calibration") or [], list):
+        raise bad_value("calibration", raw["calibration"], "a list of calibration runs")
     for i, ob in enumerate(raw.get("calibration") or []):
         if not isinstance(ob, dict) or set(ob) != {"q", "k", "rounds"}:
             raise bad_value(
@@ -1145,6 +1236,8 @@ def load_problem(
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:

@@ -69,6 +69,18 @@ class RunRecord:
                 points.append((float(line["sim_time_s"]), float(acc)))
         return points
 
+    def loss_points(self) -> list[tuple[float, float]]:
+        """(sim_time_s, mean eval_loss) of every evaluated line that logged one, in order."""
+        return [
+            (float(line["sim_time_s"]), float(line["eval_loss"]))
+            for line in self.lines
+            if line.get("eval_loss") is not None
+        ]
+
+    def last_eval_line(self) -> dict[str, Any] | None:
+        """The last metrics line with an evaluation."""
+        return next((line for line in reversed(self.lines) if line.get("eval")), None)
+
     def final_accuracy(self, task: str) -> float | None:
         points = self.eval_points(task)
         return points[-1][1] if points else None
@@ -80,10 +92,37 @@ class RunRecord:
         return []
 
 
+def _read_text(path: Path, what: str) -> str:
+    """A run file's text; unreadable or non-UTF-8 files raise `DataError` naming them."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise DataError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(_read_text(path, "config file"))
+    except tomllib.TOMLDecodeError as e:
+        raise DataError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(_read_text(path, "summary file"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"summary file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"summary file {str(path)!r} is not a JSON object")
+    return data
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The lines of a metrics.jsonl; a torn last line (a run killed mid-write) is dropped."""
     lines = []
-    text = path.read_text(encoding="utf-8").splitlines()
+    text = _read_text(path, "metrics file").splitlines()
     for i, raw in enumerate(text):
         if not raw.strip():
             continue
@@ -110,12 +149,18 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunRecord:
         raise DataError(f"{str(path)!r} is not a fedlora run directory (no metrics.jsonl)")
     config: dict[str, Any] = {}
     if (path / "config.toml").is_file():
-        config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))
+        config = _read_toml(path / "config.toml")
     summary: dict[str, Any] = {}
     if (path / "summary.json").is_file():
-        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
-    method = str(summary.get("method") or config.get("method", {}).get("name", "unknown"))
-    seed = int(summary.get("seed", config.get("training", {}).get("seed", 0)) or 0)
+        summary = _read_json_object(path / "summary.json")
+    try:
+        method = str(summary.get("method") or config.get("method", {}).get("name", "unknown"))
+        seed = int(summary.get("seed", config.get("training", {}).get("seed", 0)) or 0)
+    except (AttributeError, TypeError, ValueError):
+        raise DataError(
+            f"{str(path)!r}: summary.json / config.toml do not name the run's method and seed "
+            "(damaged files?)"
+        ) from None
     match = _SEED_SUFFIX.match(path.name)
     if label is None:
         label = match["label"] if match else method
@@ -132,6 +177,105 @@ def time_to_target(run: RunRecord, task: str, target: float) -> tuple[float, boo
         if acc >= target:
             return time_s, True
     return run.total_time_s, False
+
+
+def time_to_loss(run: RunRecord, target: float) -> tuple[float, bool]:
+    """(time, reached): the first sim_time_s with mean eval_loss <= target, or (total, False)."""
+    for time_s, loss in run.loss_points():
+        if loss <= target:
+            return time_s, True
+    return run.total_time_s, False
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value: b, c are the discordant pairs (only run A right, only
+    run B right); under H0 (equal accuracy) b ~ Binomial(b + c, 1/2)."""
+    for name, v in (("b", b), ("c", c)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise DataError(f"{name} = {v!r} is invalid: a count >= 0")
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2.0 * tail)
+
+
+PREDICTIONS_FILE = "predictions.jsonl"
+
+
+def read_predictions(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """task -> the predictions line of the run's last evaluation of that task ({} if the run
+    wrote none)."""
+    path = Path(run_dir) / PREDICTIONS_FILE
+    last: dict[str, dict[str, Any]] = {}
+    if not path.is_file():
+        return last
+    for i, raw in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            continue  # a torn line of a killed run
+        if not isinstance(line, dict) or not {"round", "task", "ids", "correct"} <= set(line):
+            raise DataError(f"{path}: line {i + 1} is not a fedlora predictions line")
+        if line["task"] not in last or line["round"] >= last[line["task"]]["round"]:
+            last[line["task"]] = line
+    return last
+
+
+@dataclass
+class PairedTest:
+    """McNemar's test of two runs' last evaluations on the questions they share."""
+
+    task: str
+    n: int  # paired questions
+    both: int  # right in both runs
+    a_only: int  # b: right only in run A
+    b_only: int  # c: right only in run B
+    neither: int
+    p_value: float
+
+    @property
+    def accuracy_a(self) -> float:
+        return (self.both + self.a_only) / self.n if self.n else math.nan
+
+    @property
+    def accuracy_b(self) -> float:
+        return (self.both + self.b_only) / self.n if self.n else math.nan
+
+
+def _keyed(line: dict[str, Any]) -> dict[tuple[str, int], int]:
+    """(question id, occurrence) -> correct, so repeated questions pair in order."""
+    seen: dict[str, int] = {}
+    out = {}
+    for qid, ok in zip(line["ids"], line["correct"]):
+        k = seen.get(qid, 0)
+        seen[qid] = k + 1
+        out[(qid, k)] = int(ok)
+    return out
+
+
+def paired_tests(run_a: Path, run_b: Path) -> list[PairedTest]:
+    """Per task both runs evaluated: McNemar on the questions of their last evaluations that
+    both scored (matched by question id). A run without predictions.jsonl is an error."""
+    pa, pb = read_predictions(run_a), read_predictions(run_b)
+    for path, p in ((run_a, pa), (run_b, pb)):
+        if not p:
+            raise DataError(
+                f"{str(path)!r} has no {PREDICTIONS_FILE} (runs from before issue 13 or with "
+                "evaluation.predictions = false cannot be paired)"
+            )
+    tests = []
+    for task in [t for t in pa if t in pb]:
+        a, b = _keyed(pa[task]), _keyed(pb[task])
+        common = [k for k in a if k in b]
+        both = sum(1 for k in common if a[k] and b[k])
+        a_only = sum(1 for k in common if a[k] and not b[k])
+        b_only = sum(1 for k in common if b[k] and not a[k])
+        neither = len(common) - both - a_only - b_only
+        tests.append(
+            PairedTest(task, len(common), both, a_only, b_only, neither, mcnemar_p(a_only, b_only))
+        )
+    return tests
 
 
 def t_interval95(values: Sequence[float]) -> float | None:
@@ -309,7 +453,7 @@ def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = 
     calib = run.path / "calibration"
     if run.calibration_time_s > 0 and calib.is_dir():
         for sub in sorted(d for d in calib.iterdir() if (d / "metrics.jsonl").is_file()):
-            sub_cfg = tomllib.loads((sub / "config.toml").read_text(encoding="utf-8"))
+            sub_cfg = _read_toml(sub / "config.toml")
             lines = _reclock_lines(read_metrics(sub / "metrics.jsonl"), sub_cfg,
                                    sub / "clients.csv", cost, 0.0)  # fmt: skip
             start += lines[-1]["sim_time_s"] if lines else 0.0
@@ -352,6 +496,19 @@ def plot_runs(
                 ys = [100 * a for _, a in points]
                 ax.plot(xs, ys, marker=".", color=colors[label], label=label if first else None)
                 first = False
+                band = _wilson_band(run, task)
+                if band:
+                    bx, lo, hi = band
+                    ax.fill_between(
+                        [t / scale for t in bx], lo, hi, color=colors[label], alpha=0.12
+                    )
+        for key, style, name in (
+            ("eval_majority", ":", "most-frequent label"),
+            ("eval_chance", "-.", "chance"),
+        ):
+            value = _baseline(runs, task, key)
+            if value is not None:
+                ax.axhline(100 * value, color="black", linestyle=style, linewidth=1, label=name)
         ax.axhline(100 * targets[task], color="gray", linestyle="--", linewidth=1)
         ax.set_title(f"{task} (target {100 * targets[task]:.0f}%)")
         ax.set_xlabel(f"simulated wall-clock ({unit})")
@@ -369,6 +526,184 @@ def plot_runs(
     return path
 
 
+def _wilson_band(run: RunRecord, task: str) -> tuple[list[float], list[float], list[float]]:
+    """(times, lower %, upper %) of the run's logged 95% Wilson intervals of `task`."""
+    xs, lo, hi = [], [], []
+    for line in run.lines:
+        ci = (line.get("eval_ci95") or {}).get(task)
+        if ci is not None and line.get("eval"):
+            xs.append(float(line["sim_time_s"]))
+            lo.append(100 * ci[0])
+            hi.append(100 * ci[1])
+    return (xs, lo, hi) if xs else ()
+
+
+def _baseline(runs: Sequence[RunRecord], task: str, key: str) -> float | None:
+    """The mean over runs of a per-task constant of the eval set (majority or chance score);
+    the mean eval task's is the mean over tasks."""
+    values = []
+    for run in runs:
+        line = next((x for x in run.lines if x.get(key)), None)
+        if line is None:
+            continue
+        per_task = line[key]
+        if task == MEAN_TASK:
+            values.append(sum(per_task.values()) / len(per_task))
+        elif task in per_task:
+            values.append(float(per_task[task]))
+    return sum(values) / len(values) if values else None
+
+
+def plot_losses(
+    runs: Sequence[RunRecord], path: Path, target_loss: float | None = None, title: str = ""
+) -> Path | None:
+    """Mean eval_loss against simulated wall-clock, one colour per label; None (nothing
+    written) when no run logged eval_loss."""
+    if not any(r.loss_points() for r in runs):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r.label for r in runs))
+    longest_s = max((r.total_time_s for r in runs), default=0.0)
+    unit, scale = ("min", 60.0) if longest_s >= 120 else ("s", 1.0)
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    for i, label in enumerate(labels):
+        first = True
+        for run in (r for r in runs if r.label == label):
+            points = run.loss_points()
+            if points:
+                ax.plot(
+                    [t / scale for t, _ in points],
+                    [v for _, v in points],
+                    marker=".",
+                    color=plt.cm.tab10(i % 10),
+                    label=label if first else None,
+                )
+                first = False
+    if target_loss:
+        ax.axhline(target_loss, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel(f"simulated wall-clock ({unit})")
+    ax.set_ylabel("eval_loss (NLL of the answer tokens)")
+    ax.set_title(title or "held-out loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _loss_sections(runs: Sequence[RunRecord], labels: list[str], target_loss: float) -> list[str]:
+    out = ["", f"## Time to eval_loss <= {target_loss:g} (s)", ""]
+    out += [
+        "The first simulated time at which the mean eval_loss over the eval tasks is <= the "
+        "target (`>=`: not reached by some seed, a lower bound).",
+        "",
+        "| method | time (s) | final eval_loss |",
+        "|---|---|---|",
+    ]
+    for label in labels:
+        group = [r for r in runs if r.label == label]
+        results = [time_to_loss(r, target_loss) for r in group]
+        finals = [r.loss_points()[-1][1] for r in group if r.loss_points()]
+        cell = Cell(
+            label,
+            "eval_loss",
+            target_loss,
+            [t for t, _ in results],
+            [ok for _, ok in results],
+            finals,
+            [r.calibration_time_s for r in group],
+        )
+        ci = t_interval95(finals)
+        final = "-" if not finals else f"{sum(finals) / len(finals):.4f}"
+        out.append(
+            f"| {label} | {_fmt_time(cell)} | {final}{'' if ci is None else f' ± {ci:.4f}'} |"
+        )
+    return out
+
+
+def _baseline_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
+    rows = []
+    for label in labels:
+        for r in sorted((r for r in runs if r.label == label), key=lambda r: r.seed):
+            line = r.last_eval_line()
+            if line is None or not line.get("eval_ci95"):
+                continue
+            for task, acc in line["eval"].items():
+                lo, hi = line["eval_ci95"][task]
+                loss = (line.get("eval_losses") or {}).get(task)
+                rows.append(
+                    f"| {label} | {r.seed} | {task} | {line.get('round', '-')} | "
+                    f"{100 * acc:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] | "
+                    f"{100 * line['eval_majority'][task]:.1f}% | "
+                    f"{100 * line['eval_chance'][task]:.1f}% | "
+                    f"{'-' if loss is None else f'{loss:.4f}'} | {line['eval_n'][task]} |"
+                )
+    if not rows:
+        return []
+    return [
+        "",
+        "## Last evaluation against the baselines",
+        "",
+        "Accuracy with its 95% Wilson interval beside the score of always answering the most "
+        "frequent label of the same questions and chance: an accuracy shows learning only "
+        "when its interval lies above both.",
+        "",
+        "| method | seed | task | round | accuracy [95%] | most-frequent label | chance | "
+        "eval_loss | n |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def _mcnemar_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
+    """Two runs: that pair. More: every two runs of the same seed (the same eval subset) and
+    different labels."""
+    ordered = [r for label in labels for r in runs if r.label == label]
+    if len(ordered) == 2:
+        pairs = [(ordered[0], ordered[1])]
+    else:
+        pairs = [
+            (a, b)
+            for i, a in enumerate(ordered)
+            for b in ordered[i + 1 :]
+            if a.seed == b.seed and a.label != b.label
+        ]
+    unique = len({r.label for r in ordered}) == len(ordered)
+
+    def name(r: RunRecord) -> str:
+        return r.label if unique else f"{r.path.parent.name}/{r.path.name}"
+
+    rows = []
+    for a, b in pairs:
+        if not read_predictions(a.path) or not read_predictions(b.path):
+            continue
+        for t in paired_tests(a.path, b.path):
+            rows.append(
+                f"| {name(a)} | {name(b)} | {t.task} | {t.n} | {t.both} | {t.a_only} | "
+                f"{t.b_only} | {t.neither} | {100 * t.accuracy_a:.1f}% | "
+                f"{100 * t.accuracy_b:.1f}% | {t.p_value:.4g} |"
+            )
+    out = ["", "## Paired test (McNemar)", ""]
+    if not rows:
+        return out + ["No pair of runs (of the same seed) wrote predictions.jsonl.", ""]
+    return out + [
+        "Last evaluation of each run, on the questions both scored (matched by question id). "
+        "A only / B only: the discordant questions; p: exact two-sided McNemar (binomial on "
+        "the discordant pairs).",
+        "",
+        "| run A | run B | task | n | both right | A only | B only | neither | "
+        "accuracy A | accuracy B | p |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 def render_markdown(
     runs: Sequence[RunRecord],
     targets: dict[str, float],
@@ -378,6 +713,8 @@ def render_markdown(
     command: str = "",
     plot_name: str = "accuracy_vs_time.png",
     note: str = "",
+    target_loss: float | None = None,
+    mcnemar: bool = False,
 ) -> str:
     """report.md: time to target per label and task, final accuracy, speed-up over FSLoRA.
 
@@ -463,10 +800,17 @@ def render_markdown(
                 f"{s.get('stop_reason', s.get('error', 'unfinished'))} | "
                 f"{s.get('compute_s', 0.0):.0f} |"
             )
+    out += _baseline_section(runs, labels)
+    if target_loss:
+        out += _loss_sections(runs, labels, target_loss)
+    if mcnemar:
+        out += _mcnemar_section(runs, labels)
     if failed:
         out += ["", "## Failed runs", ""]
         out += [f"- {r.label} seed {r.seed}: {r.summary['error']}" for r in failed]
     out += ["", f"![accuracy against simulated wall-clock]({plot_name})", ""]
+    if any(r.loss_points() for r in runs):
+        out += ["![eval_loss against simulated wall-clock](eval_loss_vs_time.png)", ""]
     return "\n".join(out)
 
 
@@ -518,8 +862,12 @@ def write_report(
     order: Sequence[str] | None = None,
     command: str = "",
     note: str = "",
+    target_loss: float | None = None,
+    mcnemar: bool = False,
 ) -> Path:
-    """Write report.md and accuracy_vs_time.png into `out_dir`; returns the report's path."""
+    """Write report.md, accuracy_vs_time.png (and eval_loss_vs_time.png when the runs logged
+    eval_loss) into `out_dir`; returns the report's path. `target_loss`: add the time to a
+    mean eval_loss; `mcnemar`: add the paired test of every two runs of the same seed."""
     if not runs:
         raise DataError("no runs to report")
     if not any(r.lines for r in runs):
@@ -533,8 +881,26 @@ def write_report(
         if not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ConfigError(f"target {task} = {value!r} is invalid: an accuracy in (0, 1]")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    plot_runs([r for r in runs if r.lines], targets, out / "accuracy_vs_time.png", title)
-    text = render_markdown(runs, targets, title=title, order=order, command=command, note=note)
-    (out / "report.md").write_text(text, encoding="utf-8")
+    if target_loss is not None and not (
+        isinstance(target_loss, (int, float)) and math.isfinite(target_loss) and target_loss > 0
+    ):
+        raise bad_value("--target-loss", target_loss, "an eval_loss > 0")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        plot_runs([r for r in runs if r.lines], targets, out / "accuracy_vs_time.png", title)
+        plot_losses([r for r in runs if r.lines], out / "eval_loss_vs_time.png", target_loss, title)
+        text = render_markdown(
+            runs,
+            targets,
+            title=title,
+            order=order,
+            command=command,
+            note=note,
+            target_loss=target_loss,
+            mcnemar=mcnemar,
+        )
+        (out / "report.md").write_text(text, encoding="utf-8")
+    except OSError as e:
+        where = f" {e.filename!r}" if e.filename else ""
+        raise ConfigError(f"--out {str(out)!r}: cannot write{where}: {e.strerror or e}") from None
     return out / "report.md"

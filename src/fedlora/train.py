@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedlora.device import autocast_context, autocast_state
 from fedlora.errors import ConfigError, DataError, FedloraError, bad_value
 from fedlora.lora import SlotLora, _layer_index
 
@@ -160,9 +160,18 @@ class LayerCache:
     """
 
     def __init__(
-        self, model: torch.nn.Module, lora: SlotLora, *, max_mb: float = 2048.0, dtype: str = "fp32"
+        self,
+        model: torch.nn.Module,
+        lora: SlotLora,
+        *,
+        max_mb: float = 2048.0,
+        dtype: str = "fp32",
+        evict: bool = True,
     ) -> None:
         _check_cache_options(max_mb, dtype)
+        # evict=False: once full, new entries are not kept (a fixed set read in the same order
+        # every time, e.g. the eval set, then hits on a fixed part instead of thrashing an LRU)
+        self.evict = evict
         first, reason = cacheable_layers(model, lora)
         if first == 0:
             raise ConfigError(f"the frozen-layer cache cannot be used: {reason}")
@@ -218,10 +227,10 @@ class LayerCache:
     def _lower_state(self) -> tuple[Any, ...]:
         """What the cached values depend on besides the tokens: the lower weights (storage
         and in-place version) and the autocast mode."""
-        autocast = torch.is_autocast_enabled("cpu")
+        autocast, autocast_dtype = autocast_state(self._lower_params[0].device.type)
         return (
             autocast,
-            torch.get_autocast_dtype("cpu") if autocast else None,
+            autocast_dtype,
             tuple((p.data_ptr(), p._version, p.dtype) for p in self._lower_params),
         )
 
@@ -232,6 +241,8 @@ class LayerCache:
         size = self._entry_bytes(key, value)
         if size > self.max_bytes:
             return  # larger than the whole budget: not kept
+        if not self.evict and self.nbytes + size > self.max_bytes:
+            return  # full: keep what is there
         while self._entries and self.nbytes + size > self.max_bytes:
             old_key, old = self._entries.popitem(last=False)  # least recently used
             self.nbytes -= self._entry_bytes(old_key, old)
@@ -308,7 +319,8 @@ class LayerCache:
             self.clear()
             self._state = state
         lens = lengths.tolist()
-        keys = [input_ids[i, : lens[i]].numpy().tobytes() for i in range(n_rows)]
+        ids_cpu = input_ids.cpu()  # keys are host bytes wherever the batch lives
+        keys = [ids_cpu[i, : lens[i]].numpy().tobytes() for i in range(n_rows)]
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, int] = {}  # distinct missing key -> its first row
         for i, k in enumerate(keys):
@@ -339,11 +351,117 @@ class LayerCache:
                 self._put(keys[i], value)
         d = self.decoder.config.hidden_size
         dtype = self._hidden_dtype or next(iter(found.values())).dtype
-        hidden = torch.zeros(n_rows, t, d, dtype=dtype)  # (N, T, d); 0 on padding
+        hidden = torch.zeros(n_rows, t, d, dtype=dtype, device=input_ids.device)  # 0 on padding
         for i, k in enumerate(keys):
             hidden[i, : lens[i]] = found[k].to(dtype)
         hidden = self._run_layers(
             hidden, attention_mask, range(self.first_layer, len(self.decoder.layers))
+        )
+        return self.decoder.norm(hidden)
+
+    # ------------------------------------------------------------------ packed rows
+
+    def packable(self) -> bool:
+        """Whether `packed_last_hidden_state` can run this decoder (full attention only)."""
+        types = getattr(self.decoder.config, "layer_types", None) or []
+        return set(types) <= {"full_attention"}
+
+    def _packed_mask(self, segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(N, 1, T, T) attention mask of packed rows: query q sees key k <= q when k is in
+        the shared segment 0 or in q's own segment; padding (-1) sees only itself."""
+        n, t = segments.shape
+        q_seg, k_seg = segments.unsqueeze(2), segments.unsqueeze(1)  # (N, T, 1), (N, 1, T)
+        dev = segments.device
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().unsqueeze(0)
+        allowed = causal & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
+        allowed |= torch.eye(t, dtype=torch.bool, device=dev).unsqueeze(0) & (q_seg < 0)
+        allowed = allowed.unsqueeze(1)
+        if getattr(self.decoder.config, "_attn_implementation", "sdpa") == "sdpa":
+            return allowed  # SDPA takes a boolean mask (True = attend)
+        zero = torch.zeros((), dtype=dtype, device=dev)
+        return torch.where(allowed, zero, torch.finfo(dtype).min)  # additive (eager)
+
+    def _run_packed(
+        self, hidden: torch.Tensor, segments: torch.Tensor, pos: torch.Tensor, layers: range
+    ) -> torch.Tensor:
+        mask = self._packed_mask(segments, hidden.dtype)
+        rotary = self.decoder.rotary_emb(hidden, pos)
+        for i in layers:
+            hidden = self.decoder.layers[i](
+                hidden,
+                attention_mask=mask,
+                position_embeddings=rotary,
+                position_ids=pos,
+                past_key_values=None,
+                use_cache=False,
+            )
+        return hidden
+
+    def packed_last_hidden_state(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: torch.Tensor
+    ) -> torch.Tensor:
+        """Final-norm hidden states (N, T, d) of right-padded *packed* rows, layers 0..L-1
+        from the cache (filled for the rows it misses).
+
+        A packed row is a shared prefix (segment 0) followed by several continuations
+        (segments 1, 2, ...), each attending to the prefix and to itself, with its own
+        `position_ids` continuing the prefix's: one row scores all candidates of a
+        multiple-choice question as if each ran after the prefix alone. Segment -1 is padding.
+        A row's key is its ids, positions and segments."""
+        if not self.packable():
+            raise ConfigError("packed rows need a decoder with full attention only")
+        n_rows, t = input_ids.shape
+        lens = (segments >= 0).sum(dim=1).tolist()
+        state = self._lower_state()
+        if state != self._state:
+            self.clear()
+            self._state = state
+        ids_h, pos_h, seg_h = input_ids.cpu(), position_ids.cpu(), segments.cpu()  # host keys
+        keys = [
+            ids_h[i, : lens[i]].numpy().tobytes()
+            + pos_h[i, : lens[i]].numpy().tobytes()
+            + seg_h[i, : lens[i]].numpy().tobytes()
+            for i in range(n_rows)
+        ]
+        device = self.decoder.embed_tokens.weight.device  # the rows follow the model
+        input_ids, position_ids = input_ids.to(device), position_ids.to(device)
+        segments = segments.to(device)
+        found: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, int] = {}
+        for i, k in enumerate(keys):
+            if k in found or k in missing:
+                self.hits += 1
+                continue
+            value = self._entries.get(k)
+            if value is None:
+                missing[k] = i
+            else:
+                self._entries.move_to_end(k)
+                found[k] = value
+                self.hits += 1
+        if missing:
+            self.misses += len(missing)
+            rows = list(missing.values())
+            t_miss = max(lens[i] for i in rows)
+            with torch.no_grad():
+                lower = self._run_packed(
+                    self.decoder.embed_tokens(input_ids[rows, :t_miss]),
+                    segments[rows, :t_miss],
+                    position_ids[rows, :t_miss],
+                    range(self.first_layer),
+                )  # (m, t_miss, d)
+            self._hidden_dtype = lower.dtype
+            for row, i in enumerate(rows):
+                value = lower[row, : lens[i]].to(self._store_dtype).clone()
+                found[keys[i]] = value
+                self._put(keys[i], value)
+        d = self.decoder.config.hidden_size
+        dtype = self._hidden_dtype or next(iter(found.values())).dtype
+        hidden = torch.zeros(n_rows, t, d, dtype=dtype, device=device)
+        for i, k in enumerate(keys):
+            hidden[i, : lens[i]] = found[k].to(dtype)
+        hidden = self._run_packed(
+            hidden, segments, position_ids, range(self.first_layer, len(self.decoder.layers))
         )
         return self.decoder.norm(hidden)
 
@@ -400,7 +518,8 @@ def target_token_loss(
     b = batch["input_ids"].shape[0] // groups
     group = torch.div(rows, b, rounding_mode="floor")
     counts = torch.bincount(group, minlength=groups)  # (groups,)
-    sums = torch.zeros(groups, dtype=tok_loss.dtype).index_add(0, group, tok_loss)
+    sums = torch.zeros(groups, dtype=tok_loss.dtype, device=tok_loss.device)
+    sums = sums.index_add(0, group, tok_loss)
     return sums / counts.clamp(min=1), counts
 
 
@@ -513,20 +632,22 @@ def local_train(
     lr_t = None if lrs is None else torch.tensor(lrs, dtype=torch.float32).view(c, 1, 1)
     velocity: dict[int, torch.Tensor] = {}  # momentum buffers v, per parameter
     losses = np.zeros((c, steps))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
+    device = params[0].device  # batches follow the slots (which follow the base model)
+    autocast = autocast_context(device.type, autocast_bf16)
     lora.train(True)
     try:
         for h in range(steps):
             batch, _ = collate_clients([batches[k][h] for k in range(c)])
+            batch = {k: v.to(device) for k, v in batch.items()}
             with autocast:
                 per_client, counts = target_token_loss(model, batch, c, cache)
-            empty = torch.nonzero(counts == 0)[:, 0].tolist()
+            empty = [i for i, n in enumerate(counts.tolist()) if n == 0]  # on the host
             if empty:
                 raise DataError(
                     f"local step {h}: the batch of client slot(s) {empty} has no target "
                     "tokens (labels are all -100; is the response truncated by max_seq_len?)"
                 )
-            values = per_client.detach().double().numpy()
+            values = per_client.detach().double().cpu().numpy()
             if not np.all(np.isfinite(values)):
                 bad = np.flatnonzero(~np.isfinite(values)).tolist()
                 raise TrainingError(

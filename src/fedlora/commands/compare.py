@@ -53,11 +53,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report-dir", help="where report.md and the plot go (default: --out)")
     p.add_argument("--data-dir", help="commonsense data directory (sets data.data_dir)")
     p.add_argument("--quiet", "-q", action="store_true", help="log lines instead of progress bars")
+    p.add_argument(
+        "--pilot",
+        action="store_true",
+        help="run the suite's pilot seed (suite.pilot_seed) in OUT/pilot and fix the targets "
+        "by suite.target_rule into OUT/targets.toml; the main runs read them",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedlora.experiments import format_command, load_suite, run_suite
+    from pathlib import Path
+
+    from fedlora.experiments import format_command, load_suite, pilot_targets, run_suite
 
     overrides = list(args.overrides)
     if args.data_dir:
@@ -72,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         methods=args.methods,
     )
     out = args.out or f"runs/{args.suite}"
+    if args.pilot:
+        print(f"targets: {pilot_targets(spec, Path(out), quiet=args.quiet)}")
+        return 0
     argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("fedlora") else []
     report = run_suite(
         spec,

@@ -58,7 +58,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="score the answer labels (default), the option texts, or the option texts per "
         "character (lm-evaluation-harness acc_norm)",
     )
-    p.add_argument("--dtype", default="fp32", metavar="fp32|bf16", help="model precision")
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        metavar="fp32|bf16|auto",
+        help="model precision (auto: as model.dtype = auto, see docs/models.md)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda|cuda:N|mps",
+        help="where the model runs (auto: cuda if available, else mps, else cpu)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,
@@ -90,8 +101,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise bad_value("--threads", args.threads, "must be >= 0 (0 = torch's default)")
     if args.scoring not in SCORINGS:
         raise bad_value("--scoring", args.scoring, f"allowed: {', '.join(SCORINGS)}")
-    if args.dtype not in ("fp32", "bf16"):
-        raise bad_value("--dtype", args.dtype, "allowed: fp32, bf16")
+    if args.dtype not in ("fp32", "bf16", "auto"):
+        raise bad_value("--dtype", args.dtype, "allowed: fp32, bf16, auto")
     if args.adapter is not None:
         path = Path(args.adapter)
         if not (path / "adapter_config.json").is_file():
@@ -119,6 +130,14 @@ def run_eval(args: argparse.Namespace) -> int:
     )
 
     _check_args(args)
+    from fedlora.device import resolve_device, resolve_dtype
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    args.device = resolve_device(args.device, "--device")  # a missing GPU: before any loading
+    args.dtype, _ = resolve_dtype(args.dtype, args.device)
     # data first: bad data fails before the (slow) model load
     if args.task is not None:
         examples = load_task(args.task, resolve_data_dir(args.data_dir), "test")
@@ -133,10 +152,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from fedlora.evaluation import evaluate
     from fedlora.models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(
-        args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=True
+        args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=True, device=args.device
     )
     if args.adapter is not None:
         model = _apply_adapter(model, args.adapter)
@@ -159,6 +176,7 @@ def run_eval(args: argparse.Namespace) -> int:
                     "adapter": args.adapter,
                     "scoring": args.scoring,
                     "dtype": args.dtype,
+                    "device": args.device,
                     "seed": args.seed,
                     "seconds": round(result.seconds, 3),
                 }
@@ -171,7 +189,7 @@ def run_eval(args: argparse.Namespace) -> int:
             f"{result.task}: accuracy {result.accuracy:.4f} (95% CI {lo:.4f}-{hi:.4f}), "
             f"n = {result.n}, {result.seconds:.1f} s; most-frequent label "
             f"{result.majority:.4f}, chance {result.chance:.4f}; eval_loss {result.loss:.4f} "
-            f"[{args.model}{adapter}, {args.dtype}, scoring {args.scoring}, "
+            f"[{args.model}{adapter}, {args.dtype} on {args.device}, scoring {args.scoring}, "
             f"threads {torch.get_num_threads()}]"
         )
     return 0

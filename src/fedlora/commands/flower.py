@@ -140,10 +140,11 @@ def run_worker(args: argparse.Namespace) -> int:
 def run_simulate(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from fedlora.engine import load_run_config, prepare_run_dir
+    from fedlora.engine import prepare_run_dir
     from fedlora.errors import ConfigError
     from fedlora.flower.common import FlowerOptions, check_flower_method
     from fedlora.flower.simulation import ray_backend_config, run_simulation
+    from fedlora.rundir import resume_config
 
     if bool(args.out) == bool(args.resume):
         raise ConfigError(
@@ -152,10 +153,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     ray_backend_config(args.num_cpus, args.client_cpus)  # validate before starting anything
     if args.resume:
         out = Path(args.resume).resolve()
-        given = (
-            load_config(args.config, args.overrides) if (args.config or args.overrides) else None
-        )
-        cfg = load_run_config(out, given)  # refuses a config that differs from the run's
+        # overrides apply on top of the saved config; a difference is refused, naming it
+        cfg = resume_config(out, args.config, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
         out = Path(args.out).resolve()

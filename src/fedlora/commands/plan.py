@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedlora.planner import load_problem, plan
+    import numpy as np
+
+    from fedlora.planner import check_plan, load_problem, plan
 
     overrides: dict[str, object] = {}
     if args.solver:
@@ -43,7 +45,16 @@ def run(args: argparse.Namespace) -> int:
     if args.normalize_a:
         overrides["normalize_a"] = True
     problem, options = load_problem(args.problem, overrides)
-    result = plan(problem, options)
+    try:
+        with np.errstate(all="ignore"):  # a degenerate result is refused below, not warned of
+            result = plan(problem, options)
+    except (OverflowError, ZeroDivisionError) as e:
+        raise ConfigError(
+            f"no usable plan: {'an overflow' if isinstance(e, OverflowError) else 'a division by zero'}"
+            " in floating point (the inputs span too many orders of magnitude); check the "
+            "clients' tau_full_s, t_full, a and the constants or calibration runs"
+        ) from None
+    check_plan(result)
     text = json.dumps(result.to_dict(), indent=2) + "\n"
     if not args.output:
         sys.stdout.write(text)

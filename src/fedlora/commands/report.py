@@ -28,6 +28,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="re-clock the runs under this communication cost model (with --comp-cost)",
     )
     p.add_argument("--comp-cost", choices=("affine", "linear", "quadratic"))
+    p.add_argument(
+        "--target-loss",
+        type=float,
+        metavar="LOSS",
+        help="add the time to a mean eval_loss <= LOSS (and draw it in eval_loss_vs_time.png)",
+    )
+    p.add_argument(
+        "--mcnemar",
+        action="store_true",
+        help="add McNemar's paired test between every two runs of the same seed "
+        "(from their predictions.jsonl)",
+    )
     p.set_defaults(func=run)
 
 
@@ -47,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         title=args.title,
         cost_model=cost,
         command=format_command(argv) if (argv and cost) else None,
+        target_loss=args.target_loss,
+        mcnemar=args.mcnemar,
     )
     print(f"report: {report}")
     return 0

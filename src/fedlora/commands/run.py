@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedlora.config import load_config
+from fedlora.config import config_from_dict, load_config, parse_override, read_toml
+from fedlora.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,27 +34,74 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedlora.engine import (
-        describe,
-        load_run_config,
+    from fedlora.config import toml_string
+    from fedlora.engine import describe, run_experiment
+    from fedlora.errors import ConfigError
+    from fedlora.preflight import check_inputs
+    from fedlora.rundir import (
+        check_run_dir,
+        make_run_dir,
         prepare_run_dir,
+        resume_config,
         run_dir_for,
-        run_experiment,
+        run_dir_lock,
     )
 
     overrides = list(args.overrides)
     if args.data_dir:
-        overrides.append(f"data.data_dir={args.data_dir!r}".replace("'", '"'))
+        overrides.append(f"data.data_dir={toml_string(args.data_dir)}")
     if args.resume:
         run_dir = Path(args.resume)
-        given = load_config(args.config, overrides) if (args.config or overrides) else None
-        cfg = load_run_config(run_dir, given, force=args.force)
+        if args.out and Path(args.out).resolve() != run_dir.resolve():
+            raise ConfigError(
+                f"--out {args.out!r} with --resume {args.resume!r}: a resumed run stays in "
+                "its directory; drop --out (or copy the directory first)"
+            )
+        if args.overwrite:
+            raise ConfigError("--overwrite with --resume: choose one (continue or replace)")
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume {str(run_dir)!r}: no such directory")
+        with run_dir_lock(run_dir):  # held until the run ends; a second process is refused
+            cfg = resume_config(run_dir, args.config, overrides, force=args.force)
+            check_inputs(cfg)
+            print(f"run directory: {run_dir}", file=sys.stderr)
+            summary = run_experiment(cfg, run_dir, resume=True, quiet=args.quiet)
     else:
-        cfg = load_config(args.config, overrides)
+        if args.force:
+            raise ConfigError("--force goes with --resume (it accepts a changed config)")
+        cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
-        prepare_run_dir(cfg, run_dir, overwrite=args.overwrite)
-    print(f"run directory: {run_dir}", file=sys.stderr)
-    summary = run_experiment(cfg, run_dir, resume=bool(args.resume), quiet=args.quiet)
+        check_inputs(cfg)  # before anything is created or replaced
+        check_run_dir(run_dir, overwrite=args.overwrite)
+        make_run_dir(run_dir)
+        with run_dir_lock(run_dir):
+            prepare_run_dir(cfg, run_dir, overwrite=args.overwrite)
+            print(f"run directory: {run_dir}", file=sys.stderr)
+            summary = run_experiment(cfg, run_dir, resume=False, quiet=args.quiet)
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0
+
+
+def load_run_file(path: str | None, overrides: list[str]):
+    """`load_config`, except that a suite file's ``[suite]`` table (targets, seeds: what
+    `fedlora compare` reads) is set aside with a note, so ``fedlora run --config
+    configs/paper_table1.toml`` runs that file's experiment once (its [method], seed 0)."""
+    if not path:
+        return load_config(None, overrides)
+    raw = read_toml(path)
+    if "suite" not in raw:
+        return load_config(path, overrides)
+    raw.pop("suite")
+    print(
+        f"{path} is a suite file: running its experiment once; its [suite] table (targets, "
+        f"seeds) is read by `fedlora compare --config {path}`",
+        file=sys.stderr,
+    )
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{section}] must be a table")
+        table[key] = value
+    return config_from_dict(raw, source=str(path))

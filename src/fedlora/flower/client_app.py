@@ -22,7 +22,9 @@ Where the work happens:
 This module imports only light modules at top level (numpy, fedlora.config, flwr); torch and
 transformers load only on the in-process path. Every node rebuilds the same seeded partition
 and uses only its own part; node_config ``data-dir`` points a device at its local copy of the
-data.
+data, and node_config ``device`` (``auto`` | ``cpu`` | ``cuda:N`` | ``mps``; default ``auto``)
+picks the accelerator the node trains on, so one machine with several GPUs can host one
+SuperNode per GPU.
 """
 
 from __future__ import annotations
@@ -45,9 +47,16 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 def config_from_message(message: Message, context: Context) -> ExperimentConfig:
     """The experiment config the server sent (``fedlora`` ConfigRecord, key ``config-toml``),
-    with node_config ``data-dir`` (if set) replacing data.data_dir."""
+    with node_config ``data-dir`` (if set) replacing data.data_dir and node_config ``device``
+    (default ``auto``: this node's GPU if it has one) replacing model.device."""
     text = message.content.config_records["fedlora"]["config-toml"]
-    return node.config_from_toml(str(text), data_dir=context.node_config.get("data-dir") or None)
+    nc = context.node_config
+    return node.config_from_toml(
+        str(text),
+        data_dir=nc.get("data-dir") or None,
+        device=str(nc.get("device") or "auto"),
+        source="config sent by the server (model.device from node_config device)",
+    )
 
 
 def node_partition(context: Context) -> tuple[int, int]:

@@ -39,13 +39,20 @@ def _cache_key(cfg: ExperimentConfig) -> str:
 
 
 def config_from_toml(
-    text: str, *, data_dir: str | None = None, source: str = "config sent by the server"
+    text: str,
+    *,
+    data_dir: str | None = None,
+    source: str = "config sent by the server",
+    device: str | None = None,
 ) -> ExperimentConfig:
     """The experiment config in `text` (the server's resolved TOML), with `data_dir` (if set)
-    replacing data.data_dir: a node's local copy of the data."""
+    replacing data.data_dir: a node's local copy of the data; and `device` (if set)
+    replacing model.device: each node trains on its own device (node_config ``device``)."""
     raw = tomllib.loads(str(text))
     if data_dir:
         raw.setdefault("data", {})["data_dir"] = str(data_dir)
+    if device:
+        raw.setdefault("model", {})["device"] = str(device)
     return config_from_dict(raw, source=source)
 
 
@@ -53,21 +60,20 @@ def client_state(cfg: ExperimentConfig) -> ClientState:
     """Build (or reuse) this process's model, one-slot LoRA and federated data."""
     key = _cache_key(cfg)
     if key not in _CACHE:
-        import torch
-
         from fedlora.data import build_federated_data
+        from fedlora.device import resolve_runtime
         from fedlora.engine import derive_seed
         from fedlora.lora import inject_lora
         from fedlora.models import load_model
 
         _CACHE.clear()  # one experiment per process: free the previous model first
-        if cfg.model.threads:
-            torch.set_num_threads(cfg.model.threads)
+        cfg = resolve_runtime(cfg).cfg  # this node's device and dtype (auto made concrete)
         model, tokenizer = load_model(
             cfg.model.name,
             dtype=cfg.model.dtype,
             cache_dir=cfg.model.cache_dir or None,
             progress=False,
+            device=cfg.model.device,
         )
         lora = inject_lora(model, cfg.lora, slots=1, seed=derive_seed(cfg.training.seed, "init"))
         fed = build_federated_data(cfg.data, tokenizer, seed=cfg.training.seed)

@@ -40,7 +40,6 @@ from fedlora.engine import (
     _target_reached,
     _to_numpy,
     _to_torch,
-    _truncate_metrics,
     apply_aggregate,
     build_run,
     close_round,
@@ -51,6 +50,7 @@ from fedlora.engine import (
     plan_next_round,
     prepare_run_dir,
     record_round,
+    restore_metrics,
     round_header,
     run_dir_for,
     save_checkpoint,
@@ -70,6 +70,7 @@ from fedlora.flower.common import (
     record_to_adapter,
 )
 from fedlora.methods import RoundPlan
+from fedlora.rundir import check_run_dir, run_dir_lock
 
 apply_safe_env()
 
@@ -270,15 +271,20 @@ def run_server(
     check_flower_method(cfg)
     run_dir = run_dir_for(cfg, opts.out_dir or None)
     if resume:
-        cfg = load_run_config(run_dir, cfg)
-        (run_dir / "error.txt").unlink(missing_ok=True)
+        load_run_config(run_dir)  # a missing or foreign directory: refused before the lock
     else:
-        prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
-    try:
-        return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
-    except Exception as e:  # leave a trace in the run directory for whoever waits on it
-        _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
-        raise
+        check_run_dir(run_dir, overwrite=opts.overwrite)
+    with run_dir_lock(run_dir):  # one writer: a second server on the directory is refused
+        if resume:
+            cfg = load_run_config(run_dir, cfg)
+            (run_dir / "error.txt").unlink(missing_ok=True)
+        else:
+            prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
+        try:
+            return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
+        except Exception as e:  # leave a trace in the run directory for whoever waits on it
+            _atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
+            raise
 
 
 def _run_server(
@@ -310,7 +316,7 @@ def _run_server(
             log(f"resuming {run_dir} after round {progress.round}")
         else:
             log(f"no usable checkpoint in {run_dir}: starting from round 0")
-        _truncate_metrics(metrics_path, progress.metrics_lines)
+        restore_metrics(metrics_path, state, warn=log)
     else:
         metrics_path.unlink(missing_ok=True)
     write_clients_csv(run_dir, run.fed, run.profiles)

@@ -18,12 +18,23 @@ The calibration rounds' simulated time starts the main run's clock (the engine a
 reported separately as `calibration_sim_time_s` in metrics line 0 and summary.json.
 
 Calibration loss (decided before any result was seen; planner.calibration_loss = 0 = "auto"):
-F_s = 0.5 · L_0, with L_0 the training loss of the first round with participants of the
-first calibration run (mean over its participants and H local steps). The loss a round
-reports is smoothed as the trailing mean over the last `SMOOTHING_ROUNDS` rounds that had
-participants. If a calibration run ends at the cap without reaching F_s, every run's R_i is
-re-read from its recorded losses at F_s' = the highest of the runs' lowest smoothed losses
-(the lowest level every run reached); plan.json records both F_s and F_s'.
+F_s = f · L_0 (f = planner.calibration_loss_fraction, 0.5 by default), with L_0 the training
+loss of the first round with participants of the first calibration run (mean over its
+participants and H local steps). The loss a round reports is smoothed as the trailing mean
+over the last `SMOOTHING_ROUNDS` rounds that had participants. Every calibration run goes on
+until it reaches F_s or the cap `planner.calibration_rounds`; a finished run that stopped at a
+lower cap is *continued* (from its last checkpoint) when the cap is raised and no plan.json
+exists yet, so a calibration is extended rather than redone. If a run still ends at the cap
+without reaching F_s, every run's R_i is re-read from its recorded losses at F_s' = the
+highest of the runs' lowest smoothed losses (the lowest level every run reached); plan.json
+records F_s, F_s', the rule and which runs reached F_s.
+
+What plan.json reports beside the plan (issue 14, "Algorithm 2 given a fair chance"):
+`fit` (per calibration run: observed and predicted rounds to F_s', relative error, the row
+residual of Eq. 21; `fedlora.planner.calibration_fit`), `degeneracy` (all k_n = 1 or every
+q_n at a bound; `fedlora.planner.plan_degeneracy`). After the main run, `plan_outcome`
+compares the plan's predicted rounds to F_s' with the rounds the run took (its smoothed
+training loss, the same rule as the calibration); the engine copies it into summary.json.
 """
 
 from __future__ import annotations
@@ -97,9 +108,9 @@ def rounds_to_loss(
     return None
 
 
-def auto_calibration_loss(first_loss: float) -> float:
-    """F_s = AUTO_LOSS_FRACTION · L_0 (see the module docstring)."""
-    return AUTO_LOSS_FRACTION * float(first_loss)
+def auto_calibration_loss(first_loss: float, fraction: float = AUTO_LOSS_FRACTION) -> float:
+    """F_s = fraction · L_0 (planner.calibration_loss_fraction; see the module docstring)."""
+    return fraction * float(first_loss)
 
 
 def _read_losses(metrics_path: Path) -> tuple[list[float | None], float]:
@@ -126,7 +137,9 @@ def calibration_config(cfg: ExperimentConfig, q: float, k: int) -> ExperimentCon
             cfg.training,
             rounds=cap,
             eval_every=cap,
+            eval_every_s=0.0,  # calibration decides on the training loss: no timed evals
             target_accuracy=0.0,
+            target_loss=0.0,
             time_budget_s=0.0,
             checkpoint_every=max(1, min(cfg.training.checkpoint_every, cap)),
         ),
@@ -168,6 +181,7 @@ def _calibrate(
     from fedlora.engine import prepare_run_dir, run_experiment
 
     fixed = cfg.planner.calibration_loss or None
+    fraction = cfg.planner.calibration_loss_fraction
     target: dict[str, float | None] = {"loss": fixed}
     records = []
     for i, (q, k) in enumerate(calibration_settings(cfg.lora.rank)):
@@ -181,11 +195,21 @@ def _calibrate(
                 first = next((x for x in losses if x is not None), None)
                 if first is None:
                     return False
-                target["loss"] = auto_calibration_loss(first)
-                log(f"calibration loss F_s = {target['loss']:.4f} (0.5 x first round's loss)")
+                target["loss"] = auto_calibration_loss(first, fraction)
+                log(
+                    f"calibration loss F_s = {target['loss']:.4f} ({fraction:g} x first round's loss)"
+                )
             return rounds_to_loss(losses, target["loss"]) is not None
 
-        if not (sub / "summary.json").exists():
+        if (sub / "summary.json").exists() and _extendable(sub, metrics, target, fraction, ccfg):
+            # the cap was raised after this run stopped at the old one short of F_s: go on
+            from fedlora.config import dump_toml
+
+            _atomic_write_text(sub / "config.toml", dump_toml(ccfg))
+            (sub / "summary.json").unlink()
+            log(f"calibration run {i + 1}/4: continued to at most {ccfg.training.rounds} rounds")
+            run_experiment(ccfg, sub, resume=True, quiet=quiet, log=log, stop=stop)
+        elif not (sub / "summary.json").exists():
             resume = (sub / "config.toml").exists()
             if not resume:
                 prepare_run_dir(ccfg, sub)
@@ -199,10 +223,11 @@ def _calibrate(
                     f"calibration run {sub}: no round had participants; raise "
                     "planner.calibration_rounds"
                 )
-            target["loss"] = auto_calibration_loss(first)
+            target["loss"] = auto_calibration_loss(first, fraction)
         records.append(
-            {"q": q, "k": k, "dir": str(sub), "losses": losses, "sim_time_s": sim_time_s}
-        )
+            {"q": q, "k": k, "dir": str(sub), "losses": losses, "sim_time_s": sim_time_s,
+             "reached": rounds_to_loss(losses, float(target["loss"])) is not None}
+        )  # fmt: skip
     f_s = float(target["loss"])
     lowest = [min((x for x in smoothed_losses(r["losses"]) if x is not None), default=math.inf)
               for r in records]  # fmt: skip
@@ -213,6 +238,28 @@ def _calibrate(
     for r in records:
         r["rounds"] = rounds_to_loss(r["losses"], f_used)
     return records, f_s, f_used
+
+
+def _extendable(
+    sub: Path, metrics: Path, target: dict[str, float | None], fraction: float, ccfg
+) -> bool:
+    """A finished calibration run that stopped at a cap below today's without reaching F_s."""
+    losses, _ = _read_losses(metrics)
+    if len(losses) >= ccfg.training.rounds:
+        return False
+    level = target["loss"]
+    if level is None:  # run 0 decides F_s
+        first = next((x for x in losses if x is not None), None)
+        if first is None:
+            return True
+        level = auto_calibration_loss(first, fraction)
+    return rounds_to_loss(losses, level) is None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray) -> Any:
@@ -291,7 +338,10 @@ def _plan(cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[d
             k = pl.greedy_k(problem, constants, q, options)
         extra = {}
     weights = pl.sketched_round_weights(problem, np.asarray(k), options)
+    degeneracy = pl.plan_degeneracy(problem, constants, q, k, options)
     return {
+        "fit": pl.calibration_fit(observations, gamma, a, constants),
+        "degeneracy": degeneracy,
         "q": [float(x) for x in q],
         "k": [int(x) for x in k],
         "optimize": cfg.planner.optimize,
@@ -331,14 +381,12 @@ def prepare_proposed(
             "calibration": {
                 "loss_target": f_s,
                 "loss_used": f_used,
-                "loss_rule": "auto: 0.5 x first round's train loss"
-                if not cfg.planner.calibration_loss
-                else "planner.calibration_loss",  # fmt: skip
+                "loss_rule": calibration_rule(cfg),
                 "smoothing_rounds": SMOOTHING_ROUNDS,
                 "max_rounds": cfg.planner.calibration_rounds,
                 "sim_time_s": calibration_s,
                 "runs": [
-                    {k: r[k] for k in ("q", "k", "rounds", "sim_time_s", "dir")}
+                    {k: r[k] for k in ("q", "k", "rounds", "sim_time_s", "dir", "reached")}
                     | {"rounds_run": len(r["losses"])}
                     for r in records
                 ],
@@ -351,5 +399,66 @@ def prepare_proposed(
             f"mean q = {np.mean(saved['q']):.3f}, mean k = {np.mean(saved['k']):.1f}; "
             f"calibration {calibration_s:.1f} s simulated -> {plan_path}"
         )
+        if saved["degeneracy"]["degenerate"]:
+            log("plan is DEGENERATE: " + "; ".join(saved["degeneracy"]["reasons"]))
     path = str(plan_path)
-    return cfg.replace(method=dataclasses.replace(cfg.method, q=path, k=path)), calibration_s
+    training = cfg.training
+    if training.time_budget_s and not cfg.planner.calibration_in_budget:
+        # the budget starts after the calibration: train as long as the other methods
+        training = dataclasses.replace(
+            training, time_budget_s=training.time_budget_s + calibration_s
+        )
+    planned = cfg.replace(method=dataclasses.replace(cfg.method, q=path, k=path), training=training)
+    return planned, calibration_s
+
+
+def calibration_rule(cfg: ExperimentConfig) -> str:
+    """The calibration rule in words, as recorded in plan.json."""
+    p = cfg.planner
+    level = (
+        f"F_s = planner.calibration_loss = {p.calibration_loss:g}"
+        if p.calibration_loss
+        else f"F_s = {p.calibration_loss_fraction:g} x the first round's train loss of run 1"
+    )
+    return (
+        f"{level}; each run until its {SMOOTHING_ROUNDS}-round trailing mean train loss "
+        f"<= F_s or {p.calibration_rounds} rounds; if a run never reaches F_s, every R_i "
+        "is re-read at F_s' = the highest of the runs' lowest smoothed losses"
+    )
+
+
+def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
+    """Predicted vs observed rounds to the calibration loss for a finished `proposed` run.
+
+    Reads run_dir/plan.json and metrics.jsonl; None when there is no plan.json (a run with a
+    given plan file). `observed_rounds` is the first round whose smoothed training loss is
+    <= F_s' (the level the constants were fitted at), None if the run never got there
+    (`rounds_run` is then a lower bound).
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / PLAN_FILE
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    losses, _ = _read_losses(run_dir / "metrics.jsonl")
+    level = float(saved["calibration"]["loss_used"])
+    degeneracy = saved.get("degeneracy", {})
+    return {
+        "loss_used": level,
+        "predicted_rounds": saved.get("expected_rounds"),
+        "observed_rounds": rounds_to_loss(losses, level),
+        "rounds_run": len(losses),
+        "degenerate": degeneracy.get("degenerate"),
+        "degenerate_reasons": degeneracy.get("reasons", []),
+        "calibration": [
+            {
+                "q": r["q"],
+                "k": r["k"],
+                "observed_rounds": f["observed_rounds"],
+                "predicted_rounds": f["predicted_rounds"],
+                "reached_f_s": r.get("reached"),
+            }
+            for r, f in zip(saved["calibration"]["runs"], saved.get("fit", []))
+        ],
+        "calibration_sim_time_s": saved["calibration"]["sim_time_s"],
+    }

@@ -1,0 +1,374 @@
+"""Where a run's tensors live and in what precision: ``model.device`` and ``model.dtype``.
+
+Both settings accept ``"auto"``; `resolve_runtime` turns a config into one with concrete
+values, once, before anything loads, and says why it chose them:
+
+- device ``auto``: ``cuda`` when CUDA is available, else ``mps``, else ``cpu``. An explicit
+  device that is not there (``cuda`` without a GPU, ``cuda:3`` on a 2-GPU machine, ``mps``
+  off Apple silicon) is a `ConfigError` naming the devices that are.
+- dtype ``auto``: on a CUDA GPU, bf16 for the frozen base (when the GPU supports it) with
+  fp32 master LoRA weights; on MPS, fp32; on a CPU, bf16 only where the CPU has native bf16
+  (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo) AND a one-off probe (`bf16_probe`) of a
+  training-shaped matmul measures bf16 at least `BF16_MIN_SPEEDUP` faster; else fp32. CPUs
+  without those flags emulate bf16 and run it about 2x slower (DESIGN.md). The probe's
+  figures are kept in ``<cache_dir>/bf16_probe.json`` per CPU, torch version and thread
+  count, so every later run on the machine makes the same choice.
+
+The run directory's config.toml holds the resolved values, so a resumed run keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from fedlora.errors import bad_value
+
+__all__ = [
+    "DEVICE_FORMS",
+    "BF16_CPU_FLAGS",
+    "BF16_MIN_SPEEDUP",
+    "Resolution",
+    "check_device_spec",
+    "available_devices",
+    "resolve_device",
+    "cpu_flags",
+    "native_bf16_flags",
+    "bf16_probe",
+    "probe_file",
+    "resolve_dtype",
+    "resolve_runtime",
+    "inherit_auto",
+    "synchronize",
+    "autocast_state",
+    "autocast_context",
+    "slots_for_memory",
+    "activation_bytes_per_slot",
+]
+
+DEVICE_FORMS = "auto, cpu, cuda, cuda:N, mps"
+DTYPE_CHOICES = ("auto", "fp32", "bf16")
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+BF16_MIN_SPEEDUP = 1.1  # bf16 must beat fp32 by 10% in the probe: noise does not flip it
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def check_device_spec(field: str, value: Any) -> None:
+    """Syntax only (no torch import): one of auto, cpu, cuda, cuda:N, mps."""
+    if not isinstance(value, str) or not _DEVICE_RE.match(value):
+        raise bad_value(field, value, f"allowed: {DEVICE_FORMS}")
+
+
+# ----------------------------------------------------------------------------- device
+
+
+def _mps_available() -> bool:
+    import torch
+
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def available_devices() -> list[str]:
+    """The devices torch can use here: ``cpu``, then ``cuda:0..`` and/or ``mps``."""
+    import torch
+
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if _mps_available():
+        found.append("mps")
+    return found
+
+
+def resolve_device(spec: str, field: str = "model.device") -> str:
+    """A concrete device for `spec` (``cuda`` -> ``cuda:<current>``); a device that is not
+    there raises `ConfigError` naming the available ones."""
+    import torch
+
+    check_device_spec(field, spec)
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return f"cuda:{torch.cuda.current_device()}"
+        return "mps" if _mps_available() else "cpu"
+    if spec == "cpu":
+        return "cpu"
+    have = available_devices()
+    if spec == "cuda" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    if spec in have:
+        return spec
+    raise bad_value(field, spec, f"not available on this machine; available: {', '.join(have)}")
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (so wall-clock timings include it); no-op on CPU."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+def autocast_state(device_type: str) -> tuple[bool, Any]:
+    """(enabled, dtype) of autocast for `device_type`; (False, None) where torch has no
+    autocast (e.g. the meta device)."""
+    import torch
+
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return True, torch.get_autocast_dtype(device_type)
+    except RuntimeError:
+        pass
+    return False, None
+
+
+def autocast_context(device_type: str, bf16: bool) -> Any:
+    """bf16 autocast on `device_type` when `bf16`, else a no-op context."""
+    from contextlib import nullcontext
+
+    import torch
+
+    return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+# ----------------------------------------------------------------------------- dtype
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU feature flags (``flags`` lines of /proc/cpuinfo; empty where unreadable)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return set()
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return flags
+
+
+def native_bf16_flags(flags: set[str]) -> list[str]:
+    """The native-bf16 flags among `flags` (avx512_bf16, amx_bf16)."""
+    return [f for f in BF16_CPU_FLAGS if f in flags]
+
+
+def _cpu_name(cpuinfo: str | None = None) -> str:
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return platform.processor() or platform.machine()
+
+
+def _time_step(dtype: Any, tokens: int, d_in: int, d_out: int, repeats: int) -> float:
+    """Fastest of `repeats` forward + input-gradient matmuls shaped like a frozen linear
+    layer in training (weights frozen, as the base model's)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(d_out, d_in, generator=gen) * 0.02).to(dtype)
+    x0 = torch.randn(tokens, d_in, generator=gen).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        x = x0.clone().requires_grad_(True)
+        t0 = time.perf_counter()
+        y = x @ w.t()
+        y.sum().backward()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bf16_probe(
+    *, tokens: int = 512, d_in: int = 576, d_out: int = 1536, repeats: int = 5
+) -> dict[str, float]:
+    """Seconds of one training-shaped matmul (forward + backward to the input) in fp32 and in
+    bf16, fastest of `repeats`, at the current torch thread count; and their ratio.
+
+    The default shape is SmolLM2-135M's MLP up-projection on a 4 x 128-token batch."""
+    import torch
+
+    fp32_s = _time_step(torch.float32, tokens, d_in, d_out, repeats)
+    bf16_s = _time_step(torch.bfloat16, tokens, d_in, d_out, repeats)
+    return {"fp32_s": fp32_s, "bf16_s": bf16_s, "bf16_speedup": fp32_s / bf16_s}
+
+
+def _probe_key(cpuinfo: str | None = None) -> str:
+    import torch
+
+    return f"{_cpu_name(cpuinfo)} | torch {torch.__version__} | threads {torch.get_num_threads()}"
+
+
+def probe_file(cache_dir: Path | None = None) -> Path:
+    """Where the probe's figures are kept: ``<cache_dir>/bf16_probe.json`` (default: the
+    model cache, ``$FEDLORA_CACHE`` or ``~/.cache/fedlora``)."""
+    from fedlora.models import default_cache_dir
+
+    return (cache_dir or default_cache_dir()) / "bf16_probe.json"
+
+
+def _cached_probe(cache_dir: Path | None, probe: Callable[[], dict[str, float]]) -> dict:
+    """The probe's figures for this CPU/torch/threads, measured once and kept on disk."""
+    path = probe_file(cache_dir)
+    key = _probe_key()
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if isinstance(entry, dict) and {"fp32_s", "bf16_s", "bf16_speedup"} <= set(entry):
+        return {**entry, "cached": True}
+    entry = dict(probe())
+    known[key] = entry
+    try:  # a read-only cache only costs a new probe next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return {**entry, "cached": False}
+
+
+def resolve_dtype(
+    spec: str,
+    device: str,
+    *,
+    flags: set[str] | None = None,
+    probe: Callable[[], dict[str, float]] | None = None,
+    cache_dir: Path | None = None,
+) -> tuple[str, str]:
+    """(fp32 | bf16, why) for `spec` on the concrete `device` (see the module docstring).
+
+    `flags` default to this machine's CPU flags; `probe` (default `bf16_probe`, cached on
+    disk under `cache_dir`) is called only on a CPU with native bf16 and `spec` = auto."""
+    if spec not in DTYPE_CHOICES:
+        raise bad_value("model.dtype", spec, f"allowed: {', '.join(DTYPE_CHOICES)}")
+    if spec != "auto":
+        return spec, "set in the config"
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "CUDA GPU with bf16: bf16 base, fp32 master LoRA weights"
+        return "fp32", "this CUDA GPU has no bf16 support"
+    if device == "mps":
+        return "fp32", "MPS: fp32 (bf16 support there depends on the macOS version)"
+    if device == "meta":  # tests that check tensor placement
+        return "fp32", "meta device"
+    have = native_bf16_flags(cpu_flags() if flags is None else flags)
+    if not have:
+        return "fp32", "the CPU has no native bf16 (no avx512_bf16/amx_bf16 flag)"
+    figures = _cached_probe(cache_dir, probe or bf16_probe)
+    speedup = float(figures["bf16_speedup"])
+    measured = (
+        f"probe: fp32 {1e3 * figures['fp32_s']:.2f} ms, bf16 {1e3 * figures['bf16_s']:.2f} ms "
+        f"({speedup:.2f}x{', cached' if figures.get('cached') else ''})"
+    )
+    if speedup >= BF16_MIN_SPEEDUP:
+        return "bf16", f"CPU with {'/'.join(have)}; {measured}"
+    return (
+        "fp32",
+        f"CPU with {'/'.join(have)} but bf16 is not {BF16_MIN_SPEEDUP}x faster; {measured}",
+    )
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A config with concrete model.device / model.dtype, and why they were chosen."""
+
+    cfg: Any  # ExperimentConfig
+    device_reason: str
+    dtype_reason: str
+
+    def describe(self) -> str:
+        m = self.cfg.model
+        return f"device {m.device} ({self.device_reason}); dtype {m.dtype} ({self.dtype_reason})"
+
+
+def resolve_runtime(cfg: Any, *, probe: Callable[[], dict[str, float]] | None = None) -> Resolution:
+    """`cfg` with ``model.device`` and ``model.dtype`` resolved (see the module docstring).
+
+    Idempotent: a config with concrete values comes back unchanged (the device checked to be
+    available). Sets torch's thread count from ``model.threads`` first, so the probe measures
+    what the run will use."""
+    import torch
+
+    m = cfg.model
+    if m.threads:
+        torch.set_num_threads(m.threads)
+    device = resolve_device(m.device)
+    device_reason = "set in the config" if m.device != "auto" else _auto_device_reason(device)
+    cache_dir = Path(m.cache_dir).expanduser() if m.cache_dir else None
+    dtype, dtype_reason = resolve_dtype(m.dtype, device, probe=probe, cache_dir=cache_dir)
+    model = replace(m, device=device, dtype=dtype)
+    return Resolution(cfg.replace(model=model), device_reason, dtype_reason)
+
+
+def _auto_device_reason(device: str) -> str:
+    if device.startswith("cuda"):
+        return "auto: CUDA is available"
+    if device == "mps":
+        return "auto: no CUDA, MPS is available"
+    return "auto: no CUDA or MPS"
+
+
+def inherit_auto(given: Any, saved: Any) -> Any:
+    """`given` with its ``auto`` device/dtype replaced by `saved`'s values: resuming a run
+    keeps the device and precision it started with unless the user names others."""
+    changes = {
+        name: getattr(saved.model, name)
+        for name in ("device", "dtype")
+        if getattr(given.model, name) == "auto"
+    }
+    return given.replace(model=replace(given.model, **changes)) if changes else given
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def activation_bytes_per_slot(
+    model_config: Any, *, batch_size: int, seq_len: int, trained_layers: int, dtype_bytes: int
+) -> int:
+    """A deliberate over-estimate of the activation memory one client slot keeps for the
+    backward pass: per token and trained decoder layer, 12·hidden + 4·intermediate values
+    (norms, q/k/v/o inputs and outputs, the MLP's three projections and activation) plus the
+    eager attention probabilities (heads · seq_len), and the target-only LM head's input."""
+    d = int(model_config.hidden_size)
+    inter = int(getattr(model_config, "intermediate_size", 4 * d))
+    heads = int(model_config.num_attention_heads)
+    per_token_layer = 12 * d + 4 * inter + heads * seq_len
+    tokens = batch_size * seq_len
+    return int(tokens * (trained_layers * per_token_layer + d) * dtype_bytes)
+
+
+def slots_for_memory(
+    requested: int, free_bytes: int, per_slot_bytes: int, share: float = 0.5
+) -> int:
+    """Client slots per forward/backward: at most `requested`, and at most what `share` of
+    the free device memory holds at `per_slot_bytes` each; at least 1."""
+    if requested < 1:
+        raise bad_value("training.slots", requested, "an integer >= 1")
+    if per_slot_bytes <= 0:
+        return requested
+    return max(1, min(requested, int(share * max(free_bytes, 0) // per_slot_bytes)))

@@ -1,0 +1,163 @@
+"""Checks of a run's inputs that need no model weights: they run before anything heavy loads
+(and before `--overwrite` removes anything), so a bad input fails in a second, not after the
+model has loaded.
+
+Checked: ``model.device`` is on this machine; the model spec's form and, from its config alone, its layer count against
+``lora.layers`` and its module names against ``lora.target_modules`` (Llama/Qwen2/Mistral
+shapes); the data directory, every task name, eval task and task file; the client profiles
+file; the q / k / ranks files of the method.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.config import ExperimentConfig
+from fedlora.errors import ConfigError, DataError, bad_value
+
+# The linear modules of a decoder layer in the model families fedlora is tested on.
+_LLAMA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LLAMA_TYPES = ("llama", "qwen2", "mistral")
+SMOLLM2_LAYERS = 30  # SmolLM2-135M, when its converted copy is not there yet
+
+
+def model_config(spec: str, cache_dir: str = "") -> dict[str, Any] | None:
+    """The model's config.json as a dict, read without loading weights (None if unknown
+    without a download, e.g. a hub id not in the local cache). Bad specs raise ConfigError."""
+    from fedlora.models import (
+        ACCEPTED_FORMS,
+        SMOLLM2_SPEC,
+        TINY_MODELS,
+        _looks_like_hub_id,
+        default_cache_dir,
+        tiny_config,
+    )
+
+    spec = spec.strip()
+    if spec in TINY_MODELS:
+        return tiny_config(spec).to_dict()
+    if spec.lower() == SMOLLM2_SPEC:
+        path = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        file = path / SMOLLM2_SPEC / "config.json"
+        if file.is_file():
+            return _read_json(file)
+        return {"model_type": "llama", "num_hidden_layers": SMOLLM2_LAYERS}
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise bad_value(
+                "model.name", spec, f"the directory has no config.json; accepted: {ACCEPTED_FORMS}"
+            )
+        return _read_json(path / "config.json")
+    if _looks_like_hub_id(spec):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(spec, "config.json")
+        except Exception:  # noqa: BLE001 - no cache: the model load will tell
+            return None
+        return _read_json(Path(cached)) if isinstance(cached, str) else None
+    raise bad_value("model.name", spec, f"accepted: {ACCEPTED_FORMS}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"model config {str(path)!r} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model config {str(path)!r} is not a JSON object")
+    return data
+
+
+def check_model(cfg: ExperimentConfig) -> None:
+    """lora.layers and lora.target_modules against the model's config (no weights)."""
+    config = model_config(cfg.model.name, cfg.model.cache_dir)
+    if config is None:
+        return
+    n_layers = config.get("num_hidden_layers")
+    layers = cfg.lora.layers
+    if isinstance(n_layers, int) and layers != "all" and int(layers) > n_layers:
+        raise bad_value(
+            "lora.layers", layers, f"at most the {n_layers} layers of model {cfg.model.name!r}"
+        )
+    if config.get("model_type") in _LLAMA_TYPES:
+        unknown = [m for m in cfg.lora.target_modules if m not in _LLAMA_LINEAR]
+        if unknown:
+            raise bad_value(
+                "lora.target_modules",
+                list(cfg.lora.target_modules),
+                f"{', '.join(unknown)} is no linear module of model {cfg.model.name!r}; "
+                f"it has: {', '.join(_LLAMA_LINEAR)}",
+            )
+
+
+def check_data(cfg: ExperimentConfig) -> None:
+    """Task names, the data directory, the eval tasks' test splits and the task files."""
+    from fedlora.data import TASK_FOLDERS, resolve_data_dir, task_available, task_path
+
+    data = cfg.data
+    allowed = ", ".join(TASK_FOLDERS)
+    for field, names in (("data.tasks", data.tasks), ("data.eval_tasks", data.eval_tasks)):
+        for name in names:
+            if name not in TASK_FOLDERS:
+                raise DataError(f"{field}: task {name!r} is unknown: allowed: {allowed}")
+    if not data.eval_tasks:
+        raise bad_value(
+            "data.eval_tasks",
+            [],
+            'at least one task (the run\'s accuracy is the mean over them), e.g. ["arc-e"]',
+        )
+    for path in data.task_files:
+        if not Path(path).is_file():
+            raise DataError(f"data.task_files: {path!r} is not a file")
+    data_dir = resolve_data_dir(data.data_dir)
+    if data_dir is None:  # the hub: checked when the data loads
+        return
+    if not Path(data_dir).is_dir():
+        source = "data.data_dir" if data.data_dir else "$FEDLORA_DATA"
+        raise DataError(f"{source} = {data_dir!r} is not a directory")
+    for name in data.eval_tasks:
+        task_path(name, data_dir, "test")  # DataError naming what the directory holds
+    if not data.task_files and not any(task_available(t, data_dir, "train") for t in data.tasks):
+        raise DataError(
+            f"data.tasks = {list(data.tasks)!r}: none has a train split in {data_dir!r} "
+            "and data.task_files is empty"
+        )
+
+
+def check_clients(cfg: ExperimentConfig) -> None:
+    """The client profiles file and the method's per-client files (q, k, ranks)."""
+    from fedlora.methods.ranks import resolve_ranks
+    from fedlora.methods.strategies import resolve_k, resolve_q
+    from fedlora.network import load_profiles
+
+    n, m = cfg.data.n_clients, cfg.method
+    if cfg.network.profiles_file:
+        profiles = load_profiles(cfg.network.profiles_file)
+        if profiles.n != n:
+            raise ConfigError(
+                f"network.profiles_file = {cfg.network.profiles_file!r} has {profiles.n} "
+                f"clients, but data.n_clients = {n}"
+            )
+    rng = np.random.default_rng(0)  # only the files' contents are checked here
+    if isinstance(m.q, str) and m.q.endswith((".json", ".csv")):
+        resolve_q(m.q, a=np.full(n, 1.0 / n), q_fixed=m.q_fixed)
+    if isinstance(m.k, str) and m.k.endswith((".json", ".csv")):
+        resolve_k(m.k, n=n, gamma=cfg.lora.rank, rng=rng)
+    if isinstance(m.ranks, str) and m.ranks.endswith((".json", ".csv")):
+        resolve_ranks(m.ranks, n=n, gamma=cfg.lora.rank, rng=rng)
+
+
+def check_inputs(cfg: ExperimentConfig) -> None:
+    """Every check above; raises `ConfigError` / `DataError` naming the field and the value."""
+    from fedlora.device import resolve_device
+
+    resolve_device(cfg.model.device)  # a device this machine lacks names the ones it has
+    check_model(cfg)
+    check_data(cfg)
+    check_clients(cfg)

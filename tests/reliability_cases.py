@@ -1,0 +1,536 @@
+"""Bad inputs a hostile new user tries, as data: the test suite runs every case
+(tests/test_reliability.py) and tests/reliability_table.py turns the same cases into the
+table of docs/reliability.md.
+
+Every case must end with exit code 2, one ``fedlora <command>: error: ...`` line and no
+traceback, without changing or removing any file that was there before (the run's lock file
+aside). ``{tmp}`` is the case's own directory, ``{run}`` a copy of a finished tiny run in
+it, ``{data}`` the commonsense data directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
+MARKER = "pwned.txt"  # what the malicious checkpoint would create
+
+TINY = [
+    "model.name=tiny-llama",
+    "model.threads=1",
+    f'data.data_dir="{DATA}"',
+    'data.tasks=["arc-e"]',
+    "data.train_limit=16",
+    "data.eval_limit=4",
+    "data.max_seq_len=64",
+    "data.n_clients=2",
+    "data.min_client_examples=2",
+    "lora.rank=2",
+    'lora.layers="all"',
+    "training.rounds=2",
+    "training.local_steps=1",
+    "training.batch_size=2",
+    "training.eval_every=1",
+    "training.checkpoint_every=1",
+    "method.q=[1.0, 1.0]",
+    "method.k=[1, 2]",
+]
+
+Setup = Callable[[Path], "Callable[[], None] | None"]
+
+
+@dataclass
+class Case:
+    name: str  # the "case" column: what the user did wrong
+    argv: list[str]
+    expect: str  # a part of the message
+    setup: Setup | None = None  # prepares {tmp}; may return a cleanup
+    needs_run: bool = False  # {run} is a copy of a finished tiny run
+    absent: list[str] = field(default_factory=list)  # paths that must not exist afterwards
+
+
+# ----------------------------------------------------------------------------- setups
+
+
+def _write(rel: str, data: bytes | str) -> Setup:
+    def setup(tmp: Path) -> None:
+        p = tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data.encode() if isinstance(data, str) else data)
+
+    return setup
+
+
+def _chain(*setups: Setup) -> Setup:
+    def setup(tmp: Path):
+        cleanups = [s(tmp) for s in setups]
+        return lambda: [c() for c in cleanups if c]
+
+    return setup
+
+
+def _user_dir_with_config(tmp: Path) -> None:
+    """The issue's P: a user's directory that happens to hold a config.toml."""
+    (tmp / "P" / "src").mkdir(parents=True)
+    for rel in ("config.toml", "notes.txt", "src/a.py"):
+        (tmp / "P" / rel).write_text("mine\n" if rel != "config.toml" else "")
+
+
+def _run_plus_notes(tmp: Path) -> None:
+    (tmp / "run" / "notes.txt").write_text("my notes\n")
+
+
+def _old_format_checkpoint(tmp: Path, *, metrics: bytes | None) -> None:
+    """Turn {run}'s newest checkpoint into a pre-safetensors round-*.pt without metrics
+    lines, and replace metrics.jsonl with `metrics`."""
+    import torch
+
+    from fedlora.rundir import load_checkpoint
+
+    run = tmp / "run"
+    state = load_checkpoint(run, warn=lambda m: None)
+    del state["metrics"]
+    for p in (run / "checkpoints").iterdir():
+        p.unlink()
+    torch.save(state, run / "checkpoints" / f"round-{state['round']:06d}.pt")
+    if metrics is not None:
+        (run / "metrics.jsonl").write_bytes(metrics)
+
+
+class _Evil:
+    """A pickle that runs a shell command when loaded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _malicious_checkpoint(tmp: Path) -> None:
+    import torch
+
+    run = tmp / "run"
+    for p in (run / "checkpoints").iterdir():
+        p.unlink()
+    torch.save(
+        {"round": 9, "global": _Evil(str(tmp / MARKER))}, run / "checkpoints/round-000009.pt"
+    )
+
+
+def _hold_lock(tmp: Path):
+    """Another process holds {run}'s lock (as a second `fedlora run --resume` would)."""
+    code = (
+        "import fcntl, os, sys, time\n"
+        "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "f.truncate(0); f.write(str(os.getpid())); f.flush(); print('held', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp / "run" / ".lock")], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+
+    def cleanup() -> None:
+        proc.kill()
+        proc.wait()
+
+    return cleanup
+
+
+def _disk_full(tmp: Path):
+    """Every atomic write fails as on a full disk."""
+    import fedlora.rundir as rundir
+
+    original = rundir._atomic_write
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    rundir._atomic_write = full
+
+    def cleanup() -> None:
+        rundir._atomic_write = original
+
+    return cleanup
+
+
+def _link_to_dev_full(rel: str) -> Setup:
+    """`rel` is a symlink to /dev/full: writing it fails with a real ENOSPC from the kernel."""
+
+    def setup(tmp: Path) -> None:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).symlink_to("/dev/full")
+
+    return setup
+
+
+def _problem(**change) -> str:
+    base = {
+        "gamma": 16,
+        "f_tot": 2e7,
+        "clients": [
+            {"a": 0.5, "tau_full_s": 1.0, "t_full": 2.0},
+            {"a": 0.5, "tau_full_s": 2.0, "t_full": 1.0},
+        ],
+        "constants": {"A": 10, "B": 1, "C": 0.1, "D": 0.01},
+    }
+    base.update(change)
+    return json.dumps(base)
+
+
+_EXTREME_CLIENTS = [
+    {"a": 0.5, "tau_full_s": 1e300, "t_full": 1e300},
+    {"a": 0.5, "tau_full_s": 1.0, "t_full": 1.0},
+]
+
+# ----------------------------------------------------------------------------- the cases
+
+RUN = ["run", *TINY, "--quiet"]
+REPORT_TARGET = ["--target", "arc-e=0.5"]
+
+CASES: list[Case] = [
+    # run: where it writes
+    Case("--out under /proc", [*RUN, "--out", "/proc/fedlora-x"], "cannot create"),
+    Case(
+        "--out is an existing file",
+        [*RUN, "--out", "{tmp}/file"],
+        "is not a directory",
+        _write("file", "keep me\n"),
+    ),
+    Case("--out is a finished run", [*RUN, "--out", "{run}"], "--resume", needs_run=True),
+    Case(
+        "--overwrite a user directory holding a config.toml, bad --data-dir",
+        [*RUN, "--out", "{tmp}/P", "--overwrite", "--data-dir", "/nonexistent"],
+        "/nonexistent",
+        _user_dir_with_config,
+    ),
+    Case(
+        "--overwrite a user directory holding a config.toml",
+        [*RUN, "--out", "{tmp}/P", "--overwrite"],
+        "not a fedlora run directory",
+        _user_dir_with_config,
+    ),
+    Case(
+        "--overwrite a directory without config.toml",
+        [*RUN, "--out", "{tmp}/D", "--overwrite"],
+        "not a fedlora run directory",
+        _write("D/thesis.tex", "\\documentclass{article}\n"),
+    ),
+    Case(
+        "--overwrite a run holding the user's notes",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "notes.txt",
+        _run_plus_notes,
+        needs_run=True,
+    ),
+    Case(
+        "--overwrite a run, with a bad new input",
+        [*RUN, "--out", "{run}", "--overwrite", "lora.layers=3"],
+        "lora.layers",
+        needs_run=True,
+    ),
+    Case("disk full", [*RUN, "--out", "{tmp}/new"], "no space left", _disk_full),
+    Case(
+        "disk full while resuming (a real ENOSPC)",
+        ["run", "--resume", "{run}", "-q"],
+        "no space left",
+        _link_to_dev_full("run/metrics.jsonl.tmp"),
+        needs_run=True,
+    ),
+    # run: inputs checked before the model loads
+    Case("unknown training task", [*RUN, 'data.tasks=["arc-x"]'], "arc-x"),
+    Case("unknown eval task", [*RUN, 'data.eval_tasks=["nope"]'], "nope"),
+    Case("no eval task", [*RUN, "data.eval_tasks=[]"], "data.eval_tasks"),
+    Case("lora.layers above the model's layers", [*RUN, "lora.layers=3"], "at most the 2"),
+    Case("unknown target module", [*RUN, 'lora.target_modules=["qq_proj"]'], "qq_proj"),
+    Case("missing task file", [*RUN, 'data.task_files=["/nonexistent.json"]'], "nonexistent"),
+    Case(
+        "missing profiles file", [*RUN, 'network.profiles_file="/nonexistent.csv"'], "cannot read"
+    ),
+    Case("missing q file", [*RUN, 'method.q="/nonexistent.json"'], "cannot read"),
+    Case("model directory that does not exist", [*RUN, 'model.name="./no-model/"'], "model.name"),
+    Case(
+        "model directory without config.json",
+        [*RUN, 'model.name="{tmp}/m"'],
+        "no config.json",
+        _write("m/weights.bin", b"\0"),
+    ),
+    Case("--data-dir that does not exist", [*RUN, "--data-dir", "/nonexistent"], "/nonexistent"),
+    Case("unknown config key", [*RUN, "training.round=3"], "did you mean"),
+    Case("value out of range", [*RUN, "training.rounds=0"], "training.rounds"),
+    Case("empty model name", [*RUN, 'model.name=""'], "model.name"),
+    Case("--config that does not exist", [*RUN, "--config", "/nonexistent.toml"], "cannot read"),
+    Case(
+        "--config not UTF-8",
+        [*RUN, "--config", "{tmp}/c.toml"],
+        "not UTF-8",
+        _write("c.toml", b"[training]\nrounds = 2 # \xff\n"),
+    ),
+    Case("argument that is no override", [*RUN, "--out", "{tmp}/o", "bogus"], "bogus"),
+    # run: options that do not go together
+    Case(
+        "--resume with another --out",
+        ["run", "--resume", "{run}", "--out", "{tmp}/elsewhere"],
+        "--out",
+        needs_run=True,
+    ),
+    Case(
+        "--resume with --overwrite",
+        ["run", "--resume", "{run}", "--overwrite"],
+        "--overwrite",
+        needs_run=True,
+    ),
+    Case("--force without --resume", [*RUN, "--out", "{tmp}/n", "--force"], "--force"),
+    # run --resume
+    Case(
+        "--resume a directory that does not exist", ["run", "--resume", "/nonexistent"], "no such"
+    ),
+    Case(
+        "--resume a directory that is not a run",
+        ["run", "--resume", "{tmp}/D"],
+        "no config.toml",
+        _write("D/x.txt", "x\n"),
+    ),
+    Case(
+        "--resume with a changed value",
+        ["run", "--resume", "{run}", "training.lr=0.01"],
+        "differs from the run's in training.lr; use --force",
+        needs_run=True,
+    ),
+    Case(
+        "--resume --force changing the adapter's shape",
+        ["run", "--resume", "{run}", "--force", "lora.rank=4"],
+        "cannot change on resume",
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run another process is running",
+        ["run", "--resume", "{run}", "-q"],
+        "in use by process",
+        _hold_lock,
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose checkpoint runs code",
+        ["run", "--resume", "{run}", "-q"],
+        "could not be loaded safely",
+        _malicious_checkpoint,
+        needs_run=True,
+        absent=[MARKER],
+    ),
+    Case(
+        "--resume an old run whose metrics.jsonl lost rounds",
+        ["run", "--resume", "{run}", "-q"],
+        "are missing",
+        lambda tmp: _old_format_checkpoint(tmp, metrics=b'{"round": 0, "sim_time_s": 0.0}\n'),
+        needs_run=True,
+    ),
+    Case(
+        "--resume an old run whose metrics.jsonl is not UTF-8",
+        ["run", "--resume", "{run}", "-q"],
+        "not UTF-8",
+        lambda tmp: _old_format_checkpoint(tmp, metrics=b'{"round": 0}\n\xff\xfe\n'),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose config.toml is corrupt",
+        ["run", "--resume", "{run}"],
+        "not valid TOML",
+        _write("run/config.toml", "[training\nrounds = 2\n"),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose config.toml is not UTF-8",
+        ["run", "--resume", "{run}"],
+        "not UTF-8",
+        _write("run/config.toml", b"[training]\nrounds = 2 # \xff\n"),
+        needs_run=True,
+    ),
+    # report
+    Case(
+        "report a run with a corrupt summary.json",
+        ["report", "{run}", *REPORT_TARGET],
+        "summary file",
+        _write("run/summary.json", '{"rounds": 2,'),
+        needs_run=True,
+    ),
+    Case(
+        "report a run whose summary.json is not an object",
+        ["report", "{run}", *REPORT_TARGET],
+        "not a JSON object",
+        _write("run/summary.json", "[1, 2]"),
+        needs_run=True,
+    ),
+    Case(
+        "report a run with a corrupt config.toml",
+        ["report", "{run}", *REPORT_TARGET],
+        "not valid TOML",
+        _write("run/config.toml", "[training\n"),
+        needs_run=True,
+    ),
+    Case(
+        "report a run with non-UTF-8 metrics",
+        ["report", "{run}", *REPORT_TARGET],
+        "not UTF-8",
+        _write("run/metrics.jsonl", b'{"round": 0, "sim_time_s": 0.0}\n\xff\n'),
+        needs_run=True,
+    ),
+    Case(
+        "report --out under /proc",
+        ["report", "{run}", *REPORT_TARGET, "--out", "/proc/fedlora-x"],
+        "cannot write",
+        needs_run=True,
+    ),
+    Case(
+        "report --out on a full disk (a real ENOSPC)",
+        ["report", "{run}", *REPORT_TARGET, "--out", "{tmp}/r"],
+        "No space left",
+        _link_to_dev_full("r/report.md"),
+        needs_run=True,
+    ),
+    Case("report a directory that does not exist", ["report", "/nonexistent"], "no such"),
+    Case("report without a target", ["report", "{run}"], "no target", needs_run=True),
+    Case(
+        "report a target above 1",
+        ["report", "{run}", "--target", "arc-e=2"],
+        "(0, 1]",
+        needs_run=True,
+    ),  # fmt: skip
+    # plan
+    Case(
+        "plan with calibration = 5",
+        ["plan", "{tmp}/p.json"],
+        "calibration",
+        _write("p.json", _problem(constants=None, calibration=5)),
+    ),
+    Case(
+        "plan of a non-UTF-8 file",
+        ["plan", "{tmp}/p.json"],
+        "not UTF-8",
+        _write("p.json", b'{"gamma": 16 \xff}'),
+    ),
+    Case(
+        "plan with gamma = 10^12",
+        ["plan", "{tmp}/p.json"],
+        "at most 4096",
+        _write("p.json", _problem(gamma=10**12)),
+    ),
+    Case(
+        "plan whose optimum has q_n = 0",
+        ["plan", "{tmp}/p.json"],
+        "no usable plan",
+        _write(
+            "p.json",
+            _problem(
+                clients=_EXTREME_CLIENTS,
+                constants={"A": 1e300, "B": 1, "C": 1e-300, "D": 1e-300},
+                options={"q_lower_bound": "none"},
+            ),
+        ),
+    ),
+    Case(
+        "plan that overflows",
+        ["plan", "{tmp}/p.json"],
+        "overflow",
+        _write(
+            "p.json",
+            _problem(
+                clients=_EXTREME_CLIENTS,
+                constants={"A": 1, "B": 1e300, "C": 1, "D": 1},
+                options={"q_lower_bound": "paper"},
+            ),
+        ),
+    ),
+    Case(
+        "plan --output on a full disk (a real ENOSPC)",
+        ["plan", "{tmp}/p.json", "--output", "/dev/full"],
+        "No space left",
+        _write("p.json", _problem()),
+    ),
+    Case("plan of a file that does not exist", ["plan", "/nonexistent.json"], "cannot read"),
+    Case("plan of invalid JSON", ["plan", "{tmp}/p.json"], "invalid JSON", _write("p.json", "{")),
+    Case(
+        "plan --output under /proc",
+        ["plan", "{tmp}/p.json", "--output", "/proc/fedlora-x/plan.json"],
+        "cannot write",
+        _write("p.json", _problem()),
+    ),
+]
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def make_finished_run(path: Path) -> None:
+    """A finished two-round tiny run at `path` (the template of {run})."""
+    from fedlora.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rc = main([*RUN, "--out", str(path)])
+    assert rc == 0, f"the template run failed with {rc}"
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != ".lock":
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@dataclass
+class Outcome:
+    rc: int
+    stdout: str
+    stderr: str
+    lost: list[str]  # files removed or changed
+    present: list[str]  # `absent` paths that exist
+
+
+def run_case(case: Case, tmp: Path, template: Path | None = None) -> Outcome:
+    """Run one case in `tmp` (in this process) and report what it did."""
+    from fedlora.cli import main
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    if case.needs_run:
+        assert template is not None, f"{case.name}: needs the finished run"
+        shutil.copytree(template, tmp / "run")
+    cleanup = case.setup(tmp) if case.setup else None
+    before = _snapshot(tmp)
+    argv = [a.format(tmp=tmp, run=tmp / "run", data=DATA) for a in case.argv]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as e:  # argparse errors
+                rc = int(e.code or 0)
+    finally:
+        if cleanup:
+            cleanup()
+    after = _snapshot(tmp)
+    lost = [k for k, v in before.items() if after.get(k) != v]
+    present = [a for a in case.absent if (tmp / a).exists()]
+    return Outcome(rc, out.getvalue(), err.getvalue(), lost, present)
+
+
+def message(outcome: Outcome, tmp: Path) -> str:
+    """The error line with the machine-specific parts replaced (for the docs)."""
+    lines = [x for x in outcome.stderr.splitlines() if "error:" in x]
+    text = lines[-1] if lines else outcome.stderr.strip()
+    text = text.replace(str(tmp), "<tmp>").replace(DATA, "<data>")
+    text = re.sub(r"process \d+", "process <pid>", text)
+    return re.sub(r"usage: .*", "", text).strip()
