@@ -628,11 +628,13 @@ def local_train(
             "cache belongs to another model/adapter: use layer_cache_for(model, lora)"
         )
     params = lora.parameters()
-    # (c, 1, 1) per-slot step sizes, broadcast over each slot's (r, in) / (out, r) block
-    lr_t = None if lrs is None else torch.tensor(lrs, dtype=torch.float32).view(c, 1, 1)
     velocity: dict[int, torch.Tensor] = {}  # momentum buffers v, per parameter
     losses = np.zeros((c, steps))
     device = params[0].device  # batches follow the slots (which follow the base model)
+    # (c, 1, 1) per-slot step sizes, broadcast over each slot's (r, in) / (out, r) block
+    lr_t = (
+        None if lrs is None else torch.tensor(lrs, dtype=torch.float32, device=device).view(c, 1, 1)
+    )
     autocast = autocast_context(device.type, autocast_bf16)
     lora.train(True)
     try:
