@@ -129,7 +129,7 @@ class DataConfig:
     )  # training mix (add "boolq" for the full offline mix)
     task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
     eval_tasks: tuple[str, ...] = ("arc-e",)
-    eval_limit: int = 100  # examples per eval task (seeded subset); 0 = whole test set
+    eval_limit: int = 500  # examples per eval task (seeded subset); 0 = whole test set
     train_limit: int = 0  # examples per training task (seeded subset); 0 = all
     max_seq_len: int = 128
     n_clients: int = 20  # N
@@ -138,7 +138,7 @@ class DataConfig:
     min_client_examples: int = 8
     # what the training response names after "the correct answer is ": the label ("answer2",
     # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
-    response: str = "label"
+    response: str = "option"
 
     def __post_init__(self) -> None:
         if not self.tasks and not self.task_files:
@@ -200,6 +200,9 @@ class NetworkConfig:
         _check_number("network.downlink_rate_bps", self.downlink_rate_bps, lo=0)
 
 
+SKETCH_STEPS = ("paper", "scaled")  # training.sketch_step (fedlora.llm.train.client_step_sizes)
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """The round loop: local SGD, evaluation, stopping and checkpoints."""
@@ -209,7 +212,7 @@ class TrainingConfig:
     batch_size: int = 4  # b
     lr: float = 0.2  # η (plain SGD, as in the paper's analysis)
     slots: int = 5  # clients trained together in one forward/backward
-    eval_every: int = 4  # E
+    eval_every: int = 8  # E (8 = the demo evaluates before and after training only)
     seed: int = 0
     target_accuracy: float = 0.0  # stop when reached; 0 = off
     target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
@@ -220,6 +223,11 @@ class TrainingConfig:
     # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
     layer_cache_mb: float = 2048.0  # memory bound of that cache in MB; 0 = off
     layer_cache_dtype: str = "fp32"  # fp32 (exact) | bf16 (half the memory, rounded)
+    # "paper": every client steps with η (Eq. 4). "scaled": client n steps with
+    # η·(k_n/γ)^1.5, which makes the expected size of its first-step ΔW independent of k_n
+    # (docs/methods.md, "Sketch-scaled local steps"); no effect on unsketched clients.
+    sketch_step: str = "scaled"
+    momentum: float = 0.0  # local heavy-ball momentum μ (reset every round); 0 = plain SGD
 
     def __post_init__(self) -> None:
         _check_int("training.rounds", self.rounds, lo=1)
@@ -236,6 +244,8 @@ class TrainingConfig:
         _check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
         _check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
         _check_choice("training.layer_cache_dtype", self.layer_cache_dtype, ("fp32", "bf16"))
+        _check_choice("training.sketch_step", self.sketch_step, SKETCH_STEPS)
+        _check_number("training.momentum", self.momentum, lo=0, hi=1, hi_open=True)
 
 
 METHODS = ("sketched", "fedavg", "proposed", "fslora", "heterolora", "fedstacklora", "flexlora")
@@ -370,7 +380,7 @@ class EvaluationConfig:
 
     # label: log-likelihood of the answer label (the paper's protocol for large models);
     # option: of the option text; option_norm: of the option text per character (acc_norm)
-    scoring: str = "label"
+    scoring: str = "option_norm"
     batch_size: int = 16  # questions (with all their candidates) per forward pass
     predictions: bool = True  # write every question's prediction to predictions.jsonl
     # with lora.layers = K: memory bound (MB) of the eval set's frozen-layer cache; 0 = off

@@ -289,7 +289,7 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     import torch
 
     from fedlora.llm.data import client_batches
-    from fedlora.llm.train import TrainingError, layer_cache_for, local_train
+    from fedlora.llm.train import TrainingError, layer_cache_for, local_train, step_sizes_for
 
     cfg, seed, r = run.cfg, run.cfg.training.seed, plan.round
     pad_id = run.tokenizer.pad_token_id
@@ -322,9 +322,10 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
                 run.model,
                 run.lora,
                 batches,
-                cfg.training.lr,
+                step_sizes_for(cfg.training, scales.numpy()),
                 autocast_bf16=cfg.model.dtype == "bf16",
                 cache=cache,
+                momentum=cfg.training.momentum,
             )  # (c, H)
         except TrainingError as e:
             clients = [t.client for t in chunk]

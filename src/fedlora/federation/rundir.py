@@ -35,7 +35,6 @@ from fedlora.config import (
     config_from_dict,
     diff_configs,
     dump_toml,
-    load_config,
     parse_override,
     read_toml,
 )
@@ -268,6 +267,25 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
 # ----------------------------------------------------------------------------- config
 
 
+# Keys whose default changed after run directories were written without them: such a run
+# resumes with the value it was started with (issue 13's CPU protocol changed these defaults).
+LEGACY_DEFAULTS = {
+    ("data", "response"): "label",
+    ("evaluation", "scoring"): "label",
+    ("training", "sketch_step"): "paper",
+}
+
+
+def load_saved_config(path: Path) -> ExperimentConfig:
+    """A run directory's config.toml; keys it lacks take `LEGACY_DEFAULTS`, else the defaults."""
+    raw = read_toml(path)
+    for (section, key), value in LEGACY_DEFAULTS.items():
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):
+            table.setdefault(key, value)
+    return config_from_dict(raw, source=str(path))
+
+
 def load_run_config(
     run_dir: Path, given: ExperimentConfig | None = None, *, force: bool = False
 ) -> ExperimentConfig:
@@ -278,7 +296,7 @@ def load_run_config(
     path = run_dir / "config.toml"
     if not path.is_file():
         raise ConfigError(f"--resume {str(run_dir)!r}: no config.toml there (not a fedlora run)")
-    saved = load_config(path)
+    saved = load_saved_config(path)
     if given is None:
         return saved
     from fedlora.llm.device import inherit_auto

@@ -44,6 +44,9 @@ __all__ = [
     "local_train",
     "collate_clients",
     "target_token_loss",
+    "SKETCH_STEP_POWER",
+    "client_step_sizes",
+    "step_sizes_for",
 ]
 
 IGNORE = -100
@@ -520,14 +523,72 @@ def target_token_loss(
     return sums / counts.clamp(min=1), counts
 
 
+# training.sketch_step = "scaled": client n steps with η·(k_n/γ)^p. A sketch scales its k
+# rank components by s = γ/k in the forward pass, so each component's gradient carries s and
+# its effect on ΔW = (α/r)·B·diag(s)·A another s: s² per component. The k components' updates
+# are nearly orthogonal (random init, in_features ≫ γ), so their norms add in quadrature:
+# E‖ΔW‖² ∝ s⁴·k = γ⁴/k³ and the RMS size ∝ k^(-3/2). p = 3/2 cancels it (docs/methods.md).
+SKETCH_STEP_POWER = 1.5
+
+
+def client_step_sizes(lr: float, scales: np.ndarray, sketch_step: str = "paper") -> np.ndarray:
+    """Each client's local step size η_n (c,), float64, from its (c, γ) rank scale vector.
+
+    "paper": η for everyone (Eq. 4). "scaled": η·s_n^(-3/2) with s_n = max(scale_n), the
+    sketch's γ/k_n (so η·(k_n/γ)^(3/2)); a full adapter or a rank truncation (s_n = 1) keeps η.
+    """
+    from fedlora.config import SKETCH_STEPS
+
+    if sketch_step not in SKETCH_STEPS:
+        raise bad_value("training.sketch_step", sketch_step, ", ".join(SKETCH_STEPS))
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (np.isfinite(lr) and lr > 0):
+        raise bad_value("training.lr", lr, "a finite number > 0")
+    scales = np.asarray(scales, dtype=np.float64)
+    if scales.ndim != 2 or scales.shape[0] == 0:
+        raise ConfigError(f"scales must be (c, γ) with c >= 1, got shape {scales.shape}")
+    if not np.all(np.isfinite(scales) & (scales >= 0)):
+        raise ConfigError(f"scales must be finite and >= 0, got {scales.tolist()}")
+    s = scales.max(axis=1)  # (c,)
+    if sketch_step == "paper":
+        return np.full(s.shape, float(lr))
+    # a client with no active component (all scales 0) trains nothing: it keeps η
+    return float(lr) * np.where(s > 0, s, 1.0) ** (-SKETCH_STEP_POWER)
+
+
+def step_sizes_for(training: Any, scales: np.ndarray) -> float | np.ndarray:
+    """What `local_train` gets as `lr` under a `TrainingConfig`: the scalar η for
+    sketch_step = "paper" (the plain path, bit for bit), else `client_step_sizes`."""
+    if training.sketch_step == "paper":
+        return training.lr
+    return client_step_sizes(training.lr, scales, training.sketch_step)
+
+
+def _check_lr(lr: Any, c: int) -> np.ndarray | None:
+    """None for one scalar η (the plain path); else the (c,) per-client step sizes."""
+    if np.ndim(lr) == 0:
+        if isinstance(lr, bool) or not (
+            isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0
+        ):
+            raise ConfigError(f"training.lr = {lr!r} is invalid: must be a finite number > 0")
+        return None
+    lrs = np.asarray(lr, dtype=np.float64)
+    if lrs.shape != (c,) or not np.all(np.isfinite(lrs) & (lrs > 0)):
+        raise ConfigError(
+            f"per-client step sizes {np.asarray(lr).tolist()} are invalid: need {c} finite "
+            "numbers > 0, one per active slot"
+        )
+    return lrs
+
+
 def local_train(
     model: torch.nn.Module,
     lora: SlotLora,
     batches: list[list[dict[str, torch.Tensor]]],
-    lr: float,
+    lr: float | np.ndarray,
     *,
     autocast_bf16: bool = False,
     cache: LayerCache | None = None,
+    momentum: float = 0.0,
 ) -> np.ndarray:
     """H SGD steps for the c active slots; `batches[c][h]` is client c's batch at step h.
 
@@ -536,6 +597,10 @@ def local_train(
     before its step-h update. Raises `TrainingError` on a non-finite loss and `DataError` on
     a batch without target tokens. `cache` (see `layer_cache_for`) takes the frozen layers
     below the lowest LoRA layer from a per-example cache: same losses and updates, faster.
+
+    `lr` is one η for every slot, or (c,) per-client step sizes (`client_step_sizes`).
+    `momentum` μ > 0 uses heavy-ball SGD as torch.optim.SGD (v ← μ·v + g, X ← X − η·v; v = 0
+    at the call's start, so once per round); μ = 0 is plain SGD.
     """
     c = len(batches)
     if c == 0:
@@ -551,15 +616,25 @@ def local_train(
             f"every client needs the same number H >= 1 of local batches, got "
             f"{[len(bc) for bc in batches]}"
         )
-    if not (isinstance(lr, (int, float)) and np.isfinite(lr) and lr > 0):
-        raise ConfigError(f"training.lr = {lr!r} is invalid: must be a finite number > 0")
+    lrs = _check_lr(lr, c)
+    if (
+        isinstance(momentum, bool)
+        or not isinstance(momentum, (int, float))
+        or not 0 <= momentum < 1
+    ):
+        raise bad_value("training.momentum", momentum, "a number in [0, 1)")
     if cache is not None and (cache.model is not model or cache.lora is not lora):
         raise ConfigError(
             "cache belongs to another model/adapter: use layer_cache_for(model, lora)"
         )
     params = lora.parameters()
+    velocity: dict[int, torch.Tensor] = {}  # momentum buffers v, per parameter
     losses = np.zeros((c, steps))
     device = params[0].device  # batches follow the slots (which follow the base model)
+    # (c, 1, 1) per-slot step sizes, broadcast over each slot's (r, in) / (out, r) block
+    lr_t = (
+        None if lrs is None else torch.tensor(lrs, dtype=torch.float32, device=device).view(c, 1, 1)
+    )
     autocast = autocast_context(device.type, autocast_bf16)
     lora.train(True)
     try:
@@ -586,9 +661,18 @@ def local_train(
                 p.grad = None
             per_client.sum().backward()
             with torch.no_grad():
-                for p in params:
+                for i, p in enumerate(params):
                     if p.grad is not None:
-                        p[:c].sub_(p.grad[:c], alpha=lr)  # X_c ← X_c − η ∇X_c, per slot
+                        step = p.grad[:c]
+                        if momentum > 0:  # v ← μ·v + g (v = g at the first step)
+                            v = velocity.get(i)
+                            step = velocity[i] = (
+                                step.clone() if v is None else v.mul_(momentum).add_(step)
+                            )
+                        if lr_t is None:
+                            p[:c].sub_(step, alpha=lr)  # X_c ← X_c − η ∇X_c, per slot
+                        else:
+                            p[:c].sub_(step * lr_t)  # X_c ← X_c − η_c ∇X_c
                     p.grad = None
     finally:
         lora.train(False)

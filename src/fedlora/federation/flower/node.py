@@ -100,7 +100,7 @@ def train_one(
 
     from fedlora.federation.engine import derive_rng, derive_seed
     from fedlora.llm.data import client_batches
-    from fedlora.llm.train import local_train
+    from fedlora.llm.train import local_train, step_sizes_for
 
     cfg, seed = state.cfg, state.cfg.training.seed
     client, r = int(task["client"]), int(task["round"])
@@ -121,8 +121,9 @@ def train_one(
             state.model,
             state.lora,
             [batches],
-            cfg.training.lr,
+            step_sizes_for(cfg.training, scale[None, :]),
             autocast_bf16=cfg.model.dtype == "bf16",
+            momentum=cfg.training.momentum,
         )
     )  # (1, H)
     adapter = {k: v.numpy().copy() for k, v in state.lora.slot_state(0).items()}
