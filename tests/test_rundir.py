@@ -270,7 +270,7 @@ def test_lock_is_exclusive_across_processes_and_reentrant_within_one(tmp_path):
 
 def test_data_dir_with_a_quote_and_overrides_after_options(tmp_path):
     odd = tmp_path / 'it\'s "here"'
-    odd.symlink_to(DATA)
+    odd.symlink_to(Path(DATA).resolve())  # a relative FEDLORA_DATA (make test) must not dangle
     out = tmp_path / "out"
     tiny = [t for t in TINY if not t.startswith("data.data_dir")]
     rc, err = _main("run", *tiny[:3], "--out", str(out), *tiny[3:8], "--data-dir", str(odd),
