@@ -568,13 +568,18 @@ def load_config(
     """Defaults, then the TOML file at `path` (if any), then ``section.key=value`` overrides."""
     raw: dict[str, Any] = read_toml(path) if path else {}
     source = str(path) if path else "config"
+    apply_overrides(raw, overrides, source=source)
+    return config_from_dict(raw, source=source)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: typing.Sequence[str], *, source: str) -> None:
+    """Set each ``section.key=value`` of `overrides` in the raw (TOML-shaped) dict, in place."""
     for text in overrides:
         section, key, value = parse_override(text)
         table = raw.setdefault(section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: [{section}] must be a table")
         table[key] = value
-    return config_from_dict(raw, source=source)
 
 
 # ----------------------------------------------------------------------------- TOML out

@@ -6,8 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedlora.config import config_from_dict, load_config, parse_override, read_toml
-from fedlora.errors import ConfigError
+from fedlora.config import apply_overrides, config_from_dict, load_config, read_toml
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -98,10 +97,5 @@ def load_run_file(path: str | None, overrides: list[str]):
         f"seeds) is read by `fedlora compare --config {path}`",
         file=sys.stderr,
     )
-    for text in overrides:
-        section, key, value = parse_override(text)
-        table = raw.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{path}: [{section}] must be a table")
-        table[key] = value
+    apply_overrides(raw, overrides, source=str(path))
     return config_from_dict(raw, source=str(path))

@@ -32,10 +32,10 @@ import numpy as np
 from fedlora.config import (
     SECTIONS,
     ExperimentConfig,
+    apply_overrides,
     config_from_dict,
     diff_configs,
     dump_toml,
-    parse_override,
     read_toml,
 )
 from fedlora.errors import ConfigError, DataError
@@ -343,12 +343,7 @@ def resume_config(
                 raw[section].update(values)
             else:
                 raw[section] = values
-    for text in overrides:
-        section, key, value = parse_override(text)
-        table = raw.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{source}: [{section}] must be a table")
-        table[key] = value
+    apply_overrides(raw, overrides, source=source)
     return load_run_config(run_dir, config_from_dict(raw, source=source), force=force)
 
 
