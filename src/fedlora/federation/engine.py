@@ -336,6 +336,17 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     return states, np.array(losses)
 
 
+def restore_state(run: Run, state: dict[str, Any]) -> Progress:
+    """Put a checkpoint's global adapter, merged base delta and method state back into `run`;
+    its progress. Shared by the engine and the Flower ServerApp."""
+    run.lora.load_global(state["global"])
+    run.base_delta = state.get("base_delta") or {}
+    if run.base_delta:
+        run.lora.add_to_base(to_torch(run.base_delta))
+    run.method.load_state_dict(state.get("method", {}))
+    return Progress(**state["progress"])
+
+
 def evaluate_tasks(run: Run) -> dict[str, Any]:
     """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
     import torch
@@ -557,12 +568,7 @@ def _run_experiment(
     if resume:
         state = load_checkpoint(run_dir, warn=log)
         if state is not None:
-            progress = Progress(**state["progress"])
-            run.lora.load_global(state["global"])
-            run.base_delta = state.get("base_delta") or {}
-            if run.base_delta:
-                run.lora.add_to_base(to_torch(run.base_delta))
-            run.method.load_state_dict(state.get("method", {}))
+            progress = restore_state(run, state)
             log(f"resuming {run_dir} after round {progress.round}")
         else:
             log(f"no checkpoint in {run_dir}: starting from round 0")

@@ -48,6 +48,7 @@ from fedlora.federation.engine import (
     prepare_run_dir,
     record_round,
     restore_metrics,
+    restore_state,
     round_header,
     run_dir_for,
     save_checkpoint,
@@ -56,7 +57,6 @@ from fedlora.federation.engine import (
     target_loss_reached,
     target_reached,
     to_numpy,
-    to_torch,
     write_clients_csv,
 )
 from fedlora.federation.flower.common import (
@@ -300,12 +300,7 @@ def _run_server(
     if resume:
         state = load_checkpoint(run_dir, warn=log)
         if state is not None:
-            progress = Progress(**state["progress"])
-            run.lora.load_global(state["global"])
-            run.base_delta = state.get("base_delta") or {}
-            if run.base_delta:
-                run.lora.add_to_base(to_torch(run.base_delta))
-            run.method.load_state_dict(state.get("method", {}))
+            progress = restore_state(run, state)
             flower = state.get("flower") or {}
             if "asked" in flower:
                 avail = Availability(
