@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, bad_value
-from fedlora.studies.report import RunRecord, t_interval95
+from fedlora.studies.report import RunRecord, save_figure, t_interval95
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "not held", "inconclusive"
 REFERENCE = "fslora"
@@ -789,12 +789,4 @@ def plot_bands(
         ax.set_xlabel(f"simulated wall-clock ({unit})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(tasks) :]:
-        ax.axis("off")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, axes=list(axes.flat)[len(tasks) :], title=title)

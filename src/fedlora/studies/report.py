@@ -471,6 +471,21 @@ def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = 
 # ----------------------------------------------------------------------------- output
 
 
+def save_figure(fig: Any, path: Path, *, axes: Sequence[Any] = (), title: str = "") -> Path:
+    """Turn off the unused `axes`, add the title, lay out and write `fig` to `path`; close it."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_runs(
     runs: Sequence[RunRecord], targets: dict[str, float], path: Path, title: str = ""
 ) -> Path:
@@ -519,15 +534,7 @@ def plot_runs(
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(tasks) :]:
-        ax.axis("off")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, axes=list(axes.flat)[len(tasks) :], title=title)
 
 
 def _wilson_band(run: RunRecord, task: str) -> tuple[list[float], list[float], list[float]]:
@@ -594,11 +601,7 @@ def plot_losses(
     ax.set_title(title or "held-out loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _loss_sections(runs: Sequence[RunRecord], labels: list[str], target_loss: float) -> list[str]:
