@@ -8,6 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
+# this checkout's code, even when .venv is an editable install of another checkout
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 DATA=${FEDLORA_DATA:-../shared/data/commonsense}
 FL=.venv/bin/fedlora
 mkdir -p runs
