@@ -69,11 +69,7 @@ def alternate(
 ) -> PlanResult:
     """Alternate q-step and greedy k-step from k0 (default k = γ); stop on a fixed point or a
     cycle of k (or max_iterations q-steps) and return the best (q, k) by P2 (PAPER_NOTES #11)."""
-    k = (
-        np.full(problem.n, problem.gamma, dtype=np.int64)
-        if k0 is None
-        else np.asarray(k0, dtype=np.int64)
-    )
+    k = problem.full_rank() if k0 is None else np.asarray(k0, dtype=np.int64)
     seen = {k.tobytes()}
     history: list[float] = []
     best: tuple[float, np.ndarray, np.ndarray, float] | None = None
@@ -137,7 +133,7 @@ def capability_start(problem: PlanProblem) -> np.ndarray:
     """k⁰_n = ⌈γ · τ_min / τ_n⌉ in 1..γ: rank proportional to device speed (the baselines'
     `capability` budgets, `fedlora.federation.methods.ranks`); τ_n = 0 gets γ."""
     tau, gamma = problem.tau_full_s, problem.gamma
-    k = np.full(problem.n, gamma, dtype=np.int64)
+    k = problem.full_rank()
     pos = tau > 0
     if pos.any():
         k[pos] = np.clip(np.ceil(gamma * tau[pos].min() / tau[pos] - 1e-9), 1, gamma)
@@ -162,7 +158,7 @@ def multi_start(
     """
     if starts is None:
         starts = {
-            "gamma": np.full(problem.n, problem.gamma, dtype=np.int64),
+            "gamma": problem.full_rank(),
             "capability": capability_start(problem),
         }
         restart = True

@@ -74,11 +74,7 @@ def greedy_k(
     """
     q = np.asarray(q, dtype=float)
     gamma = problem.gamma
-    k = (
-        np.full(problem.n, gamma, dtype=np.int64)
-        if k_start is None
-        else np.array(k_start, dtype=np.int64)
-    )
+    k = problem.full_rank() if k_start is None else np.array(k_start, dtype=np.int64)
     floor = np.maximum(_k_floor(problem, constants, q, options.q_lower_bound), 1)
     # per-client tables over k = 1..γ: q_n·w_n(k) and a_n²/q_n·c_n(k), shape (N, γ)
     levels = np.arange(1, gamma + 1)

@@ -154,6 +154,10 @@ class PlanProblem:
     def n(self) -> int:
         return int(self.a.size)
 
+    def full_rank(self) -> np.ndarray:
+        """k_n = γ for every client (no sketching; Algorithm 2's start)."""
+        return np.full(self.n, self.gamma, dtype=np.int64)
+
     @staticmethod
     def normalized_weights(a: Sequence[float] | np.ndarray) -> np.ndarray:
         """a / Σ a (for `normalize_a`); rejects non-positive weights first."""
