@@ -190,6 +190,10 @@ def token_logprobs(
     share_prompt: bool,
     cache: Any = None,
 ) -> list[list[np.ndarray]]:
+    """Per item and candidate, the log-probability of each scored tail token (float64), with
+    `batch_size` items per forward in eval mode and no grad: packed rows through `cache` when
+    given, else shared contexts (`share_prompt`; full sequences if the model keeps no KV
+    cache), else full sequences."""
     import torch
 
     pad_id = getattr(tokenizer, "pad_token_id", None)
