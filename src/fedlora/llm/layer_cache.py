@@ -79,6 +79,13 @@ def check_cache_options(max_mb: float, dtype: str) -> None:
         raise bad_value("training.layer_cache_dtype", dtype, ", ".join(_CACHE_DTYPES))
 
 
+def _row_keys(lens: list[int], *rows: torch.Tensor) -> list[bytes]:
+    """A cache key per row: the bytes of its first `lens[i]` entries in each (N, T) tensor of
+    `rows` (token ids; for packed rows also positions and segments), read on the host."""
+    host = [x.cpu() for x in rows]
+    return [b"".join(x[i, : lens[i]].numpy().tobytes() for x in host) for i in range(len(lens))]
+
+
 class LayerCache:
     """Hidden states of a model's frozen lower decoder layers, per example, LRU-bounded.
 
@@ -186,6 +193,8 @@ class LayerCache:
             self.evictions += 1
         self._entries[key] = value
         self.nbytes += size
+
+    # ------------------------------------------------------------------ lookup
 
     def _lower_hidden(
         self,
@@ -383,10 +392,3 @@ class LayerCache:
             hidden, segments, position_ids, range(self.first_layer, len(self.decoder.layers))
         )
         return self.decoder.norm(hidden)
-
-
-def _row_keys(lens: list[int], *rows: torch.Tensor) -> list[bytes]:
-    """A cache key per row: the bytes of its first `lens[i]` entries in each (N, T) tensor of
-    `rows` (token ids; for packed rows also positions and segments), read on the host."""
-    host = [x.cpu() for x in rows]
-    return [b"".join(x[i, : lens[i]].numpy().tobytes() for x in host) for i in range(len(lens))]

@@ -33,6 +33,7 @@ from fedlora.llm.layer_cache import (
     decoder_and_head,
 )
 from fedlora.llm.lora import SlotLora
+from fedlora.llm.prompts import IGNORE_INDEX
 from fedlora.llm.step_sizes import (
     SKETCH_STEP_POWER,
     check_step_sizes,
@@ -53,8 +54,6 @@ __all__ = [
     "client_step_sizes",
     "step_sizes_for",
 ]
-
-IGNORE = -100
 
 
 class TrainingError(FedloraError, FloatingPointError):
@@ -84,12 +83,12 @@ def collate_clients(
         if tc < t:  # right-pad to the common T
             ids = F.pad(ids, (0, t - tc), value=0)
             mask = F.pad(mask, (0, t - tc), value=0)
-            labels = F.pad(labels, (0, t - tc), value=IGNORE)
+            labels = F.pad(labels, (0, t - tc), value=IGNORE_INDEX)
         if n < b:  # filler rows: a copy of row 0 that carries no target tokens
             fill = b - n
             ids = torch.cat([ids, ids[:1].expand(fill, t)])
             mask = torch.cat([mask, mask[:1].expand(fill, t)])
-            labels = torch.cat([labels, torch.full((fill, t), IGNORE, dtype=labels.dtype)])
+            labels = torch.cat([labels, torch.full((fill, t), IGNORE_INDEX, dtype=labels.dtype)])
         parts["input_ids"].append(ids)
         parts["attention_mask"].append(mask)
         parts["labels"].append(labels)
@@ -140,7 +139,7 @@ def target_token_loss(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
         ).last_hidden_state  # (c*b, T, d)
     targets = batch["labels"][:, 1:]  # (c*b, T-1): token t+1 is predicted at position t
-    sel = targets != IGNORE
+    sel = targets != IGNORE_INDEX
     rows = torch.nonzero(sel)[:, 0]  # (M,) row of each target token
     h = hidden[:, :-1][sel]  # (M, d)
     logits = head(h).float()  # (M, V): fp32 log-softmax, as the full-logit loss
