@@ -34,12 +34,7 @@ from fedlora.llm.layer_cache import (
 )
 from fedlora.llm.lora import SlotLora
 from fedlora.llm.prompts import IGNORE_INDEX
-from fedlora.llm.step_sizes import (
-    SKETCH_STEP_POWER,
-    check_step_sizes,
-    client_step_sizes,
-    step_sizes_for,
-)
+from fedlora.llm.step_sizes import check_step_sizes, step_sizes_for
 
 __all__ = [
     "TrainingError",
@@ -47,11 +42,9 @@ __all__ = [
     "local_train",
     "collate_clients",
     "target_token_loss",
-    # moved with issue 11 (layer_cache, step_sizes); re-exported for importers outside llm/
+    # moved with issue 11; re-exported for federation/engine.py, flower/node.py (step_sizes_for)
+    # and bench/layer_cache.py (LayerCache)
     "LayerCache",
-    "cacheable_layers",
-    "SKETCH_STEP_POWER",
-    "client_step_sizes",
     "step_sizes_for",
 ]
 
