@@ -49,8 +49,6 @@ KNOWN_OVERSIZE = {
     "fedlora.federation.methods.proposed",  # grew past 400 with issue 14
     "fedlora.system.planner",
     "fedlora.studies.experiments",  # grew past 400 with issue 14
-    "fedlora.studies.powered",  # new with issue 14 (772 lines)
-    "fedlora.studies.report",
     "fedlora.federation.rundir",
     "fedlora.llm.train",
 }
