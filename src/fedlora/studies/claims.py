@@ -15,6 +15,7 @@ from fedlora.studies.seeds import (
     HELD,
     INCONCLUSIVE,
     NOT_HELD,
+    PairedDiff,
     paired_diff,
     paired_ratio,
     ratio_verdict,
@@ -69,6 +70,16 @@ def times_to(
     res = [time_to(r, task, metric, target) for r in runs]
     cal = [r.calibration_time_s if bare else 0.0 for r in runs]
     return [t - c for (t, _), c in zip(res, cal)], [ok for _, ok in res]
+
+
+def final_diff(
+    a: Sequence[RunRecord], b: Sequence[RunRecord], task: str, metric: str
+) -> PairedDiff | None:
+    """Paired difference a − b of the last evaluated values (`metric` of `task`) over the
+    run pairs (one seed each) where both have one; None when no pair has."""
+    pairs = [(final_value(x, task, metric), final_value(y, task, metric)) for x, y in zip(a, b)]
+    kept = [(x, y) for x, y in pairs if x is not None and y is not None]
+    return paired_diff([x for x, _ in kept], [y for _, y in kept]) if kept else None
 
 
 def reference_group(gs: Sequence[Group]) -> Group | None:
@@ -145,12 +156,9 @@ def claims(
                 if g is prop:
                     continue
                 a, b = paired_runs(prop, g)
-                fa = [final_value(r, task, "accuracy") for r in a]
-                fb = [final_value(r, task, "accuracy") for r in b]
-                keep = [(x, y) for x, y in zip(fa, fb) if x is not None and y is not None]
-                if not keep:
+                d = final_diff(a, b, task, "accuracy")
+                if d is None:
                     continue
-                d = paired_diff([x for x, _ in keep], [y for _, y in keep])
                 verdicts.append(similar_verdict(d, margin))
                 ci = f" ± {100 * d.ci:.1f}" if d.ci is not None else ""
                 numbers.append(f"vs {g.label} {100 * d.mean:+.1f}{ci} pts")

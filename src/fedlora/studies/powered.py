@@ -23,6 +23,7 @@ from fedlora.studies.claims import (
     SIMILAR_MARGIN,
     Group,
     claims,
+    final_diff,
     groups,
     paired_runs,
     proposed_group,
@@ -32,7 +33,7 @@ from fedlora.studies.claims import (
 from fedlora.studies.plots import plot_bands
 from fedlora.studies.predictions import pooled_mcnemar
 from fedlora.studies.runs import RunRecord, final_value
-from fedlora.studies.seeds import paired_diff, paired_ratio, summarize
+from fedlora.studies.seeds import paired_ratio, summarize
 from fedlora.studies.target_rule import check_rule, rule_targets, targets_toml
 
 __all__ = [
@@ -112,13 +113,10 @@ def render(
                 a, b = paired_runs(prop, g)
                 row = [g.label, str(len(a))]
                 for metric, scale, digits in (("accuracy", 100, 1), ("loss", 1, 4)):
-                    pairs = [(final_value(x, task, metric), final_value(y, task, metric))
-                             for x, y in zip(a, b)]  # fmt: skip
-                    pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
-                    if not pairs:
+                    d = final_diff(a, b, task, metric)
+                    if d is None:
                         row += ["-", "-"]
                         continue
-                    d = paired_diff([x for x, _ in pairs], [y for _, y in pairs])
                     ci = f" ± {d.ci * scale:.{digits}f}" if d.ci is not None else ""
                     row += [f"{d.mean * scale:+.{digits}f}{ci}",
                             "-" if d.p is None else f"{d.p:.3g}"]  # fmt: skip

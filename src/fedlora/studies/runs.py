@@ -202,6 +202,9 @@ def collect_runs(paths: Sequence[str | Path]) -> tuple[list[RunRecord], dict[str
 
 
 # ----------------------------------------------------------------------------- curves
+# Two views of a run's curve: `RunRecord.eval_points` / `loss_points` (report.md's, where
+# `MEAN_TASK` is the mean over the eval tasks) and `points` (the powered report's: one task,
+# accuracy or eval_loss).
 
 
 def _first_time(
@@ -255,6 +258,7 @@ def time_to(run: RunRecord, task: str, metric: str, target: float) -> tuple[floa
 
 
 def final_value(run: RunRecord, task: str, metric: str) -> float | None:
+    """The last evaluated value of `task` (None when never evaluated)."""
     pts = points(run, task, metric)
     return pts[-1][1] if pts else None
 
