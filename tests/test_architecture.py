@@ -44,7 +44,6 @@ KNOWN_OVERSIZE = {
     "fedlora.llm.data",
     "fedlora.federation.engine",
     "fedlora.llm.evaluation",
-    "fedlora.federation.flower.common",
     "fedlora.federation.flower.server_app",
     "fedlora.federation.methods.proposed",  # grew past 400 with issue 14
     "fedlora.system.planner",

@@ -87,7 +87,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_local(args: argparse.Namespace) -> int:
     from fedlora.federation.engine import prepare_run_dir
-    from fedlora.federation.flower.common import LocalDeployment, check_flower_method, wait_for_file
+    from fedlora.federation.flower.common import check_flower_method
+    from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
     check_flower_method(cfg)
