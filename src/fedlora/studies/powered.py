@@ -124,7 +124,7 @@ def render(
                 row.append("-" if mc is None else f"{mc[0]}: {mc[1]} / {mc[2]}, p = {mc[3]:.3g}")
                 out.append("| " + " | ".join(row) + " |")
         out.append("")
-    rows = claims(suite, gs, targets, margin)
+    rows = claims(suite, gs, targets, margin, target_losses)
     if rows:
         out += ["## Claims of the paper", ""]
         out += [
