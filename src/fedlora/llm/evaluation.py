@@ -141,7 +141,7 @@ def eval_cache_for(model: Any, lora: Any, max_mb: float) -> Any:
     return cache
 
 
-def _items(examples: Sequence[Example], tokenizer: Any, scoring: str) -> list[Item]:
+def scoring_items(examples: Sequence[Example], tokenizer: Any, scoring: str) -> list[Item]:
     """Per example: (context ids = prompt + "the correct answer is", each candidate's scored
     tail ids)."""
     items: list[Item] = []
@@ -180,7 +180,7 @@ def candidate_token_logprobs(
     packed row per example, the frozen lower layers from the cache (same scores, to float
     rounding)."""
     _check_args(scoring, batch_size)
-    items = _items(examples, tokenizer, scoring)
+    items = scoring_items(examples, tokenizer, scoring)
     return token_logprobs(
         model, tokenizer, items, batch_size=batch_size, share_prompt=share_prompt, cache=cache
     )
@@ -227,7 +227,7 @@ def evaluate(
         raise DataError(f"task {task!r}: no examples to evaluate")
     _check_args(scoring, batch_size)
     t0 = time.perf_counter()
-    items = _items(examples, tokenizer, scoring)
+    items = scoring_items(examples, tokenizer, scoring)
     lps = token_logprobs(
         model, tokenizer, items, batch_size=batch_size, share_prompt=True, cache=cache
     )
@@ -257,8 +257,3 @@ def evaluate(
         correct=correct,
         nll=nll,
     )
-
-
-# bench/cpu_pilot.py imports the kernel loop under its name before issue 11 (point it at
-# fedlora.llm.scoring.token_logprobs, then delete this line)
-_token_logprobs = token_logprobs
