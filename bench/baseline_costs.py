@@ -20,9 +20,11 @@ import os
 
 import numpy as np
 
-from fedlora.federation.engine import build_profiles, derive_rng, round_cost
+from fedlora.federation.engine import round_cost
 from fedlora.federation.methods import make_method
+from fedlora.federation.profiles import build_profiles
 from fedlora.studies.experiments import load_suite
+from fedlora.system.seeding import derive_rng
 
 METHODS = {  # label -> overrides of the suite's config
     "fedavg": ("method.name=fedavg",),

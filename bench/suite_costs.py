@@ -26,9 +26,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from baseline_costs import smollm2_shapes  # noqa: E402
-from fedlora.federation.engine import build_profiles, derive_rng, round_cost  # noqa: E402
+from fedlora.federation.engine import round_cost  # noqa: E402
 from fedlora.federation.methods import make_method  # noqa: E402
+from fedlora.federation.profiles import build_profiles  # noqa: E402
 from fedlora.studies.experiments import SUITES, load_suite  # noqa: E402
+from fedlora.system.seeding import derive_rng  # noqa: E402
 
 ROUNDS = 400
 

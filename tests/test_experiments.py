@@ -14,8 +14,8 @@ from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation import engine
 from fedlora.federation.methods import make_method
-from fedlora.federation.methods.proposed import (
-    Proposed,
+from fedlora.federation.methods.proposed import Plan, Proposed
+from fedlora.studies.calibration import (
     calibration_config,
     calibration_settings,
     plan_outcome,
@@ -110,7 +110,8 @@ def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path, 
          "method.name=proposed"],
     )  # fmt: skip
     # Execute
-    new_cfg, calibration_s = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    new_cfg, planned = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    calibration_s = planned.calibration_s
     # Assert: four runs, each stopped at its R by the engine's stop callback
     assert calls == list(KNOWN_R)
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -131,16 +132,19 @@ def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path, 
     assert [c["A"], c["B"], c["C"], c["D"]] == pytest.approx([105, 1, 0.05, 0.0125], rel=1e-9)
     q, k = np.array(plan["q"]), np.array(plan["k"])
     assert q.shape == (4,) and np.all((q > 0) & (q <= 1)) and np.all((k >= 1) & (k <= 16))
-    # the training config reads q and k from plan.json
-    assert new_cfg.method.q == new_cfg.method.k == str(tmp_path / "plan.json")
-    method = make_method(new_cfg, np.array([0.1, 0.2, 0.3, 0.4]), np.random.default_rng(0))
+    # the plan travels as a value: plan.json's q and k
+    assert planned == Plan(tuple(plan["q"]), tuple(plan["k"]), calibration_s) and new_cfg == cfg
+    a = np.array([0.1, 0.2, 0.3, 0.4])
+    with pytest.raises(ConfigError, match="needs Algorithm 2's plan"):
+        make_method(new_cfg, a, np.random.default_rng(0))
+    method = make_method(new_cfg, a, np.random.default_rng(0), plan=planned)
     assert isinstance(method, Proposed)
     np.testing.assert_allclose(method.q, q)
     np.testing.assert_array_equal(method.k, k)
     # Execute again: plan.json is reused, nothing runs
     calls.clear()
-    again, again_s = prepare_proposed(cfg, tmp_path, log=lambda m: None)
-    assert calls == [] and again_s == calibration_s and again == new_cfg
+    again, again_plan = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    assert calls == [] and again_plan == planned and again == new_cfg
 
 
 def test_prepare_proposed_fallback_when_a_run_never_reaches_f_s(tmp_path, monkeypatch):
@@ -228,8 +232,8 @@ def test_calibration_in_budget_or_after_it(tmp_path, monkeypatch, in_budget, bud
         None, ["data.n_clients=4", "planner.calibration_rounds=300", "training.time_budget_s=10",
                f"planner.calibration_in_budget={in_budget}", "method.name=proposed"],
     )  # fmt: skip
-    planned, calibration_s = prepare_proposed(cfg, tmp_path, log=lambda m: None)
-    assert calibration_s == 582 and planned.training.time_budget_s == budget_s
+    planned, plan = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    assert plan.calibration_s == 582 and planned.training.time_budget_s == budget_s
     with pytest.raises(ConfigError, match="planner.calibration_in_budget = 1 is invalid"):
         load_config(None, ["planner.calibration_in_budget=1"])
 
@@ -241,7 +245,9 @@ def test_prepare_proposed_uses_a_given_plan_file(tmp_path):
         None, ["data.n_clients=2", "method.name=proposed", f'method.q="{plan}"',
                f'method.k="{plan}"', "lora.rank=4"],
     )  # fmt: skip
-    assert prepare_proposed(cfg, tmp_path / "run") == (cfg, 0.0)
+    assert prepare_proposed(cfg, tmp_path / "run") == (cfg, None)
+    method = make_method(cfg, np.array([0.5, 0.5]), np.random.default_rng(0))
+    np.testing.assert_array_equal(method.k, [2, 4])
 
 
 # ----------------------------------------------------------------------------- suites
@@ -449,7 +455,7 @@ def test_run_suite_refuses_to_resume_a_partial_run_with_another_config(tmp_path)
 
 
 def test_nonnegative_constants_fallback():
-    from fedlora.federation.methods.proposed import nonnegative_constants
+    from fedlora.studies.planning import nonnegative_constants
     from fedlora.system.planner import Observation
 
     a = np.array([0.1, 0.2, 0.3, 0.4])

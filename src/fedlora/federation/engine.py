@@ -9,9 +9,8 @@ One run, top to bottom:
     finish     final adapter (PEFT format), summary.json
 
 Randomness: every draw of round r comes from a generator derived from (seed, stream, r, ...)
-(`derive_rng`), so a resumed run replays exactly the draws of an uninterrupted one and a
-Flower client can rebuild its own batches. Streams: partition, profiles, strategy, sampling,
-sketch, data, fading, torch.
+(`fedlora.system.seeding.derive_rng`), so a resumed run replays exactly the draws of an
+uninterrupted one and a Flower client can rebuild its own batches.
 """
 
 from __future__ import annotations
@@ -28,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from fedlora.config import ExperimentConfig
-from fedlora.errors import ConfigError, FedloraError
-from fedlora.federation.methods import Method, RoundPlan, make_method
+from fedlora.errors import FedloraError
+from fedlora.federation.methods import Method, Plan, RoundPlan, make_method
+from fedlora.federation.profiles import build_profiles, write_clients_csv
 
 # Run directories, checkpoints and metrics files live in fedlora.federation.rundir; re-exported here
 # because the Flower ServerApp and older callers import them from the engine.
@@ -46,41 +46,18 @@ from fedlora.federation.rundir import (
     save_checkpoint,
     truncate_metrics,  # noqa: F401
 )
-from fedlora.files import load_profiles
 from fedlora.llm.device import resolve_runtime, synchronize
 from fedlora.system.network import (
     ClientProfiles,
-    generate_profiles,
-    profiles_to_rows,
     rayleigh_gains,
     round_time,
     spectral_efficiency,
 )
-
-STREAMS = {
-    "partition": 1,
-    "profiles": 2,
-    "strategy": 3,
-    "sampling": 4,
-    "sketch": 5,
-    "data": 6,
-    "fading": 7,
-    "torch": 8,
-    "init": 9,
-}
+from fedlora.system.seeding import derive_rng, derive_seed
 
 
 class TrainingDiverged(FedloraError):
     """A non-finite training loss: the run stops and keeps its last good checkpoint."""
-
-
-def derive_rng(seed: int, stream: str, *ids: int) -> np.random.Generator:
-    """An independent generator for (seed, stream, ids...), e.g. ('sampling', round)."""
-    return np.random.default_rng([seed, STREAMS[stream], *ids])
-
-
-def derive_seed(seed: int, stream: str, *ids: int) -> int:
-    return int(derive_rng(seed, stream, *ids).integers(2**62))
 
 
 # ----------------------------------------------------------------------------- network
@@ -170,44 +147,7 @@ class Run:
     slots_per_pass: int = 0  # clients per forward/backward; 0 = training.slots
 
 
-def build_profiles(cfg: ExperimentConfig, full_payload_bits: float) -> ClientProfiles:
-    net, n = cfg.network, cfg.data.n_clients
-    if net.profiles_file:
-        profiles = load_profiles(net.profiles_file)
-        if profiles.n != n:
-            raise ConfigError(
-                f"network.profiles_file = {net.profiles_file!r} has {profiles.n} clients, "
-                f"but data.n_clients = {n}"
-            )
-        return profiles
-    return generate_profiles(
-        n,
-        full_payload_bits=full_payload_bits,
-        local_steps=cfg.training.local_steps,
-        f_tot_hz=net.f_tot_hz,
-        step_time_median_s=net.step_time_median_s,
-        step_time_sigma=net.step_time_sigma,
-        distance_min_m=net.distance_min_m,
-        distance_max_m=net.distance_max_m,
-        path_loss_exponent=net.path_loss_exponent,
-        path_loss_ref_db=net.path_loss_ref_db,
-        tx_power_dbm=net.tx_power_dbm,
-        noise_psd_dbm_hz=net.noise_psd_dbm_hz,
-        rng=derive_rng(cfg.training.seed, "profiles"),
-    )
-
-
-def write_clients_csv(run_dir: Path, fed: Any, profiles: ClientProfiles) -> None:
-    rows = profiles_to_rows(profiles)
-    header = ["client", "n_examples", "a", *rows[0].keys()]
-    lines = [",".join(header)]
-    for i, row in enumerate(rows):
-        values = [i, len(fed.client_indices[i]), repr(float(fed.a[i])), *map(repr, row.values())]
-        lines.append(",".join(str(v) for v in values))
-    atomic_write(run_dir / "clients.csv", ("\n".join(lines) + "\n").encode())
-
-
-def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
+def build_run(cfg: ExperimentConfig, run_dir: Path, log=print, plan: Plan | None = None) -> Run:
     """Model, LoRA slots, federated data, client profiles and the method of one run."""
     from fedlora.llm.data import build_federated_data
     from fedlora.llm.lora import inject_lora
@@ -230,7 +170,11 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, log=print) -> Run:
     full_bits = cfg.lora.rank * sum(o + i for o, i in shapes.values()) * cfg.network.bits_per_param
     profiles = build_profiles(cfg, full_bits)
     method = make_method(
-        cfg, fed.a, derive_rng(cfg.training.seed, "strategy"), tau_full_s=profiles.tau_full_s
+        cfg,
+        fed.a,
+        derive_rng(cfg.training.seed, "strategy"),
+        tau_full_s=profiles.tau_full_s,
+        plan=plan,
     )
     run = Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
     run.device = cfg.model.device
@@ -532,14 +476,21 @@ def run_experiment(
     quiet: bool = False,
     log=None,
     stop: Callable[[dict[str, Any]], bool] | None = None,
+    plan: Plan | None = None,
+    finish: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one federated experiment in `run_dir`; returns the summary.
 
     `stop(line)` is called after every round's metrics line is written; True ends the run
     (stop_reason "stop_condition"; `proposed` uses it to end calibration runs at F_s).
+    `plan`: Algorithm 2's plan of a `proposed` run (`fedlora.studies.calibration`); the run's
+    clock starts at its calibration time. `finish(summary)` may add to the summary before
+    summary.json is written.
     """
     with run_dir_lock(run_dir):  # a second process on the same directory is refused
-        return _run_experiment(cfg, run_dir, resume=resume, quiet=quiet, log=log, stop=stop)
+        return _run_experiment(
+            cfg, run_dir, resume=resume, quiet=quiet, log=log, stop=stop, plan=plan, finish=finish
+        )
 
 
 def _run_experiment(
@@ -550,18 +501,16 @@ def _run_experiment(
     quiet: bool,
     log: Callable[[str], Any] | None,
     stop: Callable[[dict[str, Any]], bool] | None,
+    plan: Plan | None,
+    finish: Callable[[dict[str, Any]], None] | None,
 ) -> dict[str, Any]:
     from fedlora.federation.preflight import check_inputs
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     check_inputs(cfg)  # bad inputs fail here, before the model loads
     wall_start = time.perf_counter()
-    calibration_s = 0.0
-    if cfg.method.name == "proposed":  # Algorithm 2: calibration runs and the plan come first
-        from fedlora.federation.methods.proposed import prepare_proposed
-
-        cfg, calibration_s = prepare_proposed(cfg, run_dir, resume=resume, quiet=quiet, log=log)
-    run = build_run(cfg, run_dir, log=log)
+    calibration_s = plan.calibration_s if plan is not None else 0.0
+    run = build_run(cfg, run_dir, log=log, plan=plan)
     metrics_path = run_dir / "metrics.jsonl"
     progress = Progress(sim_time_s=calibration_s)  # the calibration's clock counts
 
@@ -637,10 +586,8 @@ def _run_experiment(
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)
     summary["calibration_sim_time_s"] = calibration_s
-    if cfg.method.name == "proposed":  # predicted vs observed rounds to F_s, degeneracy
-        from fedlora.federation.methods.proposed import plan_outcome
-
-        summary["plan"] = plan_outcome(run_dir)
+    if finish is not None:
+        finish(summary)
     atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
     return summary
 

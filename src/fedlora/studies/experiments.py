@@ -361,7 +361,8 @@ def run_suite(
 
 def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], None]) -> None:
     """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
-    from fedlora.federation.engine import load_run_config, prepare_run_dir, run_experiment
+    from fedlora.federation.rundir import load_run_config, prepare_run_dir
+    from fedlora.studies.calibration import run_method
 
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
     start = time.perf_counter()
@@ -386,7 +387,7 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
         log(f"{head}: {'resuming' if resume else 'starting'} in {run_dir}")
         t0 = time.perf_counter()
         try:
-            summary = run_experiment(cfg, run_dir, resume=resume, quiet=quiet, log=log)
+            summary = run_method(cfg, run_dir, resume=resume, quiet=quiet, log=log)
         except FedloraError as e:
             log(f"{head}: FAILED: {e}")
             error = {"error": str(e), "method": cfg.method.name, "seed": seed}

@@ -4,7 +4,7 @@ one-slot LoRA and the federated data, answer the identity query, train one task.
 Used in-process by the ClientApp (no worker configured, or the Ray simulation, whose actors
 live across rounds) and by the persistent node worker (`fedlora.federation.flower.worker`). Top-level
 imports are light (numpy, fedlora.config): torch, transformers and the data code load on the
-first `client_state` call (and fedlora.federation.engine, for its seed derivation, on first use).
+first `client_state` call (the seed derivation is `fedlora.system.seeding`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 import tomllib
 
 from fedlora.config import ExperimentConfig, config_from_dict
+from fedlora.system.seeding import derive_rng, derive_seed
 
 
 @dataclass
@@ -60,7 +61,6 @@ def client_state(cfg: ExperimentConfig) -> ClientState:
     """Build (or reuse) this process's model, one-slot LoRA and federated data."""
     key = _cache_key(cfg)
     if key not in _CACHE:
-        from fedlora.federation.engine import derive_seed
         from fedlora.llm.data import build_federated_data
         from fedlora.llm.device import resolve_runtime
         from fedlora.llm.lora import inject_lora
@@ -98,7 +98,6 @@ def train_one(
     """
     import torch
 
-    from fedlora.federation.engine import derive_rng, derive_seed
     from fedlora.llm.data import client_batches
     from fedlora.llm.train import local_train, step_sizes_for
 
