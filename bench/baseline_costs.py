@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from fedlora.federation.engine import round_cost
+from fedlora.federation.clock import round_cost
 from fedlora.federation.methods import make_method
 from fedlora.federation.profiles import build_profiles
 from fedlora.studies.experiments import load_suite

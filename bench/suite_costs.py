@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from baseline_costs import smollm2_shapes  # noqa: E402
-from fedlora.federation.engine import round_cost  # noqa: E402
+from fedlora.federation.clock import round_cost  # noqa: E402
 from fedlora.federation.methods import make_method  # noqa: E402
 from fedlora.federation.profiles import build_profiles  # noqa: E402
 from fedlora.studies.experiments import SUITES, load_suite  # noqa: E402

@@ -42,12 +42,9 @@ NOT_IN_SYSTEM = ("torch", "transformers", "safetensors", "peft", "flwr", "pandas
 KNOWN_OVERSIZE = {
     "fedlora.config",
     "fedlora.llm.data",
-    "fedlora.federation.engine",
     "fedlora.llm.evaluation",
     "fedlora.federation.flower.common",
-    "fedlora.federation.flower.server_app",
     "fedlora.system.planner",
-    "fedlora.studies.experiments",  # grew past 400 with issue 14
     "fedlora.studies.powered",  # new with issue 14 (772 lines)
     "fedlora.studies.report",
     "fedlora.federation.rundir",

@@ -10,7 +10,7 @@ from numpy.testing import assert_allclose
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.engine import round_cost
+from fedlora.federation.clock import round_cost
 from fedlora.federation.methods import make_method
 from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
 from fedlora.federation.methods.fedavg import FedAvg

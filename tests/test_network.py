@@ -569,7 +569,7 @@ def test_planning_time_factor_uses_the_ergodic_rate_without_a_floor():
 
 def test_engine_applies_the_outage_floor_to_the_fading_gains():
     from fedlora.config import load_config
-    from fedlora.federation.engine import round_cost
+    from fedlora.federation.clock import round_cost
     from fedlora.federation.methods.sketched import Sketched
 
     shapes = {"m": (4, 4)}
