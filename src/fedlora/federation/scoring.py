@@ -38,11 +38,6 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
     }
 
 
-def evaluate_global(run: Run) -> dict[str, float]:
-    """Accuracy of the current global adapter on every eval task's fixed subset."""
-    return {task: r.accuracy for task, r in evaluate_tasks(run).items()}
-
-
 PREDICTIONS_FILE = "predictions.jsonl"
 
 

@@ -2,9 +2,10 @@
 one-slot LoRA and the federated data, answer the identity query, train one task.
 
 Used in-process by the ClientApp (no worker configured, or the Ray simulation, whose actors
-live across rounds) and by the persistent node worker (`fedlora.federation.flower.worker`). Top-level
-imports are light (numpy, fedlora.config): torch, transformers and the data code load on the
-first `client_state` call (`fedlora.federation.runstate` and `fedlora.federation.trainer`, shared with the engine).
+live across rounds) and by the persistent node worker (`fedlora.federation.flower.worker`).
+Top-level imports are light (numpy, fedlora.config): torch, transformers and the data code
+load on the first `client_state` call (through `fedlora.federation.runstate` and
+`fedlora.federation.trainer`, the code the engine builds and trains with).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""fedlora's ServerApp on Flower's Message API: the engine's round loop, with local training
-moved to the SuperNodes.
+"""fedlora's ServerApp on Flower's Message API: the engine's round loop
+(`fedlora.federation.engine.run_rounds`), with local training moved to the SuperNodes
+(`FlowerTrainer`).
 
-Per round r, exactly as `fedlora.federation.engine.run_experiment`: the plan comes from
+Per round r, exactly as in `fedlora.federation.engine.run_experiment`: the plan comes from
 ``method.plan_round(r, derive_rng(seed, "sampling", r), derive_rng(seed, "sketch", r))``;
 each participant's node gets a ``train`` message (global adapter + task); the replies are
 matched to tasks by ``reply.metadata.reply_to_message_id``; ``method.aggregate`` combines the
@@ -244,9 +245,9 @@ def run_server(
     """The engine's loop over Flower: returns the summary (also written to summary.json).
 
     With `resume`, continue the run in the run directory from its newest readable checkpoint
-    (as `fedlora.federation.engine.run_experiment(resume=True)`): `cfg` must equal the run's saved config
-    (ConfigError naming the differing fields otherwise); metrics.jsonl is cut back to the
-    checkpoint's line count; the dropout counts of ``availability = "observed"`` are restored.
+    (the engine's resume, `run_rounds`): `cfg` must equal the run's saved config (ConfigError
+    naming the differing fields otherwise); metrics.jsonl is cut back to the checkpoint's
+    line count; the dropout counts of ``availability = "observed"`` are restored.
     """
     wall_start = time.perf_counter()
     check_flower_method(cfg)
