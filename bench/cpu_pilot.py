@@ -125,20 +125,20 @@ class Scorer:
         import torch
 
         from fedlora.llm.evaluation import (
-            _items,
-            _token_logprobs,
             candidate_scores,
             discriminative_start,
             majority_score,
+            scoring_items,
             wilson_interval,
         )
+        from fedlora.llm.scoring import token_logprobs
 
         self.lora.load_global(state)
         self.lora.set_clients(torch.ones(1, 16))
         scorings = PROTOCOLS[protocol][1]
         t0 = time.perf_counter()
-        items = _items(self.examples, self.tok, scorings[0])  # option & option_norm: same
-        lps = _token_logprobs(self.model, self.tok, items, batch_size=16, share_prompt=True)
+        items = scoring_items(self.examples, self.tok, scorings[0])  # option & option_norm: same
+        lps = token_logprobs(self.model, self.tok, items, batch_size=16, share_prompt=True)
         seconds = time.perf_counter() - t0
         nll = []
         for ex, (_, tails), tok_lps in zip(self.examples, items, lps):

@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# Issue #14's three powered suites, in order, each pilot seed before its main seeds.
+# Issue #14's three powered suites in two 1-thread lanes (the suite files set model.threads = 1:
+# two 1-thread processes side by side outrun one 2-thread process on 2 shared cores, see
+# configs/powered_table1.toml). Each suite's pilot seed runs before its main seeds.
+#   lane 1: table1 pilot, table1 main, then ranks (after sampling's pilot: ranks' "full" is
+#           sampling's "fixed-0.2", same config and seed, so those runs are copied, not re-run)
+#   lane 2: sampling pilot, sampling main
 # Every command resumes (finished runs are skipped, partial ones continue from their last
 # checkpoint): re-run this script after an interruption. Log lines with UTC times and the
 # 1-minute load go to runs/powered.log; /usr/bin/time adds each command's wall and CPU time.
@@ -13,23 +18,48 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 DATA=${FEDLORA_DATA:-../shared/data/commonsense}
 FL=.venv/bin/fedlora
 mkdir -p runs
-log() { echo "$(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg) $*" | tee -a runs/powered.log; }
+log() { echo "$(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg) $*" >> runs/powered.log; }
 step() {  # step NAME fedlora-args...
   log "start $1"
   /usr/bin/time -f "$1: %e s wall, %U s user, %S s sys" -a -o runs/powered.log "$FL" "${@:2}"
   log "end $1"
 }
+suite() {  # suite NAME [compare args...]: compare in runs/powered_NAME
+  local s=$1
+  shift
+  step "$s $*" compare --suite "$s" -c "configs/powered_$s.toml" --out "runs/powered_$s" \
+    --data-dir "$DATA" -q "$@"
+}
+copy_full() {  # ranks' "full" runs from sampling's finished "fixed-0.2" runs
+  mkdir -p runs/powered_ranks/pilot
+  local src dst
+  for seed in "$@"; do
+    if [ "$seed" = 100 ]; then
+      src=runs/powered_sampling/pilot/fixed-0.2-seed100 dst=runs/powered_ranks/pilot/full-seed100
+    else
+      src=runs/powered_sampling/fixed-0.2-seed$seed dst=runs/powered_ranks/full-seed$seed
+    fi
+    if [ ! -e "$dst" ] && [ -e "$src/summary.json" ]; then cp -r "$src" "$dst"; fi
+  done
+}
+lane1() {
+  suite table1 --pilot
+  suite table1
+  until [ -e runs/powered_sampling/targets.toml ]; do sleep 30; done  # sampling's pilot done
+  copy_full 100
+  suite ranks --pilot
+  suite ranks --methods proposed-k normal uniform
+  copy_full 1 2 3  # those sampling has finished by now; "full" runs the others itself
+  suite ranks
+}
+lane2() {
+  suite sampling --pilot
+  suite sampling
+}
+lane1 > runs/powered-lane1.out 2>&1 &
+lane2 > runs/powered-lane2.out 2>&1 &
+wait
 for s in table1 sampling ranks; do
-  out=runs/powered_$s
-  if [ "$s" = ranks ]; then  # ranks' "full" (k = γ, q = 0.2) is sampling's "fixed-0.2"
-    mkdir -p "$out/pilot"
-    for seed in 1 2 3; do
-      [ -e "$out/full-seed$seed" ] || cp -r "runs/powered_sampling/fixed-0.2-seed$seed" "$out/full-seed$seed"
-    done
-    [ -e "$out/pilot/full-seed100" ] || cp -r runs/powered_sampling/pilot/fixed-0.2-seed100 "$out/pilot/full-seed100"
-  fi
-  step "$s pilot" compare --suite "$s" -c "configs/powered_$s.toml" --out "$out" --data-dir "$DATA" -q --pilot
-  step "$s main" compare --suite "$s" -c "configs/powered_$s.toml" --out "$out" --data-dir "$DATA" -q
-  step "$s exact" report "$out" --comm-cost exact --comp-cost affine -o "$out/exact"
+  step "$s exact" report "runs/powered_$s" --comm-cost exact --comp-cost affine -o "runs/powered_$s/exact"
 done
 log "all done"

@@ -32,24 +32,12 @@ LAYER_RANK = {
     "cli": 5,
 }
 SYSTEM_MAY_IMPORT = {"errors", "system"}
-# Upward imports known today: (importer, imported). Issue 11: remove them.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("fedlora.config", "fedlora.llm.device"),  # came with issue 16: check_device_spec
-}
+# Upward imports known today: (importer, imported); none since issue 11.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 NOT_IN_SYSTEM = ("torch", "transformers", "safetensors", "peft", "flwr", "pandas", "matplotlib")
 
 # Today's modules over MAX_LINES (issue 11: split them, then delete their rows).
-KNOWN_OVERSIZE = {
-    "fedlora.config",
-    "fedlora.llm.data",
-    "fedlora.llm.evaluation",
-    "fedlora.federation.flower.common",
-    "fedlora.system.planner",
-    "fedlora.studies.powered",  # new with issue 14 (772 lines)
-    "fedlora.studies.report",
-    "fedlora.federation.rundir",
-    "fedlora.llm.train",
-}
+KNOWN_OVERSIZE: set[str] = set()
 # Today's import cycles, each as the sorted tuple of its modules (issue 11: break them).
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 # Imports of another module's private name: (importer, module, name); none since issue 11.

@@ -18,12 +18,12 @@ from fedlora.config import (
     ModelConfig,
     NetworkConfig,
     TrainingConfig,
-    _toml_value,
     config_from_dict,
     diff_configs,
     dump_toml,
     load_config,
     parse_override,
+    toml_value,
 )
 from fedlora.errors import ConfigError
 
@@ -347,5 +347,5 @@ def test_docs_config_md_documents_every_section_and_key():
                 f"docs/config.md: add a row for {section}.{f.name} under [{section}]"
             )
             default = getattr(getattr(ExperimentConfig(), section), f.name)
-            row = f"| `{f.name}` | `{_toml_value(default)}` |"
+            row = f"| `{f.name}` | `{toml_value(default)}` |"
             assert row in bodies[section], f"docs/config.md: {section}.{f.name} default is {row}"

@@ -14,13 +14,6 @@ import torch
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError, DataError
-from fedlora.llm.data import (
-    RESPONSE_PREFIX,
-    Example,
-    encode_continuation,
-    response_text,
-    tokenize_examples,
-)
 from fedlora.llm.evaluation import (
     candidate_logprobs,
     candidate_token_logprobs,
@@ -31,6 +24,8 @@ from fedlora.llm.evaluation import (
     question_id,
 )
 from fedlora.llm.models import load_model
+from fedlora.llm.prompts import encode_continuation, response_text, tokenize_examples
+from fedlora.llm.tasks import RESPONSE_PREFIX, Example
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 

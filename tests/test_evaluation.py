@@ -10,15 +10,10 @@ import pytest
 import torch
 
 from fedlora.errors import DataError
-from fedlora.llm.data import (
-    RESPONSE_PREFIX,
-    Example,
-    encode_continuation,
-    encode_prompt,
-    format_prompt,
-)
-from fedlora.llm.evaluation import candidate_logprobs, evaluate, parse_options, wilson_interval
+from fedlora.llm.evaluation import candidate_logprobs, evaluate, wilson_interval
 from fedlora.llm.models import load_model
+from fedlora.llm.prompts import encode_continuation, encode_prompt, format_prompt, parse_options
+from fedlora.llm.tasks import RESPONSE_PREFIX, Example
 
 
 def mc(q: str, options: list[str], answer: int, task: str = "t") -> Example:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from fedlora.errors import ConfigError
-from fedlora.files import read_vector
+from fedlora.files import load_problem, read_vector
+from planner_cases import raw_problem
 
 
 def test_read_vector_json_list_object_and_csv(tmp_path: Path) -> None:
@@ -57,3 +59,19 @@ def test_default_cache_dir_follows_fedlora_cache(monkeypatch, tmp_path: Path) ->
     assert models.default_cache_dir is default_cache_dir  # still importable from models
     monkeypatch.setenv("FEDLORA_CACHE", "  ")
     assert default_cache_dir() == Path.home() / ".cache" / "fedlora"
+
+
+def test_load_problem_names_the_file_and_position_of_bad_json(tmp_path):
+    path = tmp_path / "problem.json"
+    path.write_text('{"gamma": 16,\n "f_tot": }\n')
+    with pytest.raises(ConfigError, match=r"problem.json: invalid JSON at line 2 column 11"):
+        load_problem(path)
+    with pytest.raises(ConfigError, match=r"cannot read"):
+        load_problem(tmp_path / "missing.json")
+
+
+def test_load_problem_reads_the_documented_example(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(raw_problem()))
+    p, o = load_problem(path, {"solver": "cvxpy"})
+    assert o.solver == "cvxpy" and p.n == 2

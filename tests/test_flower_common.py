@@ -1,13 +1,11 @@
-"""fedlora.federation.flower.common: the run config, env safety, loopback rules, process
-helpers and the methods Flower refuses (split from test_flower.py, issue 11)."""
+"""fedlora.federation.flower.common: the run config, env safety and the methods Flower refuses
+(split from test_flower.py, issue 11; the process helpers are in test_flower_deploy.py)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,14 +13,9 @@ import pytest
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation.flower.common import (
-    LOOPBACK,
     SAFE_ENV,
     FlowerOptions,
-    LocalDeployment,
-    check_loopback,
     config_from_run_config,
-    descendants,
-    free_port,
     safe_env,
 )
 from flower_cases import REPO, write_config
@@ -117,45 +110,6 @@ def test_client_app_imports_only_light_modules() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=safe_env()
     )
     assert done.stdout.strip() == "[]"
-
-
-@pytest.mark.parametrize("address", ["0.0.0.0:9092", "localhost:9092", "[::]:9092", "127.0.0.1"])
-def test_check_loopback_refuses_other_addresses(address: str) -> None:
-    with pytest.raises(ConfigError, match="loopback"):
-        check_loopback(address, "superlink")
-
-
-def test_free_port_is_on_loopback_and_bindable() -> None:
-
-    port = free_port()
-    with socket.socket() as s:
-        s.bind((LOOPBACK, port))
-    check_loopback(f"{LOOPBACK}:{port}", "superlink")
-
-
-def test_descendants_finds_grandchildren() -> None:
-    # Prepare: sh -> sleep (a child of the shell)
-    proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
-    try:
-        deadline = time.monotonic() + 10
-        while not descendants(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        # Execute
-        below = descendants(proc.pid)
-        # Assert
-        assert len(below) == 1
-        assert "sleep" in Path(f"/proc/{below[0]}/cmdline").read_text()
-    finally:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            os.kill(pid, 9)
-        proc.wait()
-
-
-def test_local_deployment_rejects_bad_sizes(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="n_nodes"):
-        LocalDeployment(0, tmp_path)
-    with pytest.raises(ConfigError, match="node_config"):
-        LocalDeployment(2, tmp_path, node_config=[{}])
 
 
 @pytest.mark.parametrize(

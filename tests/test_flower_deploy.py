@@ -1,7 +1,8 @@
-"""Loopback deployments (fedlora.federation.flower.common.LocalDeployment with the
-ServerApp and ClientApps): the same rounds as the engine, a killed node as a dropout.
+"""fedlora.federation.flower.deploy: free loopback ports, finding a process's descendants,
+and loopback deployments (LocalDeployment with the ServerApp and ClientApps): the same rounds
+as the engine, a killed node as a dropout.
 
-The deployment tests start two persistent fedlora workers, `flower-superlink` and two
+The slow deployment tests start two persistent fedlora workers, `flower-superlink` and two
 `flower-supernode` processes on 127.0.0.1 (insecure, free ports), submit the app with
 `flwr run`, and stop what they started by PID (split from test_flower.py, issue 11).
 """
@@ -9,14 +10,22 @@ The deployment tests start two persistent fedlora workers, `flower-superlink` an
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from fedlora.federation.flower.common import (
+from fedlora.errors import ConfigError
+from fedlora.federation.flower.deploy import (
     LocalDeployment,
+    descendants,
+    free_port,
     wait_for_file,
 )
+from fedlora.federation.flower.worker import LOOPBACK, check_loopback
 from flower_cases import (
     REPO,
     assert_matches_engine,
@@ -24,6 +33,42 @@ from flower_cases import (
     read_metrics,
     write_config,
 )
+
+# ----------------------------------------------------------------------------- fast
+
+
+def test_free_port_is_on_loopback_and_bindable() -> None:
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind((LOOPBACK, port))
+    check_loopback(f"{LOOPBACK}:{port}", "superlink")
+
+
+def test_descendants_finds_grandchildren() -> None:
+    # Prepare: sh -> sleep (a child of the shell)
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while not descendants(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Execute
+        below = descendants(proc.pid)
+        # Assert
+        assert len(below) == 1
+        assert "sleep" in Path(f"/proc/{below[0]}/cmdline").read_text()
+    finally:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            os.kill(pid, 9)
+        proc.wait()
+
+
+def test_local_deployment_rejects_bad_sizes(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="n_nodes"):
+        LocalDeployment(0, tmp_path)
+    with pytest.raises(ConfigError, match="node_config"):
+        LocalDeployment(2, tmp_path, node_config=[{}])
+
 
 # ----------------------------------------------------------------------------- deployments
 

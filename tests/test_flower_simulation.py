@@ -15,11 +15,9 @@ from pathlib import Path
 import pytest
 
 from fedlora.errors import ConfigError
-from fedlora.federation.flower.common import (
-    LOOPBACK,
-    descendants,
-    safe_env,
-)
+from fedlora.federation.flower.common import safe_env
+from fedlora.federation.flower.deploy import descendants
+from fedlora.federation.flower.worker import LOOPBACK
 from flower_cases import (
     assert_matches_engine,
     needs_data,

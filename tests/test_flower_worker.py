@@ -16,10 +16,8 @@ import pytest
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation.flower import worker
-from fedlora.federation.flower.common import (
-    LOOPBACK,
-    free_port,
-)
+from fedlora.federation.flower.deploy import free_port
+from fedlora.federation.flower.worker import LOOPBACK, check_loopback
 from flower_cases import needs_data, write_config
 
 # ----------------------------------------------------------------------------- node worker
@@ -92,6 +90,12 @@ def test_read_frame_rejects_an_array_outside_the_body() -> None:
     # Execute / Assert
     with pytest.raises(worker.WorkerError, match="bad array spec"):
         _roundtrip(frame)
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0:9092", "localhost:9092", "[::]:9092", "127.0.0.1"])
+def test_check_loopback_refuses_other_addresses(address: str) -> None:
+    with pytest.raises(ConfigError, match="loopback"):
+        check_loopback(address, "superlink")
 
 
 @pytest.mark.parametrize("address", ["0.0.0.0:9000", "10.0.0.1:9000", "localhost:9000"])

@@ -1,5 +1,6 @@
-"""The powered report (fedlora.studies.powered): statistics over seeds, targets by rule, claims and
-band plots, on hand-made run directories with hand-computed expected values."""
+"""The powered report (fedlora.studies.powered, claims, plots.band, predictions.pooled_mcnemar):
+claims and the over-seeds sections of report.md on hand-made run directories with
+hand-computed expected values."""
 
 from __future__ import annotations
 
@@ -9,184 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from fedlora.errors import ConfigError
-from fedlora.studies import powered
+from fedlora.studies import claims, powered, seeds
 from fedlora.studies.experiments import report_suite
-from fedlora.studies.report import load_run
-
-T975_2 = 4.302652729911275  # t quantile 0.975 with 2 degrees of freedom (tables)
-
-
-def write_run(
-    root: Path,
-    label: str,
-    seed: int,
-    evals: list[tuple[float, float, float]],
-    *,
-    method: str | None = None,
-    task: str = "arc-e",
-    calibration_s: float = 0.0,
-    end_s: float | None = None,
-    plan: dict | None = None,
-) -> Path:
-    """A run directory: one metrics line per (sim_time_s, accuracy, eval_loss), round 0 first;
-    optionally a last line without evaluation at end_s."""
-    run = root / f"{label}-seed{seed}"
-    run.mkdir(parents=True)
-    lines = []
-    for r, (t, acc, loss) in enumerate(evals):
-        lines.append(
-            {
-                "round": r,
-                "sim_time_s": t,
-                "calibration_sim_time_s": calibration_s if r == 0 else None,
-                "train_loss": None if r == 0 else 1.0,
-                "eval": {task: acc},
-                "eval_accuracy": acc,
-                "eval_loss": loss,
-                "eval_losses": {task: loss},
-                "eval_n": {task: 500},
-                "eval_majority": {task: 0.28},
-                "eval_chance": {task: 0.25},
-            }
-        )
-    if end_s is not None:
-        lines.append({"round": len(lines), "sim_time_s": end_s, "train_loss": 1.0})
-    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    summary = {"method": method or label.split("-")[0], "seed": seed, "stop_reason": "time_budget"}
-    if plan is not None:
-        summary["plan"] = plan
-    (run / "summary.json").write_text(json.dumps(summary))
-    return run
-
-
-# ----------------------------------------------------------------------------- statistics
-
-
-def test_paired_ratio_geometric_mean_and_interval_by_hand():
-    # ratios 2, 4, 4: logs ln2·(1, 2, 2), mean ln2·5/3, sd ln2/√3, se ln2/3
-    r = powered.paired_ratio([10, 20, 40], [True] * 3, [5, 5, 10], [True] * 3)
-    assert r.mean == pytest.approx(2 ** (5 / 3))
-    assert r.lo == pytest.approx(2 ** (5 / 3 - T975_2 / 3))
-    assert r.hi == pytest.approx(2 ** (5 / 3 + T975_2 / 3))
-    assert r.lower_valid and r.upper_valid and r.n == 3
-    assert powered.ratio_verdict(r, 1.0) == powered.HELD  # lo = 1.17 > 1
-    assert powered.ratio_verdict(r, 2.8) == powered.INCONCLUSIVE  # 1.17 < 2.8 < 8.6
-    assert powered.ratio_verdict(r, 9.0) == powered.NOT_HELD  # hi = 8.6 < 9
-    assert r.text() == f"3.17x [{2 ** (5 / 3 - T975_2 / 3):.2f}, {2 ** (5 / 3 + T975_2 / 3):.2f}]"
-
-
-def test_paired_ratio_with_censored_seeds_keeps_only_the_valid_side():
-    # the reference never reached in seed 0: its ratio is >= 2, so only the lower end is valid
-    r = powered.paired_ratio([10, 20, 40], [False, True, True], [5, 5, 10], [True] * 3)
-    assert r.lower_valid and not r.upper_valid
-    assert r.text().startswith(">= 3.17x [1.17, ?]")
-    assert powered.ratio_verdict(r, 1.0) == powered.HELD
-    assert powered.ratio_verdict(r, 9.0) == powered.INCONCLUSIVE  # the upper end is not known
-    # the method censored: only the upper end is valid
-    m = powered.paired_ratio([10, 20, 40], [True] * 3, [5, 5, 10], [True, False, True])
-    assert m.upper_valid and not m.lower_valid and m.text().startswith("<= ")
-    assert powered.ratio_verdict(m, 1.0) == powered.INCONCLUSIVE
-    # both censored in one seed: nothing is known
-    both = powered.paired_ratio([10, 20], [False, True], [5, 5], [False, True])
-    assert both.text() == "n/a (censored both ways)"
-    assert powered.ratio_verdict(both, 1.0) == powered.INCONCLUSIVE
-    # one seed: no interval
-    one = powered.paired_ratio([10], [True], [5], [True])
-    assert one.mean == pytest.approx(2.0) and one.lo is None and one.text() == "2.00x"
-    assert powered.ratio_verdict(one, 1.0) == powered.INCONCLUSIVE
-    with pytest.raises(ConfigError, match="paired_ratio"):
-        powered.paired_ratio([1, 2], [True, True], [1], [True])
-
-
-def test_paired_diff_t_test_by_hand():
-    # d = (0.1, 0, 0.2): mean 0.1, sd 0.1, t = √3; with 2 df the two-sided p = 1 − t/√(t² + 2)
-    d = powered.paired_diff([0.5, 0.6, 0.7], [0.4, 0.6, 0.5])
-    assert d.mean == pytest.approx(0.1) and d.n == 3
-    assert d.ci == pytest.approx(T975_2 * 0.1 / math.sqrt(3))
-    assert d.p == pytest.approx(1 - math.sqrt(3) / math.sqrt(5))
-    same = powered.paired_diff([0.5, 0.5], [0.5, 0.5])
-    assert same.mean == 0 and same.p == 1.0
-    assert powered.paired_diff([0.5], [0.4]).p is None
-    with pytest.raises(ConfigError, match="paired_diff"):
-        powered.paired_diff([], [])
-
-
-@pytest.mark.parametrize(
-    "mean, ci, verdict",
-    [(0.005, 0.01, powered.HELD), (0.1, 0.02, powered.NOT_HELD),
-     (-0.1, 0.02, powered.NOT_HELD), (0.01, 0.02, powered.INCONCLUSIVE),
-     (0.0, None, powered.INCONCLUSIVE)],
-)  # fmt: skip
-def test_similar_verdict_is_an_equivalence_test(mean, ci, verdict):
-    assert powered.similar_verdict(powered.PairedDiff(mean, ci, None, 3), 0.02) == verdict
-
-
-def test_summary_text_marks_censoring():
-    assert powered.summarize([10.0, 20.0, 30.0]).text() == f"20.0 ± {T975_2 * 10 / 3**0.5:.1f}"
-    assert powered.summarize([10.0, 20.0], censored=1).text() == ">= 15.0 (1/2 censored)"
-    assert powered.summarize([0.5]).text(100) == "50.0"
-
-
-# ----------------------------------------------------------------------------- targets by rule
-
-RULE = {"budget_fraction": 0.6, "floor_se": 4, "text": "slowest baseline at 60%, floor 4 SE"}
-
-
-def test_rule_targets_slowest_baseline_at_the_fraction_with_the_majority_floor(tmp_path):
-    # at 0.6 × 100 s = 60 s: fslora 0.40 (its 70 s point is later), heterolora 0.30 ->
-    # slowest 0.30; floor 0.28 + 4·√(0.28·0.72/500) = 0.36032 > 0.30 -> 0.36032.
-    # eval_loss at 60 s: 1.1 and 1.3 -> 1.3. proposed is not a baseline (its 0.20 is ignored).
-    runs = [
-        write_run(tmp_path, "fslora", 9, [(0, 0.25, 1.5), (50, 0.40, 1.1), (70, 0.5, 1.0)]),
-        write_run(tmp_path, "heterolora", 9, [(0, 0.25, 1.5), (30, 0.30, 1.3), (65, 0.45, 1)]),
-        write_run(tmp_path, "proposed", 9, [(0, 0.25, 1.5), (40, 0.20, 2.0)]),
-    ]
-    result = powered.rule_targets([load_run(r) for r in runs], ["arc-e"], 100.0, RULE)
-    floor = 0.28 + 4 * math.sqrt(0.28 * 0.72 / 500)
-    assert result["accuracy"] == {"arc-e": pytest.approx(floor)}
-    assert result["loss"] == {"arc-e": 1.3}
-    d = result["details"]["arc-e"]
-    assert d["slowest"] == "heterolora" and d["floored"] and d["at_s"] == 60.0
-    assert d["accuracy_at"] == {"fslora": 0.40, "heterolora": 0.30}
-    # without the floor the slowest baseline's level is the target
-    no_floor = powered.rule_targets([load_run(r) for r in runs], ["arc-e"], 100.0,
-                                    {**RULE, "floor_se": 0})  # fmt: skip
-    assert no_floor["accuracy"] == {"arc-e": 0.30}
-    text = powered.targets_toml(result, powered.check_rule(RULE), "pilot")
-    import tomllib
-
-    parsed = tomllib.loads(text)
-    assert parsed["targets"]["arc-e"] == pytest.approx(floor)
-    assert parsed["target_losses"]["arc-e"] == 1.3 and parsed["rule"] == RULE["text"]
-
-
-@pytest.mark.parametrize(
-    "rule, message",
-    [
-        ({"budget_fraction": 0, "text": "x"}, "budget_fraction"),
-        ({"budget_fraction": 1.5, "text": "x"}, "budget_fraction"),
-        ({"budget_fraction": 0.6, "floor_se": -1, "text": "x"}, "floor_se"),
-        ({"budget_fraction": 0.6}, r"target_rule.text"),
-        ({"budget_fraction": 0.6, "text": "x", "extra": 1}, r"target_rule.extra"),
-        ("0.6", "a table"),
-    ],
-)
-def test_check_rule_bad_input(rule, message):
-    with pytest.raises(ConfigError, match=message):
-        powered.check_rule(rule)
-
-
-def test_rule_targets_bad_input(tmp_path):
-    run = load_run(write_run(tmp_path, "fslora", 1, [(0, 0.25, 1.5)]))
-    with pytest.raises(ConfigError, match="time_budget_s"):
-        powered.rule_targets([run], ["arc-e"], 0.0, RULE)
-    with pytest.raises(ConfigError, match="no pilot baseline evaluated 'obqa'"):
-        powered.rule_targets([run], ["obqa"], 10.0, RULE)
-    prop = load_run(write_run(tmp_path, "proposed", 1, [(0, 0.25, 1.5)]))
-    with pytest.raises(ConfigError, match="no baseline run"):
-        powered.rule_targets([prop], ["arc-e"], 10.0, RULE)
-
+from fedlora.studies.plots import band
+from fedlora.studies.predictions import pooled_mcnemar
+from fedlora.studies.runs import load_run
+from powered_cases import T975_2, write_run
 
 # ----------------------------------------------------------------------------- claims, report
 
@@ -219,15 +48,15 @@ def table1_suite(root: Path) -> Path:
 
 def test_claims_on_a_synthetic_table1(tmp_path):
     runs = [load_run(d) for d in sorted(table1_suite(tmp_path).iterdir()) if d.is_dir()]
-    gs = powered.groups(runs, ["proposed", "fslora", "heterolora", "fedstacklora"])
-    rows = {r["claim"]: r for r in powered.claims("table1", gs, {"arc-e": 0.4})}
+    gs = claims.groups(runs, ["proposed", "fslora", "heterolora", "fedstacklora"])
+    rows = {r["claim"]: r for r in claims.claims("table1", gs, {"arc-e": 0.4})}
     rows = {
         k.split(":")[0].split(" (")[0] if "speed-up" not in k else k: r for k, r in rows.items()
     }
     # ordering: every adjacent pair is faster with an interval above 1 (heterolora seed 2 is
     # censored, which only makes its ratio larger)
     order = rows["Table I ordering"]
-    assert order["verdict"] == powered.HELD
+    assert order["verdict"] == seeds.HELD
     assert "fedstacklora/proposed" not in order["numbers"]  # adjacent pairs only
     assert order["numbers"].startswith("fslora/proposed ")
     assert "heterolora/fedstacklora >= " in order["numbers"]
@@ -237,7 +66,7 @@ def test_claims_on_a_synthetic_table1(tmp_path):
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
     lo, hi = math.exp(mean - T975_2 * sd / 3**0.5), math.exp(mean + T975_2 * sd / 3**0.5)
     speed = next(r for r in rows.values() if r["claim"].endswith("(paper: 2.8–4.2x)"))
-    assert speed["verdict"] == powered.HELD and lo > 2.8
+    assert speed["verdict"] == seeds.HELD and lo > 2.8
     assert speed["numbers"] == f"{math.exp(mean):.2f}x [{lo:.2f}, {hi:.2f}]"
     # without the calibration's 5 s: ratios 40/5, 44/7, 50/6
     bare = next(r for r in rows.values() if "without the calibration" in r["claim"])
@@ -247,9 +76,38 @@ def test_claims_on_a_synthetic_table1(tmp_path):
     # inside ±0.02 (held); vs heterolora seed 2 ends at 0.35: d = (0, 0.005, 0.15), an
     # interval of ±0.21 across the margin -> the conjunction is inconclusive
     similar = rows["similar final accuracy"]
-    assert similar["verdict"] == powered.INCONCLUSIVE
+    assert similar["verdict"] == seeds.INCONCLUSIVE
     assert "vs fslora +0.2 ± 0.7 pts" in similar["numbers"]
     assert "vs heterolora +5.2 ± 21.2 pts" in similar["numbers"]
+
+
+def test_time_claims_are_also_judged_on_the_eval_loss_targets(tmp_path):
+    # Prepare: the synthetic table1; eval_loss is 1.2 exactly when accuracy first reaches
+    # 40%, and 1.0 only at the last evaluation (200 s) of every uncensored run
+    runs = [load_run(d) for d in sorted(table1_suite(tmp_path).iterdir()) if d.is_dir()]
+    gs = claims.groups(runs, ["proposed", "fslora", "heterolora", "fedstacklora"])
+
+    # Execute
+    at_12 = claims.claims("table1", gs, {"arc-e": 0.4}, target_losses={"arc-e": 1.2})
+    at_10 = claims.claims("table1", gs, {"arc-e": 0.4}, target_losses={"arc-e": 1.0})
+    only_acc = claims.claims("table1", gs, {"arc-e": 0.4})
+
+    # Assert: loss rows come in addition to the accuracy rows, named by their target
+    loss_rows = [r for r in at_12 if "eval_loss <= 1.2" in r["claim"]]
+    assert len(at_12) == len(only_acc) + 3 and len(loss_rows) == 3
+    by_acc = {r["claim"].split(" (")[0]: r for r in only_acc}
+    order = next(r for r in loss_rows if r["claim"].startswith("Table I ordering"))
+    assert order["claim"].endswith("(time to eval_loss <= 1.2)")
+    # the same first times as the 40% accuracy target: the same ratios and verdicts
+    assert order["numbers"] == by_acc["Table I ordering: proposed < fslora < fedstacklora < "
+                                      "heterolora"]["numbers"]  # fmt: skip
+    assert order["verdict"] == seeds.HELD
+    # at 1.0 every uncensored run gets there at 200 s: every proposed/fslora ratio is 1.00
+    # with a zero-width interval, below the paper's 2.8 -> not held
+    speed = next(r for r in at_10 if "speed-up" in r["claim"] and "eval_loss <= 1" in r["claim"]
+                 and "without" not in r["claim"])  # fmt: skip
+    assert speed["numbers"] == "1.00x [1.00, 1.00]"
+    assert speed["verdict"] == seeds.NOT_HELD
 
 
 def test_report_appends_the_powered_sections_and_band_plots(tmp_path):
@@ -276,7 +134,7 @@ def test_report_appends_the_powered_sections_and_band_plots(tmp_path):
 def test_band_mean_and_interval_on_the_step_curves(tmp_path):
     a = load_run(write_run(tmp_path, "x", 0, [(0, 0.2, 1), (10, 0.4, 1)], end_s=20))
     b = load_run(write_run(tmp_path, "x", 1, [(0, 0.3, 1), (5, 0.5, 1)], end_s=10))
-    xs, mean, lo, hi = powered.band([a, b], "arc-e", "accuracy", [0, 5, 10, 15])
+    xs, mean, lo, hi = band([a, b], "arc-e", "accuracy", [0, 5, 10, 15])
     # at 15 s run b has ended: no point; at 10 s: 0.4 and 0.5
     assert xs == [0, 5, 10]
     assert mean == pytest.approx([0.25, 0.35, 0.45])
@@ -290,16 +148,9 @@ def test_plan_section_lists_predicted_and_observed_rounds(tmp_path):
             "calibration": [{"q": 0.3, "k": 4, "observed_rounds": 5.0, "predicted_rounds": 4.0,
                              "reached_f_s": False}]}  # fmt: skip
     run = load_run(write_run(tmp_path, "proposed", 0, [(0, 0.25, 1.5)], plan=plan))
-    text = "\n".join(powered._plan_section(powered.groups([run])))
+    text = "\n".join(powered._plan_section(claims.groups([run])))
     assert "| proposed | 0 | 7.5 | >= 12 | DEGENERATE: every k_n = 1 | " in text
     assert "q=0.3 k=4: 5 vs 4 (F_s not reached)" in text
-
-
-def test_ratio_text_keeps_extreme_ratios_short():
-    # a target met at the calibration's end: without it the time is ~0 (raised to 1e-9 s)
-    r = powered.paired_ratio([2.0], [True], [0.0], [True])
-    assert r.text() == "2e+09x"
-    assert powered.paired_ratio([1.0], [True], [500.0], [True]).text() == "0.002x"
 
 
 def _predictions(run: Path, correct: list[int], task: str = "arc-e") -> None:
@@ -320,9 +171,9 @@ def test_pooled_mcnemar_sums_the_discordant_questions_over_seeds(tmp_path):
     _predictions(p1, [1, 1])
     _predictions(f1, [0, 0])
     a, b = [load_run(p) for p in (p0, p1)], [load_run(f) for f in (f0, f1)]
-    assert powered.pooled_mcnemar(a, b, "arc-e") == (6, 5, 0, pytest.approx(0.0625))
-    assert powered.pooled_mcnemar(a, b, "obqa") is None  # no such task evaluated
+    assert pooled_mcnemar(a, b, "arc-e") == (6, 5, 0, pytest.approx(0.0625))
+    assert pooled_mcnemar(a, b, "obqa") is None  # no such task evaluated
     text = powered.render([*a, *b], {"arc-e": 0.4})
     assert "| fslora | 2 | +0.0 ± 0.0 | 1 | +0.0000 ± 0.0000 | 1 | 6: 5 / 0, p = 0.0625 |" in text
     (f1 / "predictions.jsonl").unlink()  # a run without predictions: no test
-    assert powered.pooled_mcnemar(a, [load_run(f) for f in (f0, f1)], "arc-e") is None
+    assert pooled_mcnemar(a, [load_run(f) for f in (f0, f1)], "arc-e") is None

@@ -1,4 +1,5 @@
-"""report.py and `fedlora report` on hand-made metrics files with known answers."""
+"""report.md and `fedlora report` (fedlora.studies.report, runs, tables) on hand-made metrics
+files with known answers."""
 
 from __future__ import annotations
 
@@ -11,18 +12,9 @@ import pytest
 from fedlora.cli import main
 from fedlora.errors import ConfigError, DataError
 from fedlora.studies.experiments import report_suite
-from fedlora.studies.report import (
-    collect_runs,
-    load_run,
-    read_metrics,
-    reclock,
-    render_markdown,
-    speedup,
-    summarize,
-    t_interval95,
-    time_to_target,
-    write_report,
-)
+from fedlora.studies.report import render_markdown, write_report
+from fedlora.studies.runs import collect_runs, load_run, read_metrics, time_to_target
+from fedlora.studies.tables import speedup, summarize
 
 
 def _line(rnd: int, time_s: float, acc: dict[str, float] | None = None, **extra) -> dict:
@@ -80,12 +72,6 @@ def test_label_seed_and_method_come_from_the_directory_and_summary(tmp_path):
     assert run.total_time_s == 35.0
     assert run.final_accuracy("arc-e") == 0.60
     assert run.tasks() == ["arc-e", "arc-c"]
-
-
-def test_t_interval_matches_hand_computation():
-    # mean 20, sd 10, n = 3: t_{0.975, 2} = 4.302652729911275 -> 4.3027 * 10 / sqrt(3)
-    assert t_interval95([10.0, 20.0, 30.0]) == pytest.approx(4.302652729911275 * 10 / math.sqrt(3))
-    assert t_interval95([7.0]) is None
 
 
 def test_summary_speedup_and_censoring(tmp_path):
@@ -238,87 +224,6 @@ def test_report_cli_bad_input_exits_2_without_traceback(tmp_path, capsys, argv, 
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
-
-
-def _reclock_run(root: Path) -> Path:
-    """γ = 4, f_tot = 10; client 0: τ^γ = 2 s, t^γ = 40; client 1: τ^γ = 1 s, t^γ = 20."""
-    d = root / "fslora-seed0"
-    d.mkdir(parents=True)
-    (d / "config.toml").write_text(
-        '[lora]\nrank = 4\n[network]\nf_tot_hz = 10.0\nfading = "none"\nrho = 0.5\n'
-        '[method]\nname = "fslora"\n'
-    )
-    (d / "clients.csv").write_text(
-        "client,n_examples,a,tau_full_s,t_full\n0,5,0.5,2.0,40.0\n1,5,0.5,1.0,20.0\n"
-    )
-    lines = [
-        {"round": 0, "sim_time_s": 0.0, "participants": [], "k": [], "eval": {"arc-e": 0.2}},
-        {"round": 1, "sim_time_s": 99.0, "participants": [0], "k": [2], "round_time_s": 99.0},
-        {
-            "round": 2,
-            "sim_time_s": 199.0,
-            "participants": [0, 1],
-            "k": [4, 4],
-            "round_time_s": 100.0,
-            "eval": {"arc-e": 0.6},
-        },  # fmt: skip
-        {"round": 3, "sim_time_s": 199.0, "participants": [], "k": [], "round_time_s": 0.0},
-    ]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return d
-
-
-def test_reclock_recomputes_round_times_under_another_cost_model(tmp_path):
-    # Prepare
-    run = load_run(_reclock_run(tmp_path))
-    # Round 2, k = γ: 40/(T−2) + 20/(T−1) = 10  <=>  T² − 9T + 10 = 0  ->  T = (9 + √41)/2
-    t2 = (9 + math.sqrt(41)) / 2
-    # Execute: paper model: round 1 (k = 2 of 4): τ = 2·(1/2)² = 0.5, t = 40/4 = 10 -> 0.5 + 1
-    paper = reclock(run, "quadratic", "quadratic")
-    # exact (= linear upload) + affine ρ = 0.5: τ = 2·(0.5 + 0.25) = 1.5, t = 20 -> 1.5 + 2
-    exact = reclock(run, "exact", "affine")
-    # Assert
-    assert [x["sim_time_s"] for x in paper.lines] == pytest.approx([0, 1.5, 1.5 + t2, 1.5 + t2])
-    assert [x["sim_time_s"] for x in exact.lines] == pytest.approx([0, 3.5, 3.5 + t2, 3.5 + t2])
-    assert time_to_target(exact, "arc-e", 0.5) == (pytest.approx(3.5 + t2), True)
-    assert run.lines[1]["sim_time_s"] == 99.0  # the original is untouched
-    with pytest.raises(ConfigError, match="--comm-cost = 'cubic' is invalid"):
-        reclock(run, "cubic", "affine")
-
-
-def test_reclock_keeps_a_recorded_downlink_and_refuses_an_unrecorded_one(tmp_path):
-    # Prepare: the same run with a paid downlink whose broadcast took 5 s in round 1, 7 s in 2
-    d = _reclock_run(tmp_path)
-    cfg = (d / "config.toml").read_text().replace("rho = 0.5", "rho = 0.5\ndownlink_rate_bps = 1e6")
-    (d / "config.toml").write_text(cfg)
-    lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-    for line, dl in zip(lines, [None, 5.0, 7.0, 0.0]):
-        if dl is not None:
-            line["downlink_s"] = dl
-    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    t2 = (9 + math.sqrt(41)) / 2
-    # Execute
-    paper = reclock(load_run(d), "quadratic", "quadratic")
-    # Assert: the broadcast times are added to the re-clocked upload + compute times
-    assert [x["sim_time_s"] for x in paper.lines] == pytest.approx(
-        [0, 1.5 + 5, 1.5 + 5 + t2 + 7, 1.5 + 5 + t2 + 7]
-    )
-    del lines[2]["downlink_s"]  # a run from before downlink_s was recorded
-    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    with pytest.raises(ConfigError, match="free downlink or one recorded per round"):
-        reclock(load_run(d), "quadratic", "quadratic")
-
-
-def test_report_cli_reclocks(tmp_path, capsys):
-    d = _reclock_run(tmp_path / "suite")
-    out = tmp_path / "exact"
-    argv = ["report", str(d), "--target", "arc-e=0.5", "-o", str(out)]
-    assert main([*argv, "--comm-cost", "exact", "--comp-cost", "affine"]) == 0
-    text = (out / "report.md").read_text()
-    assert "Re-clocked under comm_cost = exact, comp_cost = affine" in text
-    assert f"| fslora | {3.5 + (9 + math.sqrt(41)) / 2:.1f} |" in text
-    assert main([*argv, "--comm-cost", "exact"]) == 2
-    assert "--comm-cost and --comp-cost go together" in capsys.readouterr().err
 
 
 def test_time_without_calibration(tmp_path):

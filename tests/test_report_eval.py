@@ -1,4 +1,4 @@
-"""report.py's evaluation additions (issue 13): McNemar against a hand computation, paired
+"""The report's evaluation additions (issue 13): McNemar against a hand computation, paired
 predictions, time to a target eval_loss, the baseline table and the plots."""
 
 from __future__ import annotations
@@ -10,14 +10,9 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.errors import DataError
-from fedlora.studies.report import (
-    load_run,
-    mcnemar_p,
-    paired_tests,
-    read_predictions,
-    time_to_loss,
-    write_report,
-)
+from fedlora.studies.predictions import mcnemar_p, paired_tests, read_predictions
+from fedlora.studies.report import write_report
+from fedlora.studies.runs import load_run, time_to_loss
 
 
 def _line(rnd: int, t: float, acc: float | None, loss: float | None) -> dict:

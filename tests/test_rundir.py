@@ -1,7 +1,8 @@
 """The run directory (issue 15): resume keeps the saved config, --overwrite never loses data,
-checkpoints cannot run code, metrics agree with checkpoints, one writer at a time, and a run
+an old run directory resumes, metrics agree with checkpoints, one writer at a time, and a run
 killed at random points resumes bit-identically. The bad-input cases themselves (exit 2,
-one line) are in tests/reliability_cases.py."""
+one line) are in tests/reliability_cases.py; the checkpoint files in test_checkpoints.py, the
+metrics file in test_runfiles.py."""
 
 from __future__ import annotations
 
@@ -21,13 +22,12 @@ import torch
 import fedlora.federation.engine as engine
 from fedlora.cli import main
 from fedlora.config import dump_toml, load_config, toml_string
-from fedlora.errors import ConfigError, DataError
+from fedlora.errors import ConfigError
 from fedlora.federation.rundir import (
     load_checkpoint,
     prepare_run_dir,
     read_metrics_lines,
     run_dir_lock,
-    save_checkpoint,
 )
 from reliability_cases import DATA, TINY
 
@@ -143,56 +143,6 @@ def test_overwrite_refused_before_validation_keeps_every_file(tmp_path):
 # ----------------------------------------------------------------------------- 3. checkpoints
 
 
-class _Evil:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.path}",))
-
-
-def test_a_malicious_checkpoint_is_not_executed_and_the_previous_one_is_used(finished, tmp_path):
-    run = _copy(finished, tmp_path)
-    marker = tmp_path / "pwned"
-    torch.save({"round": 99, "global": _Evil(str(marker))}, run / "checkpoints/round-000099.pt")
-    warnings: list[str] = []
-    state = load_checkpoint(run, warn=warnings.append)
-    assert not marker.exists()
-    assert state is not None and state["round"] == 2
-    assert "round-000099.pt" in warnings[0] and "run code" in warnings[0]
-
-
-def test_checkpoint_is_safetensors_and_round_trips_exactly(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"round": 0, "x": 0.1}\n{"round": 1, "x": 1e-300}\n')
-    state = {
-        "round": 1,
-        "progress": {"round": 1, "metrics_lines": 2, "sim_time_s": 0.1 + 0.2},
-        "global": {"l.A": torch.randn(2, 3), "l.B": torch.randn(3, 2).to(torch.bfloat16)},
-        "base_delta": {"l": np.random.default_rng(0).normal(size=(3, 3)).astype(np.float32)},
-        "method": {"counts": np.arange(3)},
-        "flower": {"asked": [1, 2]},
-    }
-    path = save_checkpoint(tmp_path, state)
-    assert path.name == "round-000001.safetensors"
-    back = load_checkpoint(tmp_path)
-    assert back["progress"] == state["progress"] and back["method"] == {"counts": [0, 1, 2]}
-    assert all(torch.equal(back["global"][k], v) for k, v in state["global"].items())
-    assert back["global"]["l.B"].dtype == torch.bfloat16
-    np.testing.assert_array_equal(back["base_delta"]["l"], state["base_delta"]["l"])
-    assert back["metrics"] == ['{"round": 0, "x": 0.1}', '{"round": 1, "x": 1e-300}']
-
-
-def test_an_old_pickle_checkpoint_is_still_readable(tmp_path):
-    (tmp_path / "checkpoints").mkdir()
-    delta = np.arange(6, dtype=np.float32).reshape(2, 3)
-    old = {"round": 3, "progress": {"round": 3, "metrics_lines": 4}, "global": {"a": torch.ones(2)},
-           "base_delta": {"l": delta}, "method": {}, "seed": 0, "rng": "derived"}  # fmt: skip
-    torch.save(old, tmp_path / "checkpoints/round-000003.pt")
-    state = load_checkpoint(tmp_path)
-    assert state["round"] == 3 and torch.equal(state["global"]["a"], torch.ones(2))
-    np.testing.assert_array_equal(state["base_delta"]["l"], delta)
-
-
 def test_an_old_run_directory_resumes_bit_identically(finished, tmp_path):
     """A run of an older fedlora (round-*.pt, no metrics lines in it) resumes as before."""
     run = _copy(finished, tmp_path)
@@ -232,17 +182,6 @@ def test_resume_rewrites_a_damaged_metrics_file_from_the_checkpoint(finished, tm
     # lines after the checkpoint are normal (rounds it will redo): no warning for those
     assert ("rewrote its 3 lines" in err) == (damage(b"x\n") != b'x\n{"round": 7}\n')
     assert _main("report", str(run), "--target", "arc-e=0.5")[0] == 0
-
-
-def test_old_checkpoint_with_missing_rounds_is_refused_naming_them(tmp_path):
-    from fedlora.federation.rundir import restore_metrics
-
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"round": 0}\n{"round": 1}\n{"rou')
-    with pytest.raises(DataError, match=r"holds 2 complete lines .* recorded 4 \(rounds 2..3"):
-        restore_metrics(path, {"progress": {"metrics_lines": 4}})
-    restore_metrics(path, {"progress": {"metrics_lines": 1}})
-    assert path.read_text() == '{"round": 0}\n'
 
 
 # ----------------------------------------------------------------------------- 5. lock

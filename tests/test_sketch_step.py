@@ -16,14 +16,8 @@ from fedlora.config import LoraConfig, TrainingConfig
 from fedlora.errors import ConfigError
 from fedlora.llm.lora import inject_lora
 from fedlora.llm.models import load_model
-from fedlora.llm.train import (
-    SKETCH_STEP_POWER,
-    client_step_sizes,
-    collate_clients,
-    local_train,
-    step_sizes_for,
-    target_token_loss,
-)
+from fedlora.llm.step_sizes import SKETCH_STEP_POWER, client_step_sizes, step_sizes_for
+from fedlora.llm.train import collate_clients, local_train, target_token_loss
 
 RANK = 4  # γ
 PAIRS = [

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
 
 class FedloraError(Exception):
     """Base class for every user-facing error in fedlora."""
@@ -21,3 +24,10 @@ class DataError(FedloraError, ValueError):
 def bad_value(field: str, value: object, allowed: str) -> ConfigError:
     """Build the standard message: ``field = value is invalid: allowed``."""
     return ConfigError(f"{field} = {value!r} is invalid: {allowed}")
+
+
+def suggest_key(name: str, valid: Sequence[str]) -> str:
+    """The hint after an unknown key: `` (did you mean 'x'?)`` for a close valid key, else
+    `` (valid: a, b, ...)``."""
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else f" (valid: {', '.join(valid)})"

@@ -1,9 +1,10 @@
 """Readers of user files (issue 11: every reader of a user-given file lives here, with one
 error style: a ConfigError naming the config key or the file, and what is wrong).
 
-Today: the client profiles (`network.profiles_file`) and the q / k vector files
-(`method.q`, `method.k`); and where fedlora keeps its own files (`default_cache_dir`). The planner's problem files (fedlora.system.planner) are still
-read where they are used; they move here next.
+The client profiles (`network.profiles_file`), the q / k vector files (`method.q`,
+`method.k`) and the planner's problem files (`fedlora plan PROBLEM.json`); and where fedlora
+keeps its own files (`default_cache_dir`). Each reader reads and parses; what the content
+means is checked by the system layer (`profiles_from_rows`, `problem_from_dict`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from fedlora.errors import ConfigError, bad_value
 from fedlora.system.network import ClientProfiles, profiles_from_rows
+from fedlora.system.planner import PlanOptions, PlanProblem, problem_from_dict
 
 
 def default_cache_dir() -> Path:
@@ -24,14 +26,16 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "fedlora"
 
 
-def _read_text(path: Path, key: str) -> str:
-    """The file's text; a ConfigError naming the config key when it cannot be read."""
+def _read_text(path: Path, key: str | None = None) -> str:
+    """The file's text; a ConfigError naming the config key (or else the file) when it cannot
+    be read."""
+    where = f"{key} = {str(path)!r}" if key else str(path)
     try:
         return path.read_text(encoding="utf-8-sig")  # -sig: spreadsheets prepend a BOM
     except OSError as e:
-        raise ConfigError(f"{key} = {str(path)!r}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{key} = {str(path)!r}: not UTF-8 text") from None
+        raise ConfigError(f"{where}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start})") from None
 
 
 def _parse_json(path: Path, text: str) -> Any:
@@ -82,3 +86,13 @@ def read_vector(path: str | Path, column: str) -> list[Any]:
         return [float(r[column]) for r in rows]
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{p}: column {column!r} has a non-number: {e}") from None
+
+
+def load_problem(
+    path: str | Path, overrides: dict[str, Any] | None = None
+) -> tuple[PlanProblem, PlanOptions]:
+    """Read a PROBLEM.json (schema in docs/planner.md); `overrides` replace option fields
+    (the CLI's --solver)."""
+    p = Path(path)
+    raw = _parse_json(p, _read_text(p))
+    return problem_from_dict(raw, source=str(p), overrides=overrides)

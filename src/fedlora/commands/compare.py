@@ -3,28 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from fedlora.errors import bad_value
-
-
-def parse_targets(values: list[str] | None) -> dict[str, float]:
-    """``TASK=ACCURACY`` pairs (accuracy in (0, 1], or a percentage like 50%)."""
-    targets: dict[str, float] = {}
-    for text in values or []:
-        task, sep, value = text.partition("=")
-        if not sep or not task.strip():
-            raise bad_value("--target", text, "TASK=ACCURACY, e.g. arc-e=0.5")
-        try:
-            acc = float(value.rstrip("%")) / (100.0 if value.endswith("%") else 1.0)
-        except ValueError:
-            raise bad_value(
-                "--target", text, "TASK=ACCURACY with a number, e.g. arc-e=0.5"
-            ) from None
-        if not 0 < acc <= 1:
-            raise bad_value("--target", text, "an accuracy in (0, 1] (or 1%..100%)")
-        targets[task.strip()] = acc
-    return targets
+from fedlora.commands.arguments import add_target_argument, parse_targets, shell_argv
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,9 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, help="number of seeds (default: suite.seeds or 1)")
     p.add_argument("--methods", nargs="+", metavar="LABEL", help="only these labels of the suite")
     p.add_argument("--tasks", nargs="+", metavar="TASK", help="eval tasks (data.eval_tasks)")
-    p.add_argument(
-        "--target", action="append", metavar="TASK=ACC", help="target accuracy of a task"
-    )
+    add_target_argument(p)
     p.add_argument("--out", "-o", help="suite directory (default: runs/<suite>)")
     p.add_argument("--report-dir", help="where report.md and the plot go (default: --out)")
     p.add_argument("--data-dir", help="commonsense data directory (sets data.data_dir)")
@@ -83,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pilot:
         print(f"targets: {pilot_targets(spec, Path(out), quiet=args.quiet)}")
         return 0
-    argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("fedlora") else []
+    argv = shell_argv()
     report = run_suite(
         spec,
         out,

@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fedlora.commands.arguments import add_experiment_arguments
 from fedlora.config import load_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -32,10 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "run-local",
         help="start a SuperLink + one SuperNode per client on 127.0.0.1 and run the experiment",
     )
-    run.add_argument("--config", "-c", help="experiment TOML (defaults otherwise)")
-    run.add_argument("overrides", nargs="*", metavar="section.key=value")
-    run.add_argument("--out", "-o", required=True, help="run directory")
-    run.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    add_experiment_arguments(run, out_help="run directory", out_required=True, resume=False)
     run.add_argument("--round-timeout-s", type=float, default=600.0)
     run.add_argument("--availability", choices=("none", "observed"), default="none")
     run.add_argument(
@@ -57,11 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "without dashboard or usage stats. Needs flwr[simulation] (ray)."
         ),
     )
-    sim.add_argument("--config", "-c", help="experiment TOML (defaults otherwise)")
-    sim.add_argument("overrides", nargs="*", metavar="section.key=value")
-    sim.add_argument("--out", "-o", help="run directory (required unless --resume)")
-    sim.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
-    sim.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    add_experiment_arguments(sim, out_help="run directory (required unless --resume)")
     sim.add_argument("--availability", choices=("none", "observed"), default="none")
     sim.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
     sim.add_argument(
@@ -87,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_local(args: argparse.Namespace) -> int:
     from fedlora.federation.engine import prepare_run_dir
-    from fedlora.federation.flower.common import LocalDeployment, check_flower_method, wait_for_file
+    from fedlora.federation.flower.common import check_flower_method
+    from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
     check_flower_method(cfg)

@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from fedlora.system.planner import check_plan, load_problem, plan
+    from fedlora.files import load_problem
+    from fedlora.system.planner import check_plan, plan
 
     overrides: dict[str, object] = {}
     if args.solver:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from fedlora.commands.arguments import add_target_argument, parse_targets, shell_argv
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,9 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument(
-        "--target", action="append", metavar="TASK=ACC", help="target accuracy of a task"
-    )
+    add_target_argument(p)
     p.add_argument("--out", "-o", help="output directory (default: the first RUN_DIR)")
     p.add_argument("--title", help="report title")
     p.add_argument(
@@ -44,14 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedlora.commands.compare import parse_targets
     from fedlora.errors import ConfigError
     from fedlora.studies.experiments import format_command, report_suite
 
     if (args.comm_cost is None) != (args.comp_cost is None):
         raise ConfigError("--comm-cost and --comp-cost go together (re-clocking needs both)")
     cost = (args.comm_cost, args.comp_cost) if args.comm_cost else None
-    argv = sys.argv[1:] if sys.argv and sys.argv[0].endswith("fedlora") else []
+    argv = shell_argv()
     report = report_suite(
         args.run_dirs,
         args.out or args.run_dirs[0],

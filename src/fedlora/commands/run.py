@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fedlora.commands.arguments import add_experiment_arguments
 from fedlora.config import apply_overrides, config_from_dict, load_config, read_toml
 
 
@@ -19,11 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "over tasks, rank 16, heterogeneous clients, the paper's Algorithm 1 with fixed q and k."
         ),
     )
-    p.add_argument("--config", "-c", help="experiment TOML (defaults otherwise)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value")
-    p.add_argument("--out", "-o", help="run directory (default: <output.dir>/<output.name>)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    add_experiment_arguments(p, out_help="run directory (default: <output.dir>/<output.name>)")
     p.add_argument(
         "--force", action="store_true", help="with --resume: accept a config that differs"
     )

@@ -1,4 +1,4 @@
-"""The run directory: creating, replacing and locking it, its config, checkpoints and metrics.
+"""The run directory: creating, replacing and locking it, and the config it was started with.
 
 A run directory is what a user trusts with hours of compute, so every operation here either
 completes or leaves the directory as it was:
@@ -8,26 +8,23 @@ completes or leaves the directory as it was:
   only after the caller validated the new run's inputs (`fedlora.federation.preflight`).
 - `run_dir_lock` holds an exclusive `flock` on ``<run>/.lock`` while a run writes; a second
   process gets `ConfigError` naming the PID that holds it.
-- Checkpoints are ``checkpoints/round-NNNNNN.safetensors``: tensors in safetensors, every
-  other field as JSON in the header, so loading one never runs code. Each also holds the
-  metrics lines up to its round, so a resume rewrites a damaged metrics.jsonl exactly.
-  Old ``round-*.pt`` pickles are read with ``torch.load(weights_only=True)`` and an allow-list
-  of numpy types; anything else in them is refused.
+- `resume_config` is the saved config with only what the user gives on top; keys the
+  checkpoints depend on cannot change (`FIXED_ON_RESUME`).
+
+What is written inside it lives next door, re-exported here (the engine and the Flower
+ServerApp import it from this module): atomic writes and metrics.jsonl in
+`fedlora.federation.runfiles`, checkpoints in `fedlora.federation.checkpoints`.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import json
 import os
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from fedlora.config import (
     SECTIONS,
@@ -39,9 +36,52 @@ from fedlora.config import (
     read_toml,
 )
 from fedlora.errors import ConfigError, DataError
+from fedlora.federation.checkpoints import (
+    CHECKPOINT_FORMAT,
+    checkpoint_paths,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fedlora.federation.runfiles import (
+    append_metrics,
+    atomic_write,
+    os_error_message,
+    read_metrics_lines,
+    restore_metrics,
+    truncate_metrics,
+)
+
+__all__ = [  # what the run directory's users import from here, the moved names included
+    "CHECKPOINT_FORMAT",
+    "FIXED_EXCEPTIONS",
+    "FIXED_ON_RESUME",
+    "LEGACY_DEFAULTS",
+    "LOCK_NAME",
+    "NEVER_STARTED_FILES",
+    "RUN_DIR_DIRS",
+    "RUN_DIR_FILES",
+    "RUN_DIR_PREFIXES",
+    "append_metrics",
+    "atomic_write",
+    "check_run_dir",
+    "checkpoint_paths",
+    "load_checkpoint",
+    "load_run_config",
+    "load_saved_config",
+    "make_run_dir",
+    "never_started",
+    "os_error_message",
+    "prepare_run_dir",
+    "read_metrics_lines",
+    "restore_metrics",
+    "resume_config",
+    "run_dir_for",
+    "run_dir_lock",
+    "save_checkpoint",
+    "truncate_metrics",
+]
 
 LOCK_NAME = ".lock"
-CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
 # What fedlora writes into a run directory (plus *.tmp); anything else makes it foreign.
 RUN_DIR_FILES = frozenset(
     {
@@ -70,34 +110,6 @@ def run_dir_for(cfg: ExperimentConfig, out: str | None = None) -> Path:
         return Path(out)
     name = cfg.output.name or f"{cfg.method.name}-seed{cfg.training.seed}"
     return Path(cfg.output.dir) / name
-
-
-def _named(e: OSError, path: Path) -> OSError:
-    """`e` with the file named (a failed write or fsync does not name it)."""
-    return e if e.filename else OSError(e.errno, e.strerror, str(path))
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise _named(e, path) from None
-    os.replace(tmp, path)
-
-
-def os_error_message(e: OSError) -> str:
-    """One line for an OSError; a full disk is named as such."""
-    where = f" {e.filename!r}" if e.filename else ""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (
-            f"no space left on device while writing{where}: free some space, then run again "
-            "(--resume DIR continues a run that had started)"
-        )
-    return f"{e.strerror or e}:{where}" if where else f"{e.strerror or e}"
 
 
 # ----------------------------------------------------------------------------- lock
@@ -345,213 +357,3 @@ def resume_config(
                 raw[section] = values
     apply_overrides(raw, overrides, source=source)
     return load_run_config(run_dir, config_from_dict(raw, source=source), force=force)
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def append_metrics(path: Path, line: dict[str, Any]) -> None:
-    try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise _named(e, path) from None
-
-
-def read_metrics_lines(path: Path) -> list[str]:
-    """The complete JSON lines of a metrics file, in order; a torn or foreign line ends them.
-
-    Non-UTF-8 bytes raise `DataError` naming the file."""
-    if not path.exists():
-        return []
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{str(path)!r} is not UTF-8 text (byte {e.start}): the metrics file is damaged"
-        ) from None
-    lines = []
-    for raw in text.split("\n")[:-1]:  # the last piece has no newline: torn or empty
-        try:
-            if not isinstance(json.loads(raw), dict):
-                break
-        except json.JSONDecodeError:
-            break
-        lines.append(raw)
-    return lines
-
-
-def truncate_metrics(path: Path, lines: int) -> None:
-    """Cut metrics.jsonl back to its first `lines` lines (those a checkpoint recorded).
-
-    Refuses (`DataError`) when fewer complete lines are there: rounds would be missing."""
-    if not path.exists() and lines == 0:
-        return
-    kept = read_metrics_lines(path)
-    if len(kept) < lines:
-        raise DataError(
-            f"{str(path)!r} holds {len(kept)} complete lines but the checkpoint recorded "
-            f"{lines} (rounds {len(kept)}..{lines - 1} are missing) and, written by an older "
-            "fedlora, does not hold them: restore the file from a backup, or start the run "
-            "again with --overwrite"
-        )
-    atomic_write(path, "".join(line + "\n" for line in kept[:lines]).encode())
-
-
-def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> None:
-    """Make metrics.jsonl agree with the checkpoint a run resumes from.
-
-    A checkpoint holds its metrics lines: they are written back exactly (whatever happened
-    to the file since). Without a checkpoint the run starts over (the file is emptied); an
-    old checkpoint without lines falls back to `truncate_metrics`."""
-    if state is None:
-        path.unlink(missing_ok=True)
-        return
-    lines = state.get("metrics")
-    if lines is None:
-        truncate_metrics(path, int(state["progress"]["metrics_lines"]))
-        return
-    try:
-        current = read_metrics_lines(path)
-    except DataError:
-        current = []
-    if current[: len(lines)] != lines:
-        warn(f"{path} did not match the checkpoint: rewrote its {len(lines)} lines from it")
-    atomic_write(path, "".join(line + "\n" for line in lines).encode())
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def checkpoint_paths(run_dir: Path) -> list[Path]:
-    """Every checkpoint file, newest round first (both formats)."""
-    ckpt = run_dir / "checkpoints"
-    paths = [*ckpt.glob("round-*.safetensors"), *ckpt.glob("round-*.pt")]
-
-    def key(p: Path) -> tuple[int, int]:
-        digits = p.stem.split("-", 1)[1]
-        return (int(digits) if digits.isdigit() else -1, p.suffix == ".safetensors")
-
-    return sorted(paths, key=key, reverse=True)
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"cannot store {type(value).__name__} in a checkpoint")
-
-
-def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write `state` as ``checkpoints/round-NNNNNN.safetensors`` (atomically); keep `keep`.
-
-    ``state["global"]`` (torch tensors) and ``state["base_delta"]`` (numpy arrays) become
-    tensors; everything else is JSON in the header, with the first
-    ``progress.metrics_lines`` lines of metrics.jsonl (for `restore_metrics`)."""
-    import torch
-    from safetensors.torch import save_file
-
-    run_dir = Path(run_dir)
-    ckpt_dir = run_dir / "checkpoints"
-    ckpt_dir.mkdir(exist_ok=True)
-    tensors = {f"global/{k}": v.detach().cpu().contiguous() for k, v in state["global"].items()}
-    for k, v in (state.get("base_delta") or {}).items():
-        tensors[f"base_delta/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
-    rest = {k: v for k, v in state.items() if k not in ("global", "base_delta")}
-    n_lines = int(state["progress"]["metrics_lines"])
-    rest["metrics"] = read_metrics_lines(run_dir / "metrics.jsonl")[:n_lines]
-    meta = {"format": CHECKPOINT_FORMAT, "state": json.dumps(rest, default=_json_default)}
-    path = ckpt_dir / f"round-{state['round']:06d}.safetensors"
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    for old in checkpoint_paths(run_dir)[keep:]:
-        old.unlink(missing_ok=True)
-    return path
-
-
-def _load_safetensors(path: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"not a {CHECKPOINT_FORMAT} file")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open API
-    state = json.loads(meta["state"])
-    state["global"] = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
-    state["base_delta"] = {
-        k[11:]: v.numpy() for k, v in tensors.items() if k.startswith("base_delta/")
-    }
-    return state
-
-
-def _numpy_allow_list() -> list[Any]:
-    """The numpy objects a pre-safetensors checkpoint's base_delta arrays unpickle to."""
-    import numpy.dtypes
-
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    dtypes = [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
-    return [_reconstruct, np.ndarray, np.dtype, *dtypes]
-
-
-def _load_pickle(path: Path) -> dict[str, Any]:
-    """A checkpoint written before safetensors: tensors, numbers, strings and numpy arrays
-    only (``weights_only=True`` with a numpy allow-list); any other object is refused."""
-    import torch
-
-    with torch.serialization.safe_globals(_numpy_allow_list()):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and isinstance(state.get("base_delta"), dict):
-        state["base_delta"] = {k: np.asarray(v) for k, v in state["base_delta"].items()}
-    return state
-
-
-def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
-    """The newest readable checkpoint; a damaged one is named and skipped.
-
-    None when the run has none. When every checkpoint is unusable, `DataError` names them
-    (starting over silently would throw the run's progress away)."""
-    import pickle
-
-    paths = checkpoint_paths(Path(run_dir))
-    for path in paths:
-        try:
-            if path.suffix == ".safetensors":
-                state = _load_safetensors(path)
-            else:
-                state = _load_pickle(path)
-            if not isinstance(state, dict) or "round" not in state or "global" not in state:
-                raise ValueError("missing fields")
-            return state
-        except pickle.UnpicklingError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            warn(
-                f"checkpoint {path} was not loaded: it holds objects that a fedlora checkpoint "
-                f"never holds and loading them could run code ({first[:200]}); "
-                "trying the previous one"
-            )
-        except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
-            warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
-    if paths:
-        raise DataError(
-            f"no usable checkpoint in {str(Path(run_dir) / 'checkpoints')!r} "
-            f"({', '.join(p.name for p in paths)} could not be loaded safely): remove them to "
-            "start this run over from round 0, or start a new run"
-        )
-    return None
-
-
-# Names before issue 11 (code in flight may still use them; remove once none does).
-_append_metrics = append_metrics
-_atomic_write = atomic_write
-_checkpoint_paths = checkpoint_paths
-_truncate_metrics = truncate_metrics

@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fedlora.config import DEVICE_FORMS, check_device_spec
 from fedlora.errors import bad_value
 
 __all__ = [
@@ -53,17 +53,9 @@ __all__ = [
     "activation_bytes_per_slot",
 ]
 
-DEVICE_FORMS = "auto, cpu, cuda, cuda:N, mps"
 DTYPE_CHOICES = ("auto", "fp32", "bf16")
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 BF16_MIN_SPEEDUP = 1.1  # bf16 must beat fp32 by 10% in the probe: noise does not flip it
-_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-
-
-def check_device_spec(field: str, value: Any) -> None:
-    """Syntax only (no torch import): one of auto, cpu, cuda, cuda:N, mps."""
-    if not isinstance(value, str) or not _DEVICE_RE.match(value):
-        raise bad_value(field, value, f"allowed: {DEVICE_FORMS}")
 
 
 # ----------------------------------------------------------------------------- device

@@ -337,7 +337,3 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, slots: int, *, seed: int = 0)
     for p in model.parameters():
         p.requires_grad_(False)
     return SlotLora(model, names, cfg, slots, seed=seed)
-
-
-# Names before issue 11 (code in flight may still use them; remove once none does).
-_layer_index = layer_index

@@ -369,7 +369,3 @@ def load_model(
                 f"(offline or unknown id): {str(e).splitlines()[0] if str(e) else e!r}"
             ) from None
     raise bad_value("model.name", spec, f"accepted: {ACCEPTED_FORMS}")
-
-
-# Names before issue 11 (code in flight may still use them; remove once none does).
-_looks_like_hub_id = looks_like_hub_id

@@ -6,14 +6,14 @@ Components (``[tool.flwr.app.components]`` in pyproject.toml):
 """
 
 from fedlora.federation.flower.common import (
-    LOOPBACK,
     SAFE_ENV,
     FlowerOptions,
-    LocalDeployment,
     apply_safe_env,
     config_from_run_config,
     safe_env,
 )
+from fedlora.federation.flower.deploy import LocalDeployment
+from fedlora.federation.flower.worker import LOOPBACK
 
 __all__ = [
     "LOOPBACK",

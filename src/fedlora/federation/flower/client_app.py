@@ -76,7 +76,7 @@ def node_partition(context: Context) -> tuple[int, int]:
 
 def worker_address(context: Context) -> str | None:
     """node_config ``worker-address`` (checked to be 127.0.0.1:<port>), or None."""
-    from fedlora.federation.flower.common import check_loopback
+    from fedlora.federation.flower.worker import check_loopback
 
     address = context.node_config.get("worker-address")
     if not address:

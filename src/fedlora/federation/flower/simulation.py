@@ -22,7 +22,8 @@ from typing import Any
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError, bad_value
-from fedlora.federation.flower.common import LOOPBACK, SAFE_ENV, FlowerOptions
+from fedlora.federation.flower.common import SAFE_ENV, FlowerOptions
+from fedlora.federation.flower.worker import LOOPBACK
 
 RAY_ENV = {
     **SAFE_ENV,

@@ -31,8 +31,8 @@ from fedlora.federation.methods.base import (
     RoundPlan,
     sketch_payload_params,
 )
+from fedlora.federation.methods.factors import lora_modules, normalized_weights, stack_factors
 from fedlora.federation.methods.fedavg import RankTruncationMethod
-from fedlora.federation.methods.heterolora import lora_modules
 
 INIT_STREAM = 0x5743  # keeps the fresh-init draws apart from the engine's streams
 
@@ -76,24 +76,13 @@ class FedStackLoRA(RankTruncationMethod):
     ) -> Aggregation:
         if not client_states:
             return Aggregation(dict(global_state))
-        p = np.array([t.weight for t in plan.tasks], dtype=float)
-        p = p / p.sum()
+        p = normalized_weights(plan)
         base_delta: dict[str, np.ndarray] = {}
         for mod in lora_modules(global_state):
-            ka, kb = f"{mod}.lora_A", f"{mod}.lora_B"
             # the stack: B_stack (out, Σr) = [p_n B_n[:, :r_n]], A_stack (Σr, in) = [A_n[:r_n]]
-            b_stack = np.concatenate(
-                [
-                    p[i] * s[kb][:, t.scale != 0].astype(np.float64) * t.scale[t.scale != 0]
-                    for i, (t, s) in enumerate(zip(plan.tasks, client_states))
-                ],
-                axis=1,
-            )
-            a_stack = np.concatenate(
-                [s[ka][t.scale != 0].astype(np.float64) for t, s in zip(plan.tasks, client_states)],
-                axis=0,
-            )
-            base_delta[mod] = (self.scaling * b_stack @ a_stack).astype(global_state[kb].dtype)
+            b_stack, a_stack = stack_factors(plan, client_states, mod, p)
+            dtype = global_state[f"{mod}.lora_B"].dtype
+            base_delta[mod] = (self.scaling * b_stack @ a_stack).astype(dtype)
         fresh = fresh_adapter(global_state, self.seed, plan.round + 1)
         info = {"stacked_rank": int(sum(t.rank_used for t in plan.tasks))}
         return Aggregation(fresh, base_delta=base_delta, info=info)

@@ -28,8 +28,13 @@ from __future__ import annotations
 import numpy as np
 
 from fedlora.federation.methods.base import Adapter, Aggregation, RoundPlan
+from fedlora.federation.methods.factors import (
+    lora_modules,
+    normalized_weights,
+    product_sq_norm,
+    stack_factors,
+)
 from fedlora.federation.methods.fedavg import RankTruncationMethod
-from fedlora.federation.methods.heterolora import lora_modules
 
 NULL_STREAM = 0xF1E7  # keeps the null-space draws apart from the engine's streams
 
@@ -85,25 +90,15 @@ class FlexLoRA(RankTruncationMethod):
     ) -> Aggregation:
         if not client_states:
             return Aggregation(dict(global_state))
-        p = np.array([t.weight for t in plan.tasks], dtype=float)
-        p = p / p.sum()
+        p = normalized_weights(plan)
         rng = np.random.default_rng([self.seed, NULL_STREAM, plan.round])
         out: Adapter = {}
         singular: dict[str, list[float]] = {}
         lost: dict[str, float] = {}
         for mod in lora_modules(global_state):
             ka, kb = f"{mod}.lora_A", f"{mod}.lora_B"
-            active = [np.asarray(t.scale) != 0 for t in plan.tasks]
-            b_stack = np.concatenate(  # (out, Σ r_n): p_n B_n diag(s_n) on the active columns
-                [
-                    p[i] * s[kb][:, m].astype(np.float64) * np.asarray(t.scale)[m]
-                    for i, (t, s, m) in enumerate(zip(plan.tasks, client_states, active))
-                ],
-                axis=1,
-            )
-            a_stack = np.concatenate(  # (Σ r_n, in)
-                [s[ka][m].astype(np.float64) for s, m in zip(client_states, active)], axis=0
-            )
+            # (out, Σ r_n): p_n B_n diag(s_n) on the active columns; (Σ r_n, in)
+            b_stack, a_stack = stack_factors(plan, client_states, mod, p)
             b, a = truncated_svd_factors(b_stack, a_stack, self.gamma, rng)
             out[kb] = b.astype(global_state[kb].dtype)
             out[ka] = a.astype(global_state[ka].dtype)
@@ -114,8 +109,3 @@ class FlexLoRA(RankTruncationMethod):
         for name in global_state:
             out.setdefault(name, global_state[name])
         return Aggregation(out, info={"singular_values": singular, "truncation_loss": lost})
-
-
-def product_sq_norm(b: np.ndarray, a: np.ndarray) -> float:
-    """‖B A‖_F² from the Gram matrices (no (out, in) product)."""
-    return float(max(np.sum((b.T @ b) * (a @ a.T)), 0.0))

@@ -43,22 +43,12 @@ import numpy as np
 
 from fedlora.errors import bad_value
 from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, RoundPlan
+from fedlora.federation.methods.factors import lora_modules, normalized_weights, product_fro_norm
 from fedlora.federation.methods.fedavg import RankTruncationMethod, weighted_mean
 
 WEIGHTINGS = ("sparsity", "data")
 PADDINGS = ("updates", "modules")
 SCALINGS = ("rank", "global")
-
-
-def lora_modules(state: Adapter) -> list[str]:
-    """Module names that have both ``<module>.lora_A`` and ``<module>.lora_B``."""
-    return [k[: -len(".lora_A")] for k in state if k.endswith(".lora_A") and k[:-1] + "B" in state]
-
-
-def product_fro_norm(b: np.ndarray, a: np.ndarray) -> float:
-    """‖B A‖_F without forming the (out, in) product: ‖BA‖² = Σ (BᵀB) ⊙ (AAᵀ)."""
-    b, a = b.astype(np.float64), a.astype(np.float64)
-    return float(np.sqrt(max(np.sum((b.T @ b) * (a @ a.T)), 0.0)))
 
 
 def tail_norm(state: Adapter, rank: int, decay: float) -> float:
@@ -118,8 +108,7 @@ class HeteroLoRA(RankTruncationMethod):
     ) -> Aggregation:
         if not client_states:
             return Aggregation(dict(global_state))
-        data_w = np.array([t.weight for t in plan.tasks], dtype=float)
-        data_w = data_w / data_w.sum()
+        data_w = normalized_weights(plan)
         masks = [(np.asarray(t.scale) != 0).astype(np.float64) for t in plan.tasks]  # (γ,) each
         out: Adapter = {}
         info: dict = {"weights": {}}

@@ -1,0 +1,93 @@
+"""Experiment configuration: frozen dataclasses, defaults in one place, TOML in and out.
+
+A whole experiment is an `ExperimentConfig` of nine sections (model, lora, data, network,
+training, method, planner, output, evaluation). Every field is validated in its section's
+``__post_init__``; a bad value raises `ConfigError` naming ``section.field``, the value and
+what is allowed. Unknown keys are errors with a suggestion of the closest valid key.
+
+    cfg = load_config("configs/demo.toml", ["training.rounds=5", "method.q=[0.5, 0.5]"])
+    print(dump_toml(cfg))
+
+The modules: `checks` (the field checks, the ``model.device`` syntax), `sections` (one
+dataclass per section), `experiment` (`ExperimentConfig`, built from nested dicts),
+`toml_io` (files, overrides, TOML out). Every public name is importable from
+`fedlora.config` itself.
+"""
+
+from fedlora.config.checks import (
+    DEVICE_FORMS,
+    check_choice,
+    check_device_spec,
+    check_int,
+    check_number,
+    check_vector_or_strategy,
+)
+from fedlora.config.experiment import (
+    SECTIONS,
+    ExperimentConfig,
+    config_from_dict,
+    diff_configs,
+)
+from fedlora.config.sections import (
+    K_STRATEGIES,
+    METHODS,
+    Q_STRATEGIES,
+    RANK_STRATEGIES,
+    RESPONSES,
+    SCORINGS,
+    SKETCH_STEPS,
+    DataConfig,
+    EvaluationConfig,
+    LoraConfig,
+    MethodConfig,
+    ModelConfig,
+    NetworkConfig,
+    OutputConfig,
+    PlannerConfig,
+    TrainingConfig,
+)
+from fedlora.config.toml_io import (
+    apply_overrides,
+    dump_toml,
+    load_config,
+    parse_override,
+    read_toml,
+    toml_string,
+    toml_value,
+)
+
+__all__ = [
+    "DEVICE_FORMS",
+    "K_STRATEGIES",
+    "METHODS",
+    "Q_STRATEGIES",
+    "RANK_STRATEGIES",
+    "RESPONSES",
+    "SCORINGS",
+    "SECTIONS",
+    "SKETCH_STEPS",
+    "DataConfig",
+    "EvaluationConfig",
+    "ExperimentConfig",
+    "LoraConfig",
+    "MethodConfig",
+    "ModelConfig",
+    "NetworkConfig",
+    "OutputConfig",
+    "PlannerConfig",
+    "TrainingConfig",
+    "apply_overrides",
+    "check_choice",
+    "check_device_spec",
+    "check_int",
+    "check_number",
+    "check_vector_or_strategy",
+    "config_from_dict",
+    "diff_configs",
+    "dump_toml",
+    "load_config",
+    "parse_override",
+    "read_toml",
+    "toml_string",
+    "toml_value",
+]

@@ -1,0 +1,78 @@
+"""The checks behind every config field: a bad value raises `ConfigError` naming
+``section.field``, the value and what is allowed (`fedlora.errors.bad_value`).
+
+`check_device_spec` is the syntax of ``model.device`` (no torch here); whether the device is
+present on this machine is `fedlora.llm.device.resolve_device`'s question.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from fedlora.errors import bad_value
+
+DEVICE_FORMS = "auto, cpu, cuda, cuda:N, mps"
+DEVICE_SPEC_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """`value` is one of `choices`."""
+    if value not in choices:
+        raise bad_value(name, value, f"allowed: {', '.join(choices)}")
+
+
+def check_number(
+    name: str,
+    value: float,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> None:
+    """`value` is a finite number (not a bool) in the interval [lo, hi]; `lo_open` /
+    `hi_open` exclude an end."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise bad_value(name, value, "must be a number")
+    if math.isinf(value):
+        raise bad_value(name, value, "must be finite")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        sym = ">" if lo_open else ">="
+        raise bad_value(name, value, f"must be {sym} {lo}")
+    if hi is not None and (value > hi or (hi_open and value == hi)):
+        sym = "<" if hi_open else "<="
+        raise bad_value(name, value, f"must be {sym} {hi}")
+
+
+def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> None:
+    """`value` is an int (not a bool) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_value(name, value, "must be an integer")
+    check_number(name, value, lo=lo, hi=hi)
+
+
+def check_vector_or_strategy(
+    name: str, value: Any, strategies: tuple[str, ...], *, integer: bool
+) -> None:
+    """A per-client field: a strategy name, a file path (.json/.csv), or an explicit list."""
+    if isinstance(value, str):
+        if value in strategies or value.endswith((".json", ".csv")):
+            return
+        raise bad_value(
+            name, value, f"a strategy ({', '.join(strategies)}), a .json/.csv file, or a list"
+        )
+    if not isinstance(value, tuple) or not value:
+        raise bad_value(name, value, "a strategy name, a file, or a non-empty list")
+    for i, v in enumerate(value):
+        if integer:
+            check_int(f"{name}[{i}]", v, lo=1)
+        else:
+            check_number(f"{name}[{i}]", v, lo=0, hi=1, lo_open=True)
+
+
+def check_device_spec(field: str, value: Any) -> None:
+    """Syntax only (no torch import): one of auto, cpu, cuda, cuda:N, mps."""
+    if not isinstance(value, str) or not DEVICE_SPEC_RE.match(value):
+        raise bad_value(field, value, f"allowed: {DEVICE_FORMS}")

@@ -1,0 +1,159 @@
+"""The whole experiment config: `ExperimentConfig` of the nine sections, its cross-section
+checks, and how it is built from nested ``{section: {key: value}}`` (TOML-shaped) data."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from fedlora.config.sections import (
+    DataConfig,
+    EvaluationConfig,
+    LoraConfig,
+    MethodConfig,
+    ModelConfig,
+    NetworkConfig,
+    OutputConfig,
+    PlannerConfig,
+    TrainingConfig,
+)
+from fedlora.errors import ConfigError, bad_value, suggest_key
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+
+    def __post_init__(self) -> None:
+        n = self.data.n_clients
+        for name in ("q", "k", "ranks"):
+            value = getattr(self.method, name)
+            if isinstance(value, tuple) and len(value) != n:
+                raise bad_value(
+                    f"method.{name}",
+                    value,
+                    f"one entry per client: data.n_clients = {n}, got {len(value)}",
+                )
+        if isinstance(self.method.k, tuple) and max(self.method.k) > self.lora.rank:
+            raise bad_value(
+                "method.k", self.method.k, f"every k_n must be in 1..lora.rank = {self.lora.rank}"
+            )
+        if isinstance(self.method.ranks, tuple) and max(self.method.ranks) > self.lora.rank:
+            raise bad_value(
+                "method.ranks",
+                self.method.ranks,
+                f"every r_n must be in 1..lora.rank = {self.lora.rank}",
+            )
+        if self.method.clients_per_round > n:
+            raise bad_value(
+                "method.clients_per_round",
+                self.method.clients_per_round,
+                f"at most data.n_clients = {n}",
+            )
+
+    def replace(self, **sections: Any) -> ExperimentConfig:
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            f.name: {k: _to_plain(v) for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
+            for f in dataclasses.fields(self)
+        }
+
+
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(ExperimentConfig)[f.name]
+    for f in dataclasses.fields(ExperimentConfig)
+}
+
+
+def _to_plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _coerce(qualname: str, hint: Any, value: Any) -> Any:
+    """Convert a TOML value to the field's declared type; no silent clamping."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        # a string for a union field stays a string (a strategy, a path, "all")
+        if isinstance(value, str) and str in options:
+            return value
+        errors = []
+        for option in options:
+            if option is str:
+                continue
+            try:
+                return _coerce(qualname, option, value)
+            except ConfigError as e:
+                errors.append(str(e))
+        if len(errors) == 1:  # already "field = value is invalid: ..." (no doubled prefix)
+            raise ConfigError(errors[0])
+        raise bad_value(qualname, value, "; ".join(errors) or "wrong type")
+    if origin is tuple:
+        (item,) = typing.get_args(hint)[:1]
+        if isinstance(value, str) and item is str:
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise bad_value(qualname, value, "a list")
+        return tuple(_coerce(f"{qualname}[{i}]", item, v) for i, v in enumerate(value))
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad_value(qualname, value, "a number")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                raise bad_value(qualname, value, "an integer (write it without a decimal point)")
+            raise bad_value(qualname, value, "an integer")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad_value(qualname, value, "true or false")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad_value(qualname, value, "a string")
+        return value
+    return value
+
+
+def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> ExperimentConfig:
+    """Build and validate an `ExperimentConfig` from nested ``{section: {key: value}}``."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a table of sections, got {type(raw).__name__}")
+    sections: dict[str, Any] = {}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown section [{section}]{suggest_key(section, list(SECTIONS))}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table, got {values!r}")
+        cls = SECTIONS[section]
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in hints:
+                valid = [f.name for f in dataclasses.fields(cls)]
+                raise ConfigError(f"{source}: unknown key {section}.{key}{suggest_key(key, valid)}")
+            kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+        sections[section] = cls(**kwargs)
+    return ExperimentConfig(**sections)
+
+
+def diff_configs(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:
+    """The ``section.key`` names whose values differ between two configs."""
+    da, db = a.to_dict(), b.to_dict()
+    return [f"{s}.{k}" for s in da for k in da[s] if da[s][k] != db[s][k]]

@@ -1,0 +1,321 @@
+"""The sections of an experiment config: one frozen dataclass each, with its defaults and
+the checks of every field in ``__post_init__`` (`fedlora.config.checks`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from fedlora.config.checks import (
+    check_choice,
+    check_device_spec,
+    check_int,
+    check_number,
+    check_vector_or_strategy,
+)
+from fedlora.errors import bad_value
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The frozen base model. `name`: a hub id, a local directory, `smollm2-135m`, or
+    `tiny-llama` / `tiny-qwen2` (random-init test models)."""
+
+    name: str = "smollm2-135m"
+    # auto | fp32 | bf16. auto: bf16 on a CUDA GPU; on a CPU bf16 only with native bf16
+    # (avx512_bf16/amx_bf16) and a probe measuring it faster; else fp32 (fedlora.llm.device)
+    dtype: str = "auto"
+    device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N | mps
+    threads: int = 0  # torch threads; 0 = torch's default
+    cache_dir: str = ""  # where converted models are kept; "" = ~/.cache/fedlora
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise bad_value("model.name", self.name, "a non-empty model spec")
+        check_choice("model.dtype", self.dtype, ("auto", "fp32", "bf16"))
+        check_device_spec("model.device", self.device)
+        check_int("model.threads", self.threads, lo=0)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The global adapter: rank γ on `target_modules` of all layers or the top K."""
+
+    rank: int = 16  # γ
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    layers: Union[str, int] = 8  # "all" or K (the top K layers)  # noqa: UP007
+
+    def __post_init__(self) -> None:
+        check_int("lora.rank", self.rank, lo=1)
+        check_number("lora.alpha", self.alpha, lo=0, lo_open=True)
+        check_number("lora.dropout", self.dropout, lo=0, hi=1, hi_open=True)
+        if not self.target_modules or not all(
+            isinstance(m, str) and m for m in self.target_modules
+        ):
+            raise bad_value("lora.target_modules", self.target_modules, "a non-empty list of names")
+        if isinstance(self.layers, str):
+            if self.layers != "all":
+                raise bad_value("lora.layers", self.layers, '"all" or a positive integer K')
+        else:
+            check_int("lora.layers", self.layers, lo=1)
+
+
+RESPONSES = ("label", "option")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Tasks, the federated partition and the evaluation subset."""
+
+    data_dir: str = ""  # LLM-Adapters layout; "" = $FEDLORA_DATA, else the hub
+    tasks: tuple[str, ...] = (
+        "arc-e",
+        "arc-c",
+        "obqa",
+    )  # training mix (add "boolq" for the full offline mix)
+    task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
+    eval_tasks: tuple[str, ...] = ("arc-e",)
+    eval_limit: int = 500  # examples per eval task (seeded subset); 0 = whole test set
+    train_limit: int = 0  # examples per training task (seeded subset); 0 = all
+    max_seq_len: int = 128
+    n_clients: int = 20  # N
+    partition_key: str = "task"  # task | label
+    dirichlet_alpha: float = 0.1
+    min_client_examples: int = 8
+    # what the training response names after "the correct answer is ": the label ("answer2",
+    # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
+    response: str = "option"
+
+    def __post_init__(self) -> None:
+        if not self.tasks and not self.task_files:
+            raise bad_value("data.tasks", self.tasks, "at least one task or task file")
+        check_int("data.eval_limit", self.eval_limit, lo=0)
+        check_int("data.train_limit", self.train_limit, lo=0)
+        check_int("data.max_seq_len", self.max_seq_len, lo=16)
+        check_int("data.n_clients", self.n_clients, lo=1)
+        check_choice("data.partition_key", self.partition_key, ("task", "label"))
+        check_number("data.dirichlet_alpha", self.dirichlet_alpha, lo=0, lo_open=True)
+        check_int("data.min_client_examples", self.min_client_examples, lo=1)
+        check_choice("data.response", self.response, RESPONSES)
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Client compute and wireless channel (paper §IV), and the cost models (PAPER_NOTES #4–6).
+
+    Profiles come from `profiles_file` (CSV or JSON, one row per client with `tau_full_s`,
+    `t_full`) or are generated: lognormal per-step compute times and a path-loss channel.
+    """
+
+    profiles_file: str = ""
+    f_tot_hz: float = 20e6  # total uplink band shared by the sampled clients
+    step_time_median_s: float = 0.2  # local SGD step at k = γ, median over clients
+    step_time_sigma: float = 0.5  # lognormal σ of the per-client step time
+    distance_min_m: float = 20.0
+    distance_max_m: float = 200.0
+    path_loss_exponent: float = 3.5
+    path_loss_ref_db: float = 38.0  # path loss at 1 m
+    tx_power_dbm: float = 20.0
+    noise_psd_dbm_hz: float = -174.0
+    fading: str = "none"  # none | rayleigh (block fading, redrawn every round)
+    # outage floor on the Rayleigh gain |h|² (a deeper fade is served at the floor's rate);
+    # 0 = none: the mean upload time is then infinite (docs/network.md)
+    fading_floor: float = 0.0
+    bits_per_param: int = 16  # what one uploaded parameter costs on the air
+    comm_cost: str = "exact"  # exact (bits actually sent) | linear | quadratic (paper)
+    comp_cost: str = "affine"  # affine | linear | quadratic (paper)
+    rho: float = 0.9  # affine compute: share of the step that does not shrink with k
+    downlink_rate_bps: float = 0.0  # broadcast rate; 0 = downlink is free (paper)
+
+    def __post_init__(self) -> None:
+        check_number("network.f_tot_hz", self.f_tot_hz, lo=0, lo_open=True)
+        check_number("network.step_time_median_s", self.step_time_median_s, lo=0, lo_open=True)
+        check_number("network.step_time_sigma", self.step_time_sigma, lo=0)
+        check_number("network.distance_min_m", self.distance_min_m, lo=0, lo_open=True)
+        check_number("network.distance_max_m", self.distance_max_m, lo=self.distance_min_m)
+        check_number("network.path_loss_exponent", self.path_loss_exponent, lo=0)
+        check_number("network.path_loss_ref_db", self.path_loss_ref_db)
+        check_number("network.tx_power_dbm", self.tx_power_dbm)
+        check_number("network.noise_psd_dbm_hz", self.noise_psd_dbm_hz)
+        check_choice("network.fading", self.fading, ("none", "rayleigh"))
+        check_number("network.fading_floor", self.fading_floor, lo=0)
+        check_int("network.bits_per_param", self.bits_per_param, lo=1, hi=64)
+        check_choice("network.comm_cost", self.comm_cost, ("exact", "linear", "quadratic"))
+        check_choice("network.comp_cost", self.comp_cost, ("affine", "linear", "quadratic"))
+        check_number("network.rho", self.rho, lo=0, hi=1)
+        check_number("network.downlink_rate_bps", self.downlink_rate_bps, lo=0)
+
+
+SKETCH_STEPS = ("paper", "scaled")  # training.sketch_step (fedlora.llm.train.client_step_sizes)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The round loop: local SGD, evaluation, stopping and checkpoints."""
+
+    rounds: int = 8  # maximum rounds
+    local_steps: int = 5  # H
+    batch_size: int = 4  # b
+    lr: float = 0.2  # η (plain SGD, as in the paper's analysis)
+    slots: int = 5  # clients trained together in one forward/backward
+    eval_every: int = 8  # E (8 = the demo evaluates before and after training only)
+    seed: int = 0
+    target_accuracy: float = 0.0  # stop when reached; 0 = off
+    target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
+    time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
+    # also evaluate at the first round whose clock passes each multiple of this; 0 = off
+    eval_every_s: float = 0.0
+    checkpoint_every: int = 5
+    # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
+    layer_cache_mb: float = 2048.0  # memory bound of that cache in MB; 0 = off
+    layer_cache_dtype: str = "fp32"  # fp32 (exact) | bf16 (half the memory, rounded)
+    # "paper": every client steps with η (Eq. 4). "scaled": client n steps with
+    # η·(k_n/γ)^1.5, which makes the expected size of its first-step ΔW independent of k_n
+    # (docs/methods.md, "Sketch-scaled local steps"); no effect on unsketched clients.
+    sketch_step: str = "scaled"
+    momentum: float = 0.0  # local heavy-ball momentum μ (reset every round); 0 = plain SGD
+
+    def __post_init__(self) -> None:
+        check_int("training.rounds", self.rounds, lo=1)
+        check_int("training.local_steps", self.local_steps, lo=1)
+        check_int("training.batch_size", self.batch_size, lo=1)
+        check_number("training.lr", self.lr, lo=0, lo_open=True)
+        check_int("training.slots", self.slots, lo=1)
+        check_int("training.eval_every", self.eval_every, lo=1)
+        check_int("training.seed", self.seed, lo=0)
+        check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
+        check_number("training.target_loss", self.target_loss, lo=0)
+        check_number("training.time_budget_s", self.time_budget_s, lo=0)
+        check_number("training.eval_every_s", self.eval_every_s, lo=0)
+        check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
+        check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
+        check_choice("training.layer_cache_dtype", self.layer_cache_dtype, ("fp32", "bf16"))
+        check_choice("training.sketch_step", self.sketch_step, SKETCH_STEPS)
+        check_number("training.momentum", self.momentum, lo=0, hi=1, hi_open=True)
+
+
+METHODS = ("sketched", "fedavg", "proposed", "fslora", "heterolora", "fedstacklora", "flexlora")
+Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
+K_STRATEGIES = ("full", "normal", "uniform")
+RANK_STRATEGIES = ("capability", *K_STRATEGIES)  # method.ranks (fedlora.federation.methods.ranks)
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """The federated method and its per-client sampling probabilities q and sketch sizes k."""
+
+    name: str = "sketched"
+    q: Union[str, tuple[float, ...]] = "fixed"  # noqa: UP007
+    q_fixed: float = 0.2  # the value of the "fixed" strategy
+    k: Union[str, tuple[int, ...]] = "uniform"  # noqa: UP007
+    clients_per_round: int = 0  # uniform sampling without replacement (fedavg/baselines); 0 = all
+    # rank budgets r_n of fslora (its k_n), heterolora, fedstacklora, flexlora: "capability"
+    # (from each device's compute time), a k strategy, a .json/.csv file, or a list
+    ranks: Union[str, tuple[int, ...]] = "capability"  # noqa: UP007
+    # heterolora: HetLoRA's rank self-pruning decay factor d (r_n -> floor(d r_n) when the
+    # tail norm falls); 0 = off
+    heterolora_pruning: float = 0.0
+    # fslora's sketch sizes: "reference" (k_n uniform on [4, γ], FSLoRA's code) or "ranks"
+    # (the shared budgets of method.ranks)
+    fslora_k: str = "reference"
+
+    def __post_init__(self) -> None:
+        check_choice("method.name", self.name, METHODS)
+        check_vector_or_strategy("method.q", self.q, Q_STRATEGIES, integer=False)
+        check_number("method.q_fixed", self.q_fixed, lo=0, hi=1, lo_open=True)
+        check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
+        check_int("method.clients_per_round", self.clients_per_round, lo=0)
+        check_vector_or_strategy("method.ranks", self.ranks, RANK_STRATEGIES, integer=True)
+        check_number("method.heterolora_pruning", self.heterolora_pruning, lo=0, hi=1, hi_open=True)
+        check_choice("method.fslora_k", self.fslora_k, ("reference", "ranks"))
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Algorithm 2 options (PAPER_NOTES #1–#11)."""
+
+    solver: str = "exact"  # exact | cvxpy
+    estimation_matrix: str = "fixed"  # fixed | paper (keeps the 1/R1 typo in row 2)
+    q_lower_bound: str = "per_client"  # per_client | paper | none
+    m_search: str = "exact"  # exact | grid
+    m_range: str = "feasible"  # feasible | paper
+    grid_eps: float = 0.0  # grid step for m_search = grid; 0 = (range)/200
+    max_iterations: int = 50
+    calibration_loss: float = 0.0  # F_s for the `proposed` calibration runs; 0 = auto
+    # `proposed`: at most this many rounds per calibration run (fedlora.federation.methods.proposed)
+    calibration_rounds: int = 30
+    # `proposed` with calibration_loss = 0: F_s = this fraction of the first round's loss
+    calibration_loss_fraction: float = 0.5
+    # `proposed` with training.time_budget_s: true = the budget counts the calibration's
+    # simulated time (its clock starts there); false = the budget starts after it, so it
+    # trains as long as the other methods (times to target still include the calibration)
+    calibration_in_budget: bool = True
+    # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
+    # with q from method.q ("k", Figure 3)
+    optimize: str = "qk"
+    # `proposed` when the calibration fit contradicts the model (a constant <= 0): "refuse"
+    # (stop with the planner's error) or "nonnegative" (least squares with A, C, D >= 0)
+    calibration_fit: str = "refuse"
+
+    def __post_init__(self) -> None:
+        check_choice("planner.solver", self.solver, ("exact", "cvxpy"))
+        check_choice("planner.estimation_matrix", self.estimation_matrix, ("fixed", "paper"))
+        check_choice("planner.q_lower_bound", self.q_lower_bound, ("per_client", "paper", "none"))
+        check_choice("planner.m_search", self.m_search, ("exact", "grid"))
+        check_choice("planner.m_range", self.m_range, ("feasible", "paper"))
+        check_number("planner.grid_eps", self.grid_eps, lo=0)
+        check_int("planner.max_iterations", self.max_iterations, lo=1)
+        check_number("planner.calibration_loss", self.calibration_loss, lo=0)
+        check_int("planner.calibration_rounds", self.calibration_rounds, lo=2)
+        check_number(
+            "planner.calibration_loss_fraction",
+            self.calibration_loss_fraction,
+            lo=0,
+            hi=1,
+            lo_open=True,
+            hi_open=True,
+        )
+        check_choice("planner.optimize", self.optimize, ("qk", "q", "k"))
+        check_choice("planner.calibration_fit", self.calibration_fit, ("refuse", "nonnegative"))
+        if not isinstance(self.calibration_in_budget, bool):
+            raise bad_value(
+                "planner.calibration_in_budget", self.calibration_in_budget, "true or false"
+            )
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where a run writes: ``<dir>/<name>/``."""
+
+    dir: str = "runs"
+    name: str = ""  # "" = "<method>-seed<seed>"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, str) or not self.dir:
+            raise bad_value("output.dir", self.dir, "a non-empty path")
+
+
+SCORINGS = ("label", "option", "option_norm")
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """How the global adapter is scored on the eval sets (fedlora.llm.evaluation)."""
+
+    # label: log-likelihood of the answer label (the paper's protocol for large models);
+    # option: of the option text; option_norm: of the option text per character (acc_norm)
+    scoring: str = "option_norm"
+    batch_size: int = 16  # questions (with all their candidates) per forward pass
+    predictions: bool = True  # write every question's prediction to predictions.jsonl
+    # with lora.layers = K: memory bound (MB) of the eval set's frozen-layer cache; 0 = off
+    cache_mb: float = 1024.0
+
+    def __post_init__(self) -> None:
+        check_choice("evaluation.scoring", self.scoring, SCORINGS)
+        check_int("evaluation.batch_size", self.batch_size, lo=1)
+        check_number("evaluation.cache_mb", self.cache_mb, lo=0)
+        if not isinstance(self.predictions, bool):
+            raise bad_value("evaluation.predictions", self.predictions, "true or false")

@@ -1,0 +1,110 @@
+"""TOML in and out: read a config file, apply ``section.key=value`` overrides, and write a
+resolved config back as TOML that reads to an equal config."""
+
+from __future__ import annotations
+
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from fedlora.config.experiment import ExperimentConfig, config_from_dict
+from fedlora.errors import ConfigError
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse ``section.key=value``; the value is read as TOML, else taken as a bare string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is invalid: expected section.key=value")
+    path, raw_value = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override {text!r} is invalid: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw_value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw_value.strip()
+    return parts[0], parts[1], value
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a TOML file; unreadable or malformed files raise `ConfigError` with the position."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: typing.Sequence[str] = ()
+) -> ExperimentConfig:
+    """Defaults, then the TOML file at `path` (if any), then ``section.key=value`` overrides."""
+    raw: dict[str, Any] = read_toml(path) if path else {}
+    source = str(path) if path else "config"
+    apply_overrides(raw, overrides, source=source)
+    return config_from_dict(raw, source=source)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: typing.Sequence[str], *, source: str) -> None:
+    """Set each ``section.key=value`` of `overrides` in the raw (TOML-shaped) dict, in place."""
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        table[key] = value
+
+
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def toml_string(value: str) -> str:
+    """`value` as a TOML basic string: quotes, backslashes and control characters escaped
+    (an unescaped control character makes the file unreadable)."""
+    out = []
+    for ch in value:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def toml_value(value: Any) -> str:
+    """`value` (bool, int, float, str or a list of them) as TOML text."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return toml_string(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_toml(config: ExperimentConfig) -> str:
+    """The fully resolved config as TOML; `load_config` reads it back to an equal config."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
+        lines.append("")
+    return "\n".join(lines)

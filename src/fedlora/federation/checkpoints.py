@@ -1,0 +1,148 @@
+"""Checkpoints: ``<run>/checkpoints/round-NNNNNN.safetensors``, the newest `keep` of them.
+
+Tensors are stored in safetensors, every other field as JSON in the header, so loading one
+never runs code. Each also holds the metrics lines up to its round, so a resume rewrites a
+damaged metrics.jsonl exactly (`fedlora.federation.runfiles.restore_metrics`). Old
+``round-*.pt`` pickles are read with ``torch.load(weights_only=True)`` and an allow-list of
+numpy types; anything else in them is refused. A damaged checkpoint is named and skipped for
+the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.errors import DataError
+from fedlora.federation.runfiles import read_metrics_lines
+
+CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
+
+
+def checkpoint_paths(run_dir: Path) -> list[Path]:
+    """Every checkpoint file, newest round first (both formats)."""
+    ckpt = run_dir / "checkpoints"
+    paths = [*ckpt.glob("round-*.safetensors"), *ckpt.glob("round-*.pt")]
+
+    def key(p: Path) -> tuple[int, int]:
+        digits = p.stem.split("-", 1)[1]
+        return (int(digits) if digits.isdigit() else -1, p.suffix == ".safetensors")
+
+    return sorted(paths, key=key, reverse=True)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot store {type(value).__name__} in a checkpoint")
+
+
+def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write `state` as ``checkpoints/round-NNNNNN.safetensors`` (atomically); keep `keep`.
+
+    ``state["global"]`` (torch tensors) and ``state["base_delta"]`` (numpy arrays) become
+    tensors; everything else is JSON in the header, with the first
+    ``progress.metrics_lines`` lines of metrics.jsonl (for `restore_metrics`)."""
+    import torch
+    from safetensors.torch import save_file
+
+    run_dir = Path(run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir.mkdir(exist_ok=True)
+    tensors = {f"global/{k}": v.detach().cpu().contiguous() for k, v in state["global"].items()}
+    for k, v in (state.get("base_delta") or {}).items():
+        tensors[f"base_delta/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
+    rest = {k: v for k, v in state.items() if k not in ("global", "base_delta")}
+    n_lines = int(state["progress"]["metrics_lines"])
+    rest["metrics"] = read_metrics_lines(run_dir / "metrics.jsonl")[:n_lines]
+    meta = {"format": CHECKPOINT_FORMAT, "state": json.dumps(rest, default=_json_default)}
+    path = ckpt_dir / f"round-{state['round']:06d}.safetensors"
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    for old in checkpoint_paths(run_dir)[keep:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def _load_safetensors(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"not a {CHECKPOINT_FORMAT} file")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open API
+    state = json.loads(meta["state"])
+    state["global"] = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
+    state["base_delta"] = {
+        k[11:]: v.numpy() for k, v in tensors.items() if k.startswith("base_delta/")
+    }
+    return state
+
+
+def _numpy_allow_list() -> list[Any]:
+    """The numpy objects a pre-safetensors checkpoint's base_delta arrays unpickle to."""
+    import numpy.dtypes
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    dtypes = [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
+    return [_reconstruct, np.ndarray, np.dtype, *dtypes]
+
+
+def _load_pickle(path: Path) -> dict[str, Any]:
+    """A checkpoint written before safetensors: tensors, numbers, strings and numpy arrays
+    only (``weights_only=True`` with a numpy allow-list); any other object is refused."""
+    import torch
+
+    with torch.serialization.safe_globals(_numpy_allow_list()):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("base_delta"), dict):
+        state["base_delta"] = {k: np.asarray(v) for k, v in state["base_delta"].items()}
+    return state
+
+
+def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
+    """The newest readable checkpoint; a damaged one is named and skipped.
+
+    None when the run has none. When every checkpoint is unusable, `DataError` names them
+    (starting over silently would throw the run's progress away)."""
+    import pickle
+
+    paths = checkpoint_paths(Path(run_dir))
+    for path in paths:
+        try:
+            if path.suffix == ".safetensors":
+                state = _load_safetensors(path)
+            else:
+                state = _load_pickle(path)
+            if not isinstance(state, dict) or "round" not in state or "global" not in state:
+                raise ValueError("missing fields")
+            return state
+        except pickle.UnpicklingError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            warn(
+                f"checkpoint {path} was not loaded: it holds objects that a fedlora checkpoint "
+                f"never holds and loading them could run code ({first[:200]}); "
+                "trying the previous one"
+            )
+        except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
+            warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
+    if paths:
+        raise DataError(
+            f"no usable checkpoint in {str(Path(run_dir) / 'checkpoints')!r} "
+            f"({', '.join(p.name for p in paths)} could not be loaded safely): remove them to "
+            "start this run over from round 0, or start a new run"
+        )
+    return None

@@ -1,0 +1,299 @@
+"""The commonsense tasks as `Example`s: LLM-Adapters files, directories and the hub.
+
+Records come from a directory in the LLM-Adapters layout (``<dir>/<Folder>/{train,test}.json``,
+see ``../shared/data/README.md``), from any single LLM-Adapters JSON file, or from the
+Hugging Face hub (needs the optional ``datasets`` package). Every record becomes an `Example`
+whose allowed answers (``labels``) are read from the record itself: the instruction's
+``Answer format: answer1/answer2/...`` line, else the set of answers in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedlora.errors import DataError
+
+# task name -> folder in the LLM-Adapters layout
+TASK_FOLDERS: dict[str, str] = {
+    "arc-e": "ARC-Easy",
+    "arc-c": "ARC-Challenge",
+    "obqa": "openbookqa",
+    "siqa": "social_i_qa",
+    "boolq": "boolq",
+    "piqa": "piqa",
+    "winogrande": "winogrande",
+    "hellaswag": "hellaswag",
+}
+SPLITS = ("train", "test")
+RESPONSE_PREFIX = "the correct answer is "  # the LLM-Adapters target: prefix + label
+
+_FORMAT_RE = re.compile(r"Answer format:\s*([^\n]+?)\s*$", re.IGNORECASE | re.MULTILINE)
+_OUTPUT_RE = re.compile(r"the correct answer is\s+(\S+)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One multiple-choice record. `labels` are the allowed answers, in the file's order;
+    `answer` is one of them; `output` is the LLM-Adapters target ("the correct answer is X")."""
+
+    task: str
+    instruction: str
+    output: str
+    answer: str
+    labels: tuple[str, ...]
+    input: str = ""  # LLM-Adapters' optional context; empty for all commonsense tasks
+
+
+def _natural_key(s: str) -> tuple[Any, ...]:
+    """answer2 < answer10: compare digit runs as numbers."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s))
+
+
+def parse_answer_format(instruction: str) -> tuple[str, ...] | None:
+    """The labels of an ``Answer format: a/b/c`` line, or None when there is none."""
+    m = _FORMAT_RE.search(instruction)
+    if m is None:
+        return None
+    labels = tuple(t.strip() for t in m.group(1).split("/") if t.strip())
+    return labels or None
+
+
+def records_to_examples(records: Any, source: str, task: str) -> list[Example]:
+    """Validate LLM-Adapters records (a JSON list of objects) and build `Example`s.
+
+    Labels: the instruction's ``Answer format`` line when present, else the file's set of
+    answers (natural order). Raises `DataError` naming `source` and the record index.
+    """
+    if not isinstance(records, list):
+        raise DataError(f"{source}: expected a JSON list of records, got {type(records).__name__}")
+    if not records:
+        raise DataError(f"{source}: the file holds no records")
+    parsed: list[tuple[str, str, str, str]] = []  # instruction, input, output, answer
+    for i, rec in enumerate(records):
+        where = f"{source}: record {i}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{where} is not an object: {rec!r:.80}")
+        instruction = rec.get("instruction")
+        if not isinstance(instruction, str) or not instruction.strip():
+            raise DataError(
+                f"{where}: 'instruction' must be a non-empty string, got {instruction!r:.80}"
+            )
+        inp = rec.get("input", "") or ""
+        if not isinstance(inp, str):
+            raise DataError(f"{where}: 'input' must be a string, got {inp!r:.80}")
+        answer = rec.get("answer")
+        output = rec.get("output")
+        if output is not None and not isinstance(output, str):
+            raise DataError(f"{where}: 'output' must be a string, got {output!r:.80}")
+        if answer is None and output:
+            m = _OUTPUT_RE.search(output)
+            answer = m.group(1).rstrip(".") if m else None
+        if isinstance(answer, bool):
+            answer = str(answer).lower()
+        if not isinstance(answer, str) or not answer.strip():
+            raise DataError(
+                f"{where}: no answer: 'answer' is {rec.get('answer')!r:.40} and 'output' "
+                f"{output!r:.60} does not read 'the correct answer is X'"
+            )
+        answer = answer.strip()
+        parsed.append((instruction, inp, output or RESPONSE_PREFIX + answer, answer))
+
+    file_labels = tuple(sorted({p[3] for p in parsed}, key=_natural_key))
+    examples = []
+    for i, (instruction, inp, output, answer) in enumerate(parsed):
+        labels = parse_answer_format(instruction) or file_labels
+        if len(labels) < 2:
+            raise DataError(
+                f"{source}: record {i}: cannot parse the label set: no 'Answer format: a/b/...' "
+                f"line and the file's answers are only {list(file_labels)}; need >= 2 labels"
+            )
+        if answer not in labels:
+            raise DataError(
+                f"{source}: record {i}: answer {answer!r} is not one of the labels {list(labels)}"
+            )
+        examples.append(Example(task, instruction, output, answer, labels, inp))
+    return examples
+
+
+def load_task_file(path: str, task: str | None = None) -> list[Example]:
+    """Load any LLM-Adapters JSON file; `task` defaults to the file's parent folder name."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"task file {str(p)!r} does not exist")
+    try:
+        records = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read task file {str(p)!r}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"task file {str(p)!r} is not valid JSON: {e}") from None
+    return records_to_examples(records, str(p), task or p.parent.name or p.stem)
+
+
+def resolve_data_dir(data_dir: str) -> str | None:
+    """The data directory to use: `data_dir`, else ``$FEDLORA_DATA``, else None (the hub)."""
+    if data_dir:
+        return data_dir
+    return os.environ.get("FEDLORA_DATA") or None
+
+
+def check_task(name: str) -> None:
+    """Raise `DataError` unless `name` is one of `TASK_FOLDERS`."""
+    if name not in TASK_FOLDERS:
+        raise DataError(f"task = {name!r} is invalid: allowed: {', '.join(TASK_FOLDERS)}")
+
+
+def task_path(name: str, data_dir: str, split: str) -> Path:
+    """The JSON file of a task's split in an LLM-Adapters directory (checked to exist)."""
+    check_task(name)
+    if split not in SPLITS:
+        raise DataError(f"split = {split!r} is invalid: allowed: {', '.join(SPLITS)}")
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise DataError(f"data directory {str(root)!r} does not exist")
+    folder = root / TASK_FOLDERS[name]
+    if not folder.is_dir():
+        present = sorted(d.name for d in root.iterdir() if d.is_dir())
+        raise DataError(
+            f"task {name!r}: folder {str(folder)!r} does not exist; "
+            f"{str(root)!r} holds: {', '.join(present) or 'no folders'}"
+        )
+    path = folder / f"{split}.json"
+    if not path.is_file():
+        present = sorted(f.name for f in folder.glob("*.json"))
+        raise DataError(
+            f"task {name!r}: split file {str(path)!r} does not exist; "
+            f"{str(folder)!r} holds: {', '.join(present) or 'no JSON files'}"
+        )
+    return path
+
+
+def task_available(name: str, data_dir: str | None, split: str) -> bool:
+    """Whether `load_task` can find the split locally (always True for the hub)."""
+    if data_dir is None:
+        return True
+    try:
+        task_path(name, data_dir, split)
+    except DataError:
+        return False
+    return True
+
+
+def load_task(name: str, data_dir: str | None, split: str) -> list[Example]:
+    """A task's split from an LLM-Adapters directory, or from the hub when `data_dir` is None."""
+    check_task(name)
+    if data_dir is None:
+        return load_hub_task(name, split)
+    return load_task_file(str(task_path(name, data_dir, split)), task=name)
+
+
+# ----------------------------------------------------------------------------- hub
+
+
+def _options_text(prefix: str, options: Sequence[str]) -> str:
+    return " ".join(f"{prefix}{i + 1}: {o}" for i, o in enumerate(options))
+
+
+def _mc_example(task: str, head: str, options: Sequence[str], correct: int, word: str) -> Example:
+    """The LLM-Adapters instruction for a multiple-choice question (word: answer/solution/...)."""
+    labels = tuple(f"{word}{i + 1}" for i in range(len(options)))
+    instruction = (
+        f"{head}\n\n{_options_text(word.capitalize(), options)}\n\n"
+        f"Answer format: {'/'.join(labels)}"
+    )
+    answer = labels[correct]
+    return Example(task, instruction, RESPONSE_PREFIX + answer, answer, labels)
+
+
+def _letter_index(key: str, labels: Sequence[str]) -> int:
+    if key in labels:
+        return list(labels).index(key)
+    raise DataError(f"answer key {key!r} is not one of the choice labels {list(labels)}")
+
+
+def convert_hub_record(task: str, rec: dict[str, Any]) -> Example:
+    """One hub record (allenai/ai2_arc, allenai/openbookqa, allenai/social_i_qa, google/boolq,
+    piqa, winogrande, hellaswag) as the LLM-Adapters `Example`."""
+    q = "Please choose the correct answer to the question: "
+    if task in ("arc-e", "arc-c"):
+        ch = rec["choices"]
+        i = _letter_index(str(rec["answerKey"]), [str(x) for x in ch["label"]])
+        return _mc_example(task, q + rec["question"], ch["text"], i, "answer")
+    if task == "obqa":
+        ch = rec["choices"]
+        i = _letter_index(str(rec["answerKey"]), [str(x) for x in ch["label"]])
+        return _mc_example(task, q + rec["question_stem"], ch["text"], i, "answer")
+    if task == "siqa":
+        opts = [rec["answerA"], rec["answerB"], rec["answerC"]]
+        head = q + f"{rec['context']} {rec['question']}"
+        return _mc_example(task, head, opts, int(rec["label"]) - 1, "answer")
+    if task == "boolq":
+        question = rec["question"].rstrip("?")
+        instruction = (
+            "Please answer the following question with true or false, question: "
+            f"{question}?\n\nAnswer format: true/false"
+        )
+        answer = "true" if rec["answer"] else "false"
+        return Example(task, instruction, RESPONSE_PREFIX + answer, answer, ("true", "false"))
+    if task == "piqa":
+        head = f"Please choose the correct solution to the question: {rec['goal']}"
+        return _mc_example(task, head, [rec["sol1"], rec["sol2"]], int(rec["label"]), "solution")
+    if task == "winogrande":
+        head = (
+            "Please choose the correct answer to fill in the blank to complete the given "
+            f"sentence: {rec['sentence']}"
+        )
+        opts = [rec["option1"], rec["option2"]]
+        return _mc_example(task, head, opts, int(rec["answer"]) - 1, "option")
+    if task == "hellaswag":
+        head = f"Please choose the correct ending to complete the given sentence: {rec['ctx']}"
+        return _mc_example(task, head, rec["endings"], int(rec["label"]), "ending")
+    check_task(task)
+    raise DataError(f"task {task!r} has no hub converter")  # pragma: no cover
+
+
+# task -> (hub id, config, {our split: hub split}); labelled test sets are hub validation sets
+HUB_SOURCES: dict[str, tuple[str, str | None, dict[str, str]]] = {
+    "arc-e": ("allenai/ai2_arc", "ARC-Easy", {"train": "train", "test": "test"}),
+    "arc-c": ("allenai/ai2_arc", "ARC-Challenge", {"train": "train", "test": "test"}),
+    "obqa": ("allenai/openbookqa", "main", {"train": "train", "test": "test"}),
+    "siqa": ("allenai/social_i_qa", None, {"train": "train", "test": "validation"}),
+    "boolq": ("google/boolq", None, {"train": "train", "test": "validation"}),
+    "piqa": ("ybisk/piqa", None, {"train": "train", "test": "validation"}),
+    "winogrande": ("allenai/winogrande", "winogrande_xl", {"train": "train", "test": "validation"}),
+    "hellaswag": ("Rowan/hellaswag", None, {"train": "train", "test": "validation"}),
+}
+
+
+def load_hub_task(name: str, split: str) -> list[Example]:
+    """A task's split from the Hugging Face hub, converted to LLM-Adapters examples."""
+    check_task(name)
+    if split not in SPLITS:
+        raise DataError(f"split = {split!r} is invalid: allowed: {', '.join(SPLITS)}")
+    try:
+        import datasets  # noqa: PLC0415 (optional, heavy)
+    except ImportError:
+        raise DataError(
+            f"task {name!r}: no data directory was given (--data-dir, data.data_dir or "
+            "$FEDLORA_DATA) and loading from the hub needs the 'datasets' package: "
+            "pip install datasets, or give a directory in the LLM-Adapters layout"
+        ) from None
+    repo, config, splits = HUB_SOURCES[name]
+    try:
+        ds = datasets.load_dataset(repo, config, split=splits[split])
+    except Exception as e:  # network, missing dataset, ... : report, do not trace
+        raise DataError(
+            f"task {name!r}: cannot load {repo} ({splits[split]}) from the hub: {e}"
+        ) from None
+    out = []
+    for i, rec in enumerate(ds):
+        try:
+            out.append(convert_hub_record(name, rec))
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            raise DataError(f"{repo} {splits[split]}: record {i} is malformed: {e!r}") from None
+    return out

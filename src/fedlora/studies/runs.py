@@ -1,0 +1,273 @@
+"""Finished runs as the reports read them: config.toml, metrics.jsonl and summary.json of each
+run directory (and a suite's suite.toml for its labels and targets), and the curves of one run
+(its accuracy or eval_loss against the simulated clock, the time it first reaches a target).
+
+A run that never reaches a target is *censored*: its time is only known to be >= its last
+`sim_time_s`, which is what `time_to_target` / `time_to_loss` then return with reached = False.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from fedlora.errors import ConfigError, DataError
+
+MEAN_TASK = "mean"  # the mean over data.eval_tasks (metrics "eval_accuracy")
+SUITE_FILE = "suite.toml"
+REFERENCE = "fslora"  # the method the speed-ups are measured against (Table I)
+
+
+@dataclass
+class RunRecord:
+    """One finished (or partial) run as read from its directory."""
+
+    path: Path
+    label: str
+    method: str
+    seed: int
+    lines: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_time_s(self) -> float:
+        return float(self.lines[-1]["sim_time_s"]) if self.lines else 0.0
+
+    @property
+    def calibration_time_s(self) -> float:
+        if self.lines:
+            return float(self.lines[0].get("calibration_sim_time_s", 0.0) or 0.0)
+        return 0.0
+
+    def eval_points(self, task: str) -> list[tuple[float, float]]:
+        """(sim_time_s, accuracy) of every evaluated line, in order."""
+        points = []
+        for line in self.lines:
+            if task == MEAN_TASK:
+                acc = line.get("eval_accuracy")
+            else:
+                acc = (line.get("eval") or {}).get(task)
+            if acc is not None:
+                points.append((float(line["sim_time_s"]), float(acc)))
+        return points
+
+    def loss_points(self) -> list[tuple[float, float]]:
+        """(sim_time_s, mean eval_loss) of every evaluated line that logged one, in order."""
+        return [
+            (float(line["sim_time_s"]), float(line["eval_loss"]))
+            for line in self.lines
+            if line.get("eval_loss") is not None
+        ]
+
+    def last_eval_line(self) -> dict[str, Any] | None:
+        """The last metrics line with an evaluation."""
+        return next((line for line in reversed(self.lines) if line.get("eval")), None)
+
+    def final_accuracy(self, task: str) -> float | None:
+        points = self.eval_points(task)
+        return points[-1][1] if points else None
+
+    def tasks(self) -> list[str]:
+        for line in self.lines:
+            if line.get("eval"):
+                return list(line["eval"])
+        return []
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A run file's text; unreadable or non-UTF-8 files raise `DataError` naming them."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise DataError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A run's config.toml; unreadable or invalid files raise `DataError` naming them."""
+    try:
+        return tomllib.loads(_read_text(path, "config file"))
+    except tomllib.TOMLDecodeError as e:
+        raise DataError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(_read_text(path, "summary file"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"summary file {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"summary file {str(path)!r} is not a JSON object")
+    return data
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The lines of a metrics.jsonl; a torn last line (a run killed mid-write) is dropped."""
+    lines = []
+    text = _read_text(path, "metrics file").splitlines()
+    for i, raw in enumerate(text):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as e:
+            if i == len(text) - 1:
+                break
+            raise DataError(f"{path}: line {i + 1} is not JSON ({e.msg})") from None
+        if not isinstance(line, dict) or "sim_time_s" not in line:
+            raise DataError(f"{path}: line {i + 1} is not a fedlora metrics line (no sim_time_s)")
+        lines.append(line)
+    return lines
+
+
+_SEED_SUFFIX = re.compile(r"^(?P<label>.+)-seed(?P<seed>\d+)$")
+
+
+def load_run(run_dir: str | Path, label: str | None = None) -> RunRecord:
+    """Read one run directory; the label defaults to the directory name without -seed<N>."""
+    path = Path(run_dir)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file() and not (path / "summary.json").is_file():
+        raise DataError(f"{str(path)!r} is not a fedlora run directory (no metrics.jsonl)")
+    config: dict[str, Any] = {}
+    if (path / "config.toml").is_file():
+        config = read_toml(path / "config.toml")
+    summary: dict[str, Any] = {}
+    if (path / "summary.json").is_file():
+        summary = _read_json_object(path / "summary.json")
+    try:
+        method = str(summary.get("method") or config.get("method", {}).get("name", "unknown"))
+        seed = int(summary.get("seed", config.get("training", {}).get("seed", 0)) or 0)
+    except (AttributeError, TypeError, ValueError):
+        raise DataError(
+            f"{str(path)!r}: summary.json / config.toml do not name the run's method and seed "
+            "(damaged files?)"
+        ) from None
+    match = _SEED_SUFFIX.match(path.name)
+    if label is None:
+        label = match["label"] if match else method
+    lines = read_metrics(metrics) if metrics.is_file() else []
+    return RunRecord(path, label, method, seed, lines, summary, config)
+
+
+def read_suite(path: Path) -> dict[str, Any]:
+    """A suite directory's suite.toml ({} if there is none)."""
+    file = path / SUITE_FILE
+    if not file.is_file():
+        return {}
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{file}: not valid TOML: {e}") from None
+
+
+def collect_runs(paths: Sequence[str | Path]) -> tuple[list[RunRecord], dict[str, Any]]:
+    """Runs from run directories and suite directories (every run dir inside a suite dir).
+
+    Returns the runs and the merged suite settings (targets, labels, title, command)."""
+    runs: list[RunRecord] = []
+    suite: dict[str, Any] = {}
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise DataError(f"{str(p)!r}: no such directory")
+        if (p / "metrics.jsonl").is_file() or (p / "summary.json").is_file():
+            runs.append(load_run(p))
+            continue
+        found = read_suite(p)
+        for key, value in found.items():
+            suite.setdefault(key, value)
+        subdirs = sorted(
+            d
+            for d in p.iterdir()
+            if (d / "metrics.jsonl").is_file() or (d / "summary.json").is_file()
+        )
+        if not subdirs:
+            raise DataError(
+                f"{str(p)!r} holds no run (no metrics.jsonl in it or in its subdirectories)"
+            )
+        runs.extend(load_run(d) for d in subdirs)
+    return runs, suite
+
+
+# ----------------------------------------------------------------------------- curves
+# Two views of a run's curve: `RunRecord.eval_points` / `loss_points` (report.md's, where
+# `MEAN_TASK` is the mean over the eval tasks) and `points` (the powered report's: one task,
+# accuracy or eval_loss).
+
+
+def _first_time(
+    run: RunRecord, points: Sequence[tuple[float, float]], reached: Callable[[float], bool]
+) -> tuple[float, bool]:
+    """(time, True) of the first point whose value is `reached`, else (last clock, False)."""
+    for time_s, value in points:
+        if reached(value):
+            return time_s, True
+    return run.total_time_s, False
+
+
+def time_to_target(run: RunRecord, task: str, target: float) -> tuple[float, bool]:
+    """(time, reached): the first sim_time_s with accuracy >= target, or (total time, False)."""
+    return _first_time(run, run.eval_points(task), lambda acc: acc >= target)
+
+
+def time_to_loss(run: RunRecord, target: float) -> tuple[float, bool]:
+    """(time, reached): the first sim_time_s with mean eval_loss <= target, or (total, False)."""
+    return _first_time(run, run.loss_points(), lambda loss: loss <= target)
+
+
+def points(run: RunRecord, task: str, metric: str) -> list[tuple[float, float]]:
+    """(sim_time_s, value) of every evaluation of `task` (a task's name, `MEAN_TASK` is not
+    special here); metric "accuracy" (metrics `eval`) or "loss" (`eval_losses`)."""
+    key = "eval" if metric == "accuracy" else "eval_losses"
+    out = []
+    for line in run.lines:
+        value = (line.get(key) or {}).get(task)
+        if value is not None:
+            out.append((float(line["sim_time_s"]), float(value)))
+    return out
+
+
+def level_at(run: RunRecord, task: str, metric: str, time_s: float) -> float | None:
+    """The last evaluated value at or before `time_s` (the curve is a step function)."""
+    value = None
+    for t, v in points(run, task, metric):
+        if t > time_s:
+            break
+        value = v
+    return value
+
+
+def time_to(run: RunRecord, task: str, metric: str, target: float) -> tuple[float, bool]:
+    """(time, reached): first evaluation at/above an accuracy target or at/below a loss
+    target; (last clock, False) when never (censored)."""
+    if metric == "accuracy":
+        return _first_time(run, points(run, task, metric), lambda v: v >= target)
+    return _first_time(run, points(run, task, metric), lambda v: v <= target)
+
+
+def final_value(run: RunRecord, task: str, metric: str) -> float | None:
+    """The last evaluated value of `task` (None when never evaluated)."""
+    pts = points(run, task, metric)
+    return pts[-1][1] if pts else None
+
+
+def eval_constant(run: RunRecord, task: str, key: str) -> float | None:
+    """A per-task constant of the eval set from the first line that logged it
+    (eval_majority, eval_chance, eval_n)."""
+    for line in run.lines:
+        value = (line.get(key) or {}).get(task)
+        if value is not None:
+            return float(value)
+    return None

@@ -1,0 +1,95 @@
+"""Algorithm 2 of the paper (§V): estimate A–D from calibration runs, then choose each
+client's sampling probability q_n and sketch size k_n to minimise the wall-clock bound P2.
+
+Pure numpy/scipy (cvxpy only for the reference q-step solver); no torch, no I/O (a
+PROBLEM.json file is read by `fedlora.files.load_problem`). The modules, in the order the
+algorithm uses them:
+
+- `problem`: the data — `Constants`, `Observation`, `PlanProblem`, `PlanOptions` — checked
+  when built;
+- `objective`: P2 = R(q, k) · Σ q_n w_n(k) and its pieces (sketched round weights, the
+  penalty c_n, the bounds lo_n), and `plan_degeneracy`;
+- `estimate`: A–D from calibration runs (Eq. 21) and `calibration_fit`;
+- `qcurve`, `qstep`: the q-step for fixed k (P3 along its exact KKT curve; cvxpy reference);
+- `kstep`: the greedy k-step for fixed q;
+- `alternation`: q-step → k-step to a fixed point or cycle, from several starts; `plan`;
+- `schema`: the PROBLEM.json structure → (PlanProblem, PlanOptions).
+
+Every public name is importable from `fedlora.system.planner` itself.
+"""
+
+from fedlora.system.planner.alternation import (
+    PlanResult,
+    alternate,
+    capability_start,
+    check_plan,
+    multi_start,
+    plan,
+)
+from fedlora.system.planner.estimate import calibration_fit, estimate_constants
+from fedlora.system.planner.kstep import greedy_k
+from fedlora.system.planner.objective import (
+    expected_rounds,
+    p2_objective,
+    plan_degeneracy,
+    q_lower_bounds,
+    sketch_penalty,
+    sketched_round_weights,
+)
+from fedlora.system.planner.problem import (
+    A_SUM_TOLERANCE,
+    COMM_COSTS,
+    COMP_COSTS,
+    ESTIMATION_MATRICES,
+    GAMMA_MAX,
+    M_RANGES,
+    M_SEARCHES,
+    Q_LOWER_BOUNDS,
+    SOLVERS,
+    Constants,
+    Observation,
+    PlanOptions,
+    PlanProblem,
+    positive_number,
+)
+from fedlora.system.planner.qcurve import STRICT_MARGIN, QCurve, q_curve
+from fedlora.system.planner.qstep import QStepResult, q_step
+from fedlora.system.planner.schema import problem_from_dict
+
+__all__ = [
+    "A_SUM_TOLERANCE",
+    "COMM_COSTS",
+    "COMP_COSTS",
+    "ESTIMATION_MATRICES",
+    "GAMMA_MAX",
+    "M_RANGES",
+    "M_SEARCHES",
+    "Q_LOWER_BOUNDS",
+    "SOLVERS",
+    "STRICT_MARGIN",
+    "Constants",
+    "Observation",
+    "PlanOptions",
+    "PlanProblem",
+    "PlanResult",
+    "QCurve",
+    "QStepResult",
+    "alternate",
+    "calibration_fit",
+    "capability_start",
+    "check_plan",
+    "estimate_constants",
+    "expected_rounds",
+    "greedy_k",
+    "multi_start",
+    "p2_objective",
+    "plan",
+    "plan_degeneracy",
+    "positive_number",
+    "problem_from_dict",
+    "q_curve",
+    "q_lower_bounds",
+    "q_step",
+    "sketch_penalty",
+    "sketched_round_weights",
+]

@@ -1,0 +1,200 @@
+"""Algorithm 2's alternation (PAPER_NOTES #11): q-step → k-step until k reaches a fixed point
+or a cycle, keeping the best (q, k) seen, from several starting k⁰; and `plan`, the whole
+algorithm (estimate A–D from calibration runs if needed, then the alternation).
+
+`PlanResult(q, k, objective, expected_round_time_s, expected_rounds, constants, ...)`
+    The best (q, k) seen by the alternation, its P2 value = expected_rounds ·
+    expected_round_time_s, and how the alternation ended. `to_dict()` gives the `fedlora plan`
+    output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedlora.errors import ConfigError, bad_value
+from fedlora.system.planner.estimate import estimate_constants
+from fedlora.system.planner.kstep import greedy_k
+from fedlora.system.planner.objective import expected_rounds, p2_objective, sketched_round_weights
+from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
+from fedlora.system.planner.qstep import q_step
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The best iterate of the alternation (see module doc)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    objective: float  # P2 = expected_rounds · expected_round_time_s
+    expected_round_time_s: float  # Σ q_n w_n (Eq. 18)
+    expected_rounds: float  # R(q, k) = A / (B − Σ a_n² c_n / q_n)
+    constants: Constants
+    iterations: int  # q-steps run
+    solver: str
+    stop_reason: str  # fixed_point | cycle | max_iterations
+    history: tuple[float, ...] = field(default=())  # P2 of every iterate, in order
+    m: float = math.nan  # M of the chosen q-step
+    start: str = "gamma"  # the k⁰ whose alternation gave this plan (`multi_start`)
+    starts: dict[str, float] = field(default_factory=dict)  # P2 reached from each start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "q": [float(x) for x in self.q],
+            "k": [int(x) for x in self.k],
+            "objective": float(self.objective),
+            "expected_round_time_s": float(self.expected_round_time_s),
+            "expected_rounds": float(self.expected_rounds),
+            "constants": self.constants.to_dict(),
+            "iterations": int(self.iterations),
+            "solver": self.solver,
+            "stop_reason": self.stop_reason,
+            "history": [float(x) for x in self.history],
+            "start": self.start,
+            "starts": {name: float(v) for name, v in self.starts.items()},
+        }
+
+
+def alternate(
+    problem: PlanProblem,
+    constants: Constants,
+    options: PlanOptions,
+    k0: Sequence[int] | np.ndarray | None = None,
+) -> PlanResult:
+    """Alternate q-step and greedy k-step from k0 (default k = γ); stop on a fixed point or a
+    cycle of k (or max_iterations q-steps) and return the best (q, k) by P2 (PAPER_NOTES #11)."""
+    k = problem.full_rank() if k0 is None else np.asarray(k0, dtype=np.int64)
+    seen = {k.tobytes()}
+    history: list[float] = []
+    best: tuple[float, np.ndarray, np.ndarray, float] | None = None
+    stop = "max_iterations"
+    iterations = 0
+    while iterations < options.max_iterations:
+        iterations += 1
+        step = q_step(problem, constants, k, options)
+        k_new = greedy_k(problem, constants, step.q, options)
+        for kk in (k, k_new):  # the iterates (q, k) and (q, k_new)
+            value = p2_objective(problem, constants, step.q, kk, options)
+            history.append(value)
+            if best is None or value < best[0]:
+                best = (value, step.q, kk, step.m)
+        if np.array_equal(k_new, k):
+            stop = "fixed_point"
+            break
+        key = k_new.tobytes()
+        if key in seen:
+            stop = "cycle"
+            break
+        seen.add(key)
+        k = k_new
+    assert best is not None
+    value, q, k_best, m = best
+    rounds = expected_rounds(problem, constants, q, k_best)
+    round_time_s = float(np.dot(q, sketched_round_weights(problem, k_best, options)))
+    return PlanResult(
+        q=q,
+        k=k_best,
+        objective=value,
+        expected_round_time_s=round_time_s,
+        expected_rounds=rounds,
+        constants=constants,
+        iterations=iterations,
+        solver=options.solver,
+        stop_reason=stop,
+        history=tuple(history),
+        m=m,
+    )
+
+
+def check_plan(result: PlanResult) -> None:
+    """Refuse a degenerate plan (a q_n of 0 or a non-finite objective): inputs so extreme
+    that the bound P2 is not finite in floating point."""
+    bad_q = np.flatnonzero(~np.isfinite(result.q) | (result.q <= 0))
+    if bad_q.size or not math.isfinite(result.objective):
+        what = (
+            f"q[{int(bad_q[0])}] = {float(result.q[bad_q[0]]):.6g}"
+            if bad_q.size
+            else f"the objective P2 = {result.objective}"
+        )
+        raise ConfigError(
+            f"no usable plan: {what} (the inputs span too many orders of magnitude for the "
+            "bound P2 to be finite); check the clients' tau_full_s, t_full, a and the "
+            "constants or calibration runs"
+        )
+
+
+def capability_start(problem: PlanProblem) -> np.ndarray:
+    """k⁰_n = ⌈γ · τ_min / τ_n⌉ in 1..γ: rank proportional to device speed (the baselines'
+    `capability` budgets, `fedlora.federation.methods.ranks`); τ_n = 0 gets γ."""
+    tau, gamma = problem.tau_full_s, problem.gamma
+    k = problem.full_rank()
+    pos = tau > 0
+    if pos.any():
+        k[pos] = np.clip(np.ceil(gamma * tau[pos].min() / tau[pos] - 1e-9), 1, gamma)
+    return k
+
+
+def multi_start(
+    problem: PlanProblem,
+    constants: Constants,
+    options: PlanOptions,
+    starts: dict[str, Sequence[int] | np.ndarray] | None = None,
+) -> PlanResult:
+    """The alternation from several k⁰, keeping the best plan by P2 (PAPER_NOTES #11).
+
+    The alternation is a descent on P2 that ends in a fixed point or a cycle, and different
+    k⁰ can end in different ones. Default starts, in order: ``gamma`` (k = γ, Algorithm 2's
+    start), ``capability`` (`capability_start`), then ``previous_best``: the alternation again
+    from the best k found by those two (skipped when it equals a start already tried). The
+    result is the best iterate over all of them (ties: the earliest start), with `start`
+    naming the start it came from and `starts` the P2 each start reached. `iterations`
+    counts all q-steps.
+    """
+    if starts is None:
+        starts = {
+            "gamma": problem.full_rank(),
+            "capability": capability_start(problem),
+        }
+        restart = True
+    else:
+        restart = False
+    best: PlanResult | None = None
+    reached: dict[str, float] = {}
+    iterations = 0
+    tried: set[bytes] = set()
+    queue = list(starts.items())
+    while queue:
+        name, k0 = queue.pop(0)
+        k0 = np.asarray(k0, dtype=np.int64)
+        if k0.tobytes() in tried:
+            continue
+        tried.add(k0.tobytes())
+        res = alternate(problem, constants, options, k0=k0)
+        iterations += res.iterations
+        reached[name] = res.objective
+        if best is None or res.objective < best.objective:
+            best = dataclasses.replace(res, start=name)
+        if not queue and restart:
+            restart = False
+            queue.append(("previous_best", best.k))
+    if best is None:
+        raise bad_value("starts", starts, "at least one k⁰")
+    return dataclasses.replace(best, iterations=iterations, starts=reached)
+
+
+def plan(problem: PlanProblem, options: PlanOptions | None = None) -> PlanResult:
+    """Algorithm 2: estimate A–D if the problem gives calibration runs, then alternate from
+    several starts and keep the best plan (`multi_start`)."""
+    options = options or PlanOptions()
+    constants = problem.constants
+    if constants is None:
+        constants = estimate_constants(
+            problem.calibration, problem.gamma, problem.a, options.estimation_matrix
+        )
+    return multi_start(problem, constants, options)

@@ -1,0 +1,57 @@
+"""fedlora.federation.runfiles: atomic writes and metrics.jsonl, read back up to a torn line and
+cut back to what a checkpoint recorded (split from test_rundir.py, issue 11)."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from fedlora.errors import DataError
+from fedlora.federation.runfiles import (
+    append_metrics,
+    atomic_write,
+    os_error_message,
+    read_metrics_lines,
+    restore_metrics,
+)
+
+
+def test_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> None:
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    atomic_write(path, b"new")
+    assert path.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_metrics_lines_stop_at_a_torn_or_foreign_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    append_metrics(path, {"round": 0})
+    append_metrics(path, {"round": 1})
+    assert read_metrics_lines(path) == ['{"round": 0}', '{"round": 1}']
+    path.write_text('{"round": 0}\n[1, 2]\n{"round": 2}\n{"rou')
+    assert read_metrics_lines(path) == ['{"round": 0}']
+    assert read_metrics_lines(tmp_path / "missing.jsonl") == []
+
+
+def test_metrics_that_are_not_utf8_are_a_data_error_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"round": 0}\n\xff\n')
+    with pytest.raises(DataError, match="metrics.jsonl.*not UTF-8"):
+        read_metrics_lines(path)
+
+
+def test_a_full_disk_is_named_in_the_message() -> None:
+    e = OSError(errno.ENOSPC, "No space left on device", "/run/x/metrics.jsonl")
+    assert os_error_message(e).startswith("no space left on device while writing '/run/x/")
+
+
+def test_old_checkpoint_with_missing_rounds_is_refused_naming_them(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"round": 0}\n{"round": 1}\n{"rou')
+    with pytest.raises(DataError, match=r"holds 2 complete lines .* recorded 4 \(rounds 2..3"):
+        restore_metrics(path, {"progress": {"metrics_lines": 4}})
+    restore_metrics(path, {"progress": {"metrics_lines": 1}})
+    assert path.read_text() == '{"round": 0}\n'
