@@ -6,8 +6,8 @@
 The setting is the table1 suite file's: its clients (generated profiles of seed 0), clients per
 round, rank budgets, cost models and downlink rate; the adapter is SmolLM2-135M's (q_proj
 576→576 and v_proj 576→192 on 30 layers) unless --layers says otherwise. Every method plans
-`--rounds` rounds with the engine's derived generators and is charged by `engine.round_cost`,
-exactly as in a run. Printed per round (mean over the rounds): participants, Σ rank used,
+`--rounds` rounds with the engine's derived generators and is charged by
+`fedlora.federation.clock.round_cost`, exactly as in a run. Printed per round (mean over the rounds): participants, Σ rank used,
 uplink and downlink Mbit (totals over the participants), the broadcast seconds and the round
 seconds, and the seconds with the downlink free.
 """
