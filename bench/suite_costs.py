@@ -6,8 +6,8 @@
 
 Per label and seed (main seeds and the pilot seed), the label's method plans 400 rounds with
 the engine's derived generators and is charged by `fedlora.federation.clock.round_cost`
-exactly as in a run (SmolLM2-135M's q/v shapes on the top `lora.layers` layers): mean participants and round
-seconds, rounds and client-steps in `training.time_budget_s`. The CPU estimate of a run is
+exactly as in a run (SmolLM2-135M's q/v shapes on the top `lora.layers` layers): mean
+participants and round seconds, rounds and client-steps in `training.time_budget_s`. The CPU estimate of a run is
 client-steps × --step-s + Q × (--first-question-s + E × --question-s), Q = eval questions
 (data.eval_limit × eval tasks), E = evaluations after round 0 (budget / eval_every_s). A
 `proposed*` label adds its calibration at worst: 4 runs × planner.calibration_rounds rounds ×
