@@ -2,9 +2,10 @@
 # Issue #14's three powered suites in two 1-thread lanes (the suite files set model.threads = 1:
 # two 1-thread processes side by side outrun one 2-thread process on 2 shared cores, see
 # configs/powered_table1.toml). Each suite's pilot seed runs before its main seeds.
-#   lane 1: table1 pilot, table1 main, then ranks (after sampling's pilot: ranks' "full" is
-#           sampling's "fixed-0.2", same config and seed, so those runs are copied, not re-run)
-#   lane 2: sampling pilot, sampling main
+#   lane 1: table1 pilot, table1 main, ranks' proposed-k, ranks' full
+#   lane 2: sampling pilot, ranks pilot, sampling main, ranks' normal and uniform
+# (ranks' "full" is sampling's "fixed-0.2", same config and seed: those runs are copied, not
+# re-run; `fedlora compare` runs of one suite with disjoint --methods share its --out)
 # Every command resumes (finished runs are skipped, partial ones continue from their last
 # checkpoint): re-run this script after an interruption. Log lines with UTC times and the
 # 1-minute load go to runs/powered.log; /usr/bin/time adds each command's wall and CPU time.
@@ -42,19 +43,24 @@ copy_full() {  # ranks' "full" runs from sampling's finished "fixed-0.2" runs
     if [ ! -e "$dst" ] && [ -e "$src/summary.json" ]; then cp -r "$src" "$dst"; fi
   done
 }
+pilot() {  # a suite's pilot seed, once (its targets.toml is written last)
+  [ -e "runs/powered_$1/targets.toml" ] || suite "$1" --pilot
+}
+wait_for() { until [ -e "$1" ]; do sleep 30; done; }
 lane1() {
-  suite table1 --pilot
+  pilot table1
   suite table1
-  until [ -e runs/powered_sampling/targets.toml ]; do sleep 30; done  # sampling's pilot done
-  copy_full 100
-  suite ranks --pilot
-  suite ranks --methods proposed-k normal uniform
+  wait_for runs/powered_ranks/targets.toml
+  suite ranks --methods proposed-k
   copy_full 1 2 3  # those sampling has finished by now; "full" runs the others itself
-  suite ranks
+  suite ranks --methods full
 }
 lane2() {
-  suite sampling --pilot
+  pilot sampling
+  copy_full 100
+  pilot ranks
   suite sampling
+  suite ranks --methods normal uniform
 }
 lane1 > runs/powered-lane1.out 2>&1 &
 lane2 > runs/powered-lane2.out 2>&1 &

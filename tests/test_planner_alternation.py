@@ -73,6 +73,24 @@ def test_multi_start_with_given_starts_and_none():
         planner.multi_start(p, p.constants, QUAD, starts={})
 
 
+def test_an_infeasible_capability_start_is_lifted_to_the_feasible_ranks():
+    # Prepare: N = 2, a = (0.5, 0.5), B = 1, C = 0.01, D = 0.1, γ = 16: the q-step's bound
+    # lo_n(k) = a_n² N (C + D γ²/k²) / B = 0.5 (0.01 + 25.6/k²): 1.427 at k = 3, 0.805 at
+    # k = 4, so k >= 4 keeps q_n <= 1 feasible. τ = (1, 10) gives the capability start
+    # (16, ⌈1.6⌉ = 2), infeasible (lo = 3.205): before the lift the plan raised "infeasible"
+    p = PlanProblem(gamma=16, f_tot=100.0, a=[0.5, 0.5], tau_full_s=[1.0, 10.0],
+                    t_full=[10.0, 10.0], constants=Constants(1.0, 1.0, 0.01, 0.1))  # fmt: skip
+    np.testing.assert_array_equal(planner.capability_start(p), [16, 2])
+    # Execute
+    res = planner.multi_start(p, p.constants, QUAD)
+    lifted = planner.multi_start(p, p.constants, QUAD, starts={"lifted": [16, 4]})
+    # Assert: the capability start ran as (16, 4), the same alternation as starting there
+    assert list(res.starts)[:2] == ["gamma", "capability"]
+    assert res.starts["capability"] == lifted.starts["lifted"]
+    assert np.all(res.k >= 4) and np.all(res.q <= 1.0)
+    assert res.objective == pytest.approx(p2_objective(p, p.constants, res.q, res.k, QUAD))
+
+
 def test_alternation_max_iterations():
     p = random_problem(30, 7)
     res = alternate(p, p.constants, dataclasses.replace(QUAD, max_iterations=1))

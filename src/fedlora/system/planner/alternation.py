@@ -20,7 +20,7 @@ import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
 from fedlora.system.planner.estimate import estimate_constants
-from fedlora.system.planner.kstep import greedy_k
+from fedlora.system.planner.kstep import greedy_k, k_floor
 from fedlora.system.planner.objective import expected_rounds, p2_objective, sketched_round_weights
 from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
 from fedlora.system.planner.qstep import q_step
@@ -155,6 +155,11 @@ def multi_start(
     result is the best iterate over all of them (ties: the earliest start), with `start`
     naming the start it came from and `starts` the P2 each start reached. `iterations`
     counts all q-steps.
+
+    Each k⁰ is first lifted to the smallest ranks that leave the q-step feasible
+    (`k_floor` at q = 1: lo_n(k) < 1): the capability rank of a slow client that holds much
+    of the data (a_n large) can otherwise put its lower bound lo_n = a_n² N c_n / B above 1,
+    and the q-step would refuse a plan that k = γ shows exists. A feasible start is unchanged.
     """
     if starts is None:
         starts = {
@@ -164,6 +169,7 @@ def multi_start(
         restart = True
     else:
         restart = False
+    lift = k_floor(problem, constants, np.ones(problem.n), options.q_lower_bound)
     best: PlanResult | None = None
     reached: dict[str, float] = {}
     iterations = 0
@@ -171,7 +177,7 @@ def multi_start(
     queue = list(starts.items())
     while queue:
         name, k0 = queue.pop(0)
-        k0 = np.asarray(k0, dtype=np.int64)
+        k0 = np.maximum(np.asarray(k0, dtype=np.int64), lift)
         if k0.tobytes() in tried:
             continue
         tried.add(k0.tobytes())

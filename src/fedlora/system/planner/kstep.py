@@ -16,7 +16,7 @@ from fedlora.system.planner.objective import q_lower_bounds, sketch_penalty
 from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
 
 
-def _k_floor(problem: PlanProblem, constants: Constants, q: np.ndarray, mode: str) -> np.ndarray:
+def k_floor(problem: PlanProblem, constants: Constants, q: np.ndarray, mode: str) -> np.ndarray:
     """Smallest k each client may take with q fixed: q_n > lo_n(k) (lo_n grows as k falls).
 
     per_client: per client; paper: one floor for all (K² = γ²/min k² moves every bound);
@@ -75,7 +75,7 @@ def greedy_k(
     q = np.asarray(q, dtype=float)
     gamma = problem.gamma
     k = problem.full_rank() if k_start is None else np.array(k_start, dtype=np.int64)
-    floor = np.maximum(_k_floor(problem, constants, q, options.q_lower_bound), 1)
+    floor = np.maximum(k_floor(problem, constants, q, options.q_lower_bound), 1)
     # per-client tables over k = 1..γ: q_n·w_n(k) and a_n²/q_n·c_n(k), shape (N, γ)
     levels = np.arange(1, gamma + 1)
     comm = comm_factor(levels, gamma, options.comm_cost) / problem.f_tot
