@@ -6,8 +6,8 @@
 The setting is the table1 suite file's: its clients (generated profiles of seed 0), clients per
 round, rank budgets, cost models and downlink rate; the adapter is SmolLM2-135M's (q_proj
 576→576 and v_proj 576→192 on 30 layers) unless --layers says otherwise. Every method plans
-`--rounds` rounds with the engine's derived generators and is charged by `engine.round_cost`,
-exactly as in a run. Printed per round (mean over the rounds): participants, Σ rank used,
+`--rounds` rounds with the engine's derived generators and is charged by
+`fedlora.federation.clock.round_cost`, exactly as in a run. Printed per round (mean over the rounds): participants, Σ rank used,
 uplink and downlink Mbit (totals over the participants), the broadcast seconds and the round
 seconds, and the seconds with the downlink free.
 """
@@ -20,9 +20,11 @@ import os
 
 import numpy as np
 
-from fedlora.federation.engine import build_profiles, derive_rng, round_cost
+from fedlora.federation.clock import round_cost
 from fedlora.federation.methods import make_method
+from fedlora.federation.profiles import build_profiles
 from fedlora.studies.experiments import load_suite
+from fedlora.system.seeding import derive_rng
 
 METHODS = {  # label -> overrides of the suite's config
     "fedavg": ("method.name=fedavg",),

@@ -5,9 +5,9 @@
         --step-s 1.2 --first-question-s 0.64 --question-s 0.22
 
 Per label and seed (main seeds and the pilot seed), the label's method plans 400 rounds with
-the engine's derived generators and is charged by `engine.round_cost` exactly as in a run
-(SmolLM2-135M's q/v shapes on the top `lora.layers` layers): mean participants and round
-seconds, rounds and client-steps in `training.time_budget_s`. The CPU estimate of a run is
+the engine's derived generators and is charged by `fedlora.federation.clock.round_cost`
+exactly as in a run (SmolLM2-135M's q/v shapes on the top `lora.layers` layers): mean
+participants and round seconds, rounds and client-steps in `training.time_budget_s`. The CPU estimate of a run is
 client-steps × --step-s + Q × (--first-question-s + E × --question-s), Q = eval questions
 (data.eval_limit × eval tasks), E = evaluations after round 0 (budget / eval_every_s). A
 `proposed*` label adds its calibration at worst: 4 runs × planner.calibration_rounds rounds ×
@@ -26,9 +26,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from baseline_costs import smollm2_shapes  # noqa: E402
-from fedlora.federation.engine import build_profiles, derive_rng, round_cost  # noqa: E402
+from fedlora.federation.clock import round_cost  # noqa: E402
 from fedlora.federation.methods import make_method  # noqa: E402
+from fedlora.federation.profiles import build_profiles  # noqa: E402
 from fedlora.studies.experiments import SUITES, load_suite  # noqa: E402
+from fedlora.system.seeding import derive_rng  # noqa: E402
 
 ROUNDS = 400
 

@@ -37,20 +37,9 @@ KNOWN_UPWARD: set[tuple[str, str]] = set()
 NOT_IN_SYSTEM = ("torch", "transformers", "safetensors", "peft", "flwr", "pandas", "matplotlib")
 
 # Today's modules over MAX_LINES (issue 11: split them, then delete their rows).
-KNOWN_OVERSIZE = {
-    "fedlora.federation.engine",
-    "fedlora.federation.flower.server_app",
-    "fedlora.federation.methods.proposed",  # grew past 400 with issue 14
-    "fedlora.studies.experiments",  # grew past 400 with issue 14
-}
+KNOWN_OVERSIZE: set[str] = set()
 # Today's import cycles, each as the sorted tuple of its modules (issue 11: break them).
-KNOWN_CYCLES: set[tuple[str, ...]] = {
-    (
-        "fedlora.federation.engine",
-        "fedlora.federation.methods",
-        "fedlora.federation.methods.proposed",
-    ),
-}
+KNOWN_CYCLES: set[tuple[str, ...]] = set()
 # Imports of another module's private name: (importer, module, name); none since issue 11.
 KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 

@@ -10,13 +10,14 @@ from numpy.testing import assert_allclose
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.engine import derive_rng, round_cost
+from fedlora.federation.clock import round_cost
 from fedlora.federation.methods import make_method
 from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
 from fedlora.federation.methods.fedavg import FedAvg
 from fedlora.federation.methods.sketched import Sketched
 from fedlora.federation.methods.strategies import resolve_k, resolve_q
 from fedlora.system.network import ClientProfiles, allocate_bandwidth
+from fedlora.system.seeding import derive_rng
 
 SHAPES = {"m.q_proj": (3, 2), "m.v_proj": (1, 2)}  # (out, in)
 

@@ -398,7 +398,7 @@ def test_make_method_builds_each_baseline_with_shared_budgets(name, cls):
 
 
 def test_make_method_capability_without_profiles_uses_the_engines_compute_times():
-    from fedlora.federation.engine import build_profiles
+    from fedlora.federation.profiles import build_profiles
 
     cfg = load_config(None, ['method.name="heterolora"', "data.n_clients=6", "training.seed=4"])
     method = make_method(cfg, np.full(6, 1 / 6), _rng())

@@ -569,7 +569,7 @@ def test_planning_time_factor_uses_the_ergodic_rate_without_a_floor():
 
 def test_engine_applies_the_outage_floor_to_the_fading_gains():
     from fedlora.config import load_config
-    from fedlora.federation.engine import round_cost
+    from fedlora.federation.clock import round_cost
     from fedlora.federation.methods.sketched import Sketched
 
     shapes = {"m": (4, 4)}
@@ -591,7 +591,7 @@ def test_engine_applies_the_outage_floor_to_the_fading_gains():
 
 def test_proposed_plans_with_the_fading_aware_upload_time():
     from fedlora.config import load_config
-    from fedlora.federation.methods.proposed import planning_t_full
+    from fedlora.studies.planning import planning_t_full
     from fedlora.system.network import planning_time_factor
 
     clients = {"t_full": np.array([2.0, 3.0]), "snr_db": np.array([5.0, 15.0])}

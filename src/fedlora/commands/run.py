@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from fedlora.config import toml_string
     from fedlora.errors import ConfigError
-    from fedlora.federation.engine import describe, run_experiment
+    from fedlora.federation.engine import describe
     from fedlora.federation.preflight import check_inputs
     from fedlora.federation.rundir import (
         check_run_dir,
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir_for,
         run_dir_lock,
     )
+    from fedlora.studies.calibration import run_method
 
     overrides = list(args.overrides)
     if args.data_dir:
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = resume_config(run_dir, args.config, overrides, force=args.force)
             check_inputs(cfg)
             print(f"run directory: {run_dir}", file=sys.stderr)
-            summary = run_experiment(cfg, run_dir, resume=True, quiet=args.quiet)
+            summary = run_method(cfg, run_dir, resume=True, quiet=args.quiet)
     else:
         if args.force:
             raise ConfigError("--force goes with --resume (it accepts a changed config)")
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         with run_dir_lock(run_dir):
             prepare_run_dir(cfg, run_dir, overwrite=args.overwrite)
             print(f"run directory: {run_dir}", file=sys.stderr)
-            summary = run_experiment(cfg, run_dir, resume=False, quiet=args.quiet)
+            summary = run_method(cfg, run_dir, resume=False, quiet=args.quiet)
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0

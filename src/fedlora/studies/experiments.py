@@ -32,7 +32,6 @@ Its directory holds one run directory per (label, seed), `<label>-seed<s>/`, and
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -48,9 +47,13 @@ from fedlora.config import (
     read_toml,
 )
 from fedlora.errors import ConfigError, FedloraError, bad_value
-from fedlora.studies.report import SUITE_FILE, collect_runs, reclock, write_report
+from fedlora.studies.report import SUITE_FILE, collect_runs
+
+# report_suite and format_command live in suite_report; re-exported for their callers
+from fedlora.studies.suite_report import format_command, report_suite  # noqa: F401
 
 # label -> overrides applied on top of the suite file's config
+Q_FIXED = ("method.q=fixed", "method.q_fixed=0.2")  # q = 0.2 (Figure 3, and Figure 2's fixed)
 SUITES: dict[str, dict[str, tuple[str, ...]]] = {
     "table1": {
         "proposed": ("method.name=proposed", "planner.optimize=qk"),
@@ -65,35 +68,15 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
     "sampling": {
         "proposed-q": ("method.name=proposed", "planner.optimize=q", "method.k=full"),
         "full": ("method.name=sketched", "method.q=full", "method.k=full"),
-        "fixed-0.2": (
-            "method.name=sketched",
-            "method.q=fixed",
-            "method.q_fixed=0.2",
-            "method.k=full",
-        ),  # fmt: skip
+        "fixed-0.2": ("method.name=sketched", *Q_FIXED, "method.k=full"),
         "uniform": ("method.name=sketched", "method.q=uniform", "method.k=full"),
         "weighted": ("method.name=sketched", "method.q=weighted", "method.k=full"),
     },
     "ranks": {
-        "proposed-k": (
-            "method.name=proposed",
-            "planner.optimize=k",
-            "method.q=fixed",
-            "method.q_fixed=0.2",
-        ),  # fmt: skip
-        "full": ("method.name=sketched", "method.k=full", "method.q=fixed", "method.q_fixed=0.2"),
-        "normal": (
-            "method.name=sketched",
-            "method.k=normal",
-            "method.q=fixed",
-            "method.q_fixed=0.2",
-        ),  # fmt: skip
-        "uniform": (
-            "method.name=sketched",
-            "method.k=uniform",
-            "method.q=fixed",
-            "method.q_fixed=0.2",
-        ),  # fmt: skip
+        "proposed-k": ("method.name=proposed", "planner.optimize=k", *Q_FIXED),
+        "full": ("method.name=sketched", "method.k=full", *Q_FIXED),
+        "normal": ("method.name=sketched", "method.k=normal", *Q_FIXED),
+        "uniform": ("method.name=sketched", "method.k=uniform", *Q_FIXED),
     },
 }
 TITLES = {
@@ -361,7 +344,8 @@ def run_suite(
 
 def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], None]) -> None:
     """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
-    from fedlora.federation.engine import load_run_config, prepare_run_dir, run_experiment
+    from fedlora.federation.rundir import load_run_config, prepare_run_dir
+    from fedlora.studies.calibration import run_method
 
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
     start = time.perf_counter()
@@ -386,7 +370,7 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
         log(f"{head}: {'resuming' if resume else 'starting'} in {run_dir}")
         t0 = time.perf_counter()
         try:
-            summary = run_experiment(cfg, run_dir, resume=resume, quiet=quiet, log=log)
+            summary = run_method(cfg, run_dir, resume=resume, quiet=quiet, log=log)
         except FedloraError as e:
             log(f"{head}: FAILED: {e}")
             error = {"error": str(e), "method": cfg.method.name, "seed": seed}
@@ -398,76 +382,3 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
             f"({summary['rounds']} rounds, {summary['sim_time_s']:.0f} s simulated); "
             f"suite {elapsed / 60:.1f} min so far"
         )
-
-
-def report_suite(
-    paths: Sequence[str | Path],
-    out_dir: str | Path,
-    *,
-    targets: dict[str, float] | None = None,
-    title: str | None = None,
-    cost_model: tuple[str, str] | None = None,
-    command: str | None = None,
-    target_loss: float | None = None,
-    mcnemar: bool = False,
-) -> Path:
-    """Rebuild report.md and the plot from run or suite directories (metrics files only).
-
-    `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.studies.report.reclock`).
-    """
-    runs, suite = collect_runs(paths)
-    note = ""
-    if cost_model:
-        runs = [reclock(r, *cost_model) if r.lines else r for r in runs]
-        note = (
-            f"Re-clocked under comm_cost = {cost_model[0]}, comp_cost = {cost_model[1]} from "
-            "the runs' participants and k (`fedlora report --comm-cost/--comp-cost`). The "
-            "baselines' times are exact under that model; `proposed` keeps the plan it made "
-            "for the cost model it ran with."
-        )
-    merged = dict(suite.get("targets", {}))
-    merged.update(targets or {})
-    path = write_report(
-        runs,
-        merged,
-        out_dir,
-        title=title or suite.get("title", "fedlora report"),
-        order=suite.get("labels"),
-        command=command if command is not None else suite.get("command", ""),
-        note=note,
-        target_loss=target_loss,
-        mcnemar=mcnemar,
-    )
-    return _append_powered(path, runs, merged, suite, title or suite.get("title", ""))
-
-
-def _append_powered(
-    path: Path, runs: Sequence[Any], targets: dict[str, float], suite: dict[str, Any], title: str
-) -> Path:
-    """The over-seeds sections and band plots (`fedlora.studies.powered`) after report.md."""
-    from fedlora.studies import powered
-
-    runs = [r for r in runs if r.lines]
-    losses = {t: float(v) for t, v in suite.get("target_losses", {}).items()}
-    text = powered.render(
-        runs,
-        targets,
-        target_losses=losses,
-        suite=str(suite.get("suite", "")),
-        order=suite.get("labels"),
-        margin=float(suite.get("similar_margin", powered.SIMILAR_MARGIN)),
-        rule=str(suite.get("target_rule", "")),
-    )
-    images = []
-    for metric, name in (("accuracy", "accuracy_bands.png"), ("loss", "eval_loss_bands.png")):
-        drawn = powered.plot_bands(runs, targets, metric, path.parent / name, title=title,
-                                   order=suite.get("labels"), target_losses=losses)  # fmt: skip
-        if drawn is not None:
-            images.append(f"![{metric} over seeds against simulated minutes]({name})")
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text + "\n" + "\n\n".join(images) + "\n")
-    return path
-
-
-def format_command(argv: Sequence[str]) -> str:
-    return "fedlora " + " ".join(shlex.quote(a) for a in argv)

@@ -2,9 +2,10 @@
 one-slot LoRA and the federated data, answer the identity query, train one task.
 
 Used in-process by the ClientApp (no worker configured, or the Ray simulation, whose actors
-live across rounds) and by the persistent node worker (`fedlora.federation.flower.worker`). Top-level
-imports are light (numpy, fedlora.config): torch, transformers and the data code load on the
-first `client_state` call (and fedlora.federation.engine, for its seed derivation, on first use).
+live across rounds) and by the persistent node worker (`fedlora.federation.flower.worker`).
+Top-level imports are light (numpy, fedlora.config): torch, transformers and the data code
+load on the first `client_state` call (through `fedlora.federation.runstate` and
+`fedlora.federation.trainer`, the code the engine builds and trains with).
 """
 
 from __future__ import annotations
@@ -57,26 +58,15 @@ def config_from_toml(
 
 
 def client_state(cfg: ExperimentConfig) -> ClientState:
-    """Build (or reuse) this process's model, one-slot LoRA and federated data."""
+    """Build (or reuse) this process's model, one-slot LoRA and federated data (as the
+    engine's `build_run` does, with one slot)."""
     key = _cache_key(cfg)
     if key not in _CACHE:
-        from fedlora.federation.engine import derive_seed
-        from fedlora.llm.data import build_federated_data
-        from fedlora.llm.device import resolve_runtime
-        from fedlora.llm.lora import inject_lora
-        from fedlora.llm.models import load_model
+        from fedlora.federation.runstate import load_trainable
 
         _CACHE.clear()  # one experiment per process: free the previous model first
-        cfg = resolve_runtime(cfg).cfg  # this node's device and dtype (auto made concrete)
-        model, tokenizer = load_model(
-            cfg.model.name,
-            dtype=cfg.model.dtype,
-            cache_dir=cfg.model.cache_dir or None,
-            progress=False,
-            device=cfg.model.device,
-        )
-        lora = inject_lora(model, cfg.lora, slots=1, seed=derive_seed(cfg.training.seed, "init"))
-        fed = build_federated_data(cfg.data, tokenizer, seed=cfg.training.seed)
+        # this node's device and dtype (auto made concrete)
+        cfg, model, tokenizer, lora, fed = load_trainable(cfg, slots=1, progress=False)
         _CACHE[key] = ClientState(cfg, model, tokenizer, lora, fed)
     return _CACHE[key]
 
@@ -92,40 +82,20 @@ def train_one(
 ) -> tuple[dict[str, np.ndarray], float]:
     """Local training of one participant on slot 0; returns (adapter, mean loss over H).
 
-    The same draws as `fedlora.federation.engine.train_participants` with ``training.slots = 1``: batches
-    from ``derive_rng(seed, "data", r, client)``, torch seeded with
-    ``derive_seed(seed, "torch", r, index)`` (index = the task's position in the round's plan).
+    The engine's `fedlora.federation.trainer.train_clients` for one client, so the same draws
+    as the engine with ``training.slots = 1`` (torch seeded by the task's position in the
+    round's plan).
     """
     import torch
 
-    from fedlora.federation.engine import derive_rng, derive_seed
-    from fedlora.llm.data import client_batches
-    from fedlora.llm.train import local_train, step_sizes_for
+    from fedlora.federation.trainer import train_clients
 
-    cfg, seed = state.cfg, state.cfg.training.seed
-    client, r = int(task["client"]), int(task["round"])
-    scale = np.asarray(task["scale"], dtype=np.float32)  # (γ,)
     state.lora.load_global({k: torch.from_numpy(np.array(v)) for k, v in global_adapter.items()})
-    state.lora.set_clients(torch.from_numpy(scale[None, :]))  # (1, γ)
-    batches = client_batches(
-        state.fed,
-        client,
-        cfg.training.local_steps,
-        cfg.training.batch_size,
-        derive_rng(seed, "data", r, client),
-        state.tokenizer.pad_token_id,
-    )
-    torch.manual_seed(derive_seed(seed, "torch", r, int(task["index"])))
+    scale = np.asarray(task["scale"], dtype=np.float32)  # (γ,)
     losses = np.asarray(
-        local_train(
-            state.model,
-            state.lora,
-            [batches],
-            step_sizes_for(cfg.training, scale[None, :]),
-            autocast_bf16=cfg.model.dtype == "bf16",
-            momentum=cfg.training.momentum,
-        )
-    )  # (1, H)
+        train_clients(state, int(task["round"]), [int(task["client"])], scale[None, :],
+                      int(task["index"]))
+    )  # (1, H)  # fmt: skip
     adapter = {k: v.numpy().copy() for k, v in state.lora.slot_state(0).items()}
     return adapter, float(losses.mean())
 

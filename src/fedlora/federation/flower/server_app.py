@@ -1,7 +1,8 @@
-"""fedlora's ServerApp on Flower's Message API: the engine's round loop, with local training
-moved to the SuperNodes.
+"""fedlora's ServerApp on Flower's Message API: the engine's round loop
+(`fedlora.federation.engine.run_rounds`), with local training moved to the SuperNodes
+(`FlowerTrainer`).
 
-Per round r, exactly as `fedlora.federation.engine.run_experiment`: the plan comes from
+Per round r, exactly as in `fedlora.federation.engine.run_experiment`: the plan comes from
 ``method.plan_round(r, derive_rng(seed, "sampling", r), derive_rng(seed, "sketch", r))``;
 each participant's node gets a ``train`` message (global adapter + task); the replies are
 matched to tasks by ``reply.metadata.reply_to_message_id``; ``method.aggregate`` combines the
@@ -30,35 +31,7 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError, DataError
-from fedlora.federation.engine import (
-    Progress,
-    TrainingDiverged,
-    append_metrics,
-    apply_aggregate,
-    atomic_write,
-    build_run,
-    checkpoint_state,
-    close_round,
-    eval_fields,
-    evaluate_tasks,
-    load_checkpoint,
-    load_run_config,
-    mean_over_tasks,
-    plan_next_round,
-    prepare_run_dir,
-    record_round,
-    restore_metrics,
-    restore_state,
-    round_header,
-    run_dir_for,
-    save_checkpoint,
-    stop_before_round,
-    summarize,
-    target_loss_reached,
-    target_reached,
-    to_numpy,
-    write_clients_csv,
-)
+from fedlora.federation.engine import run_rounds
 from fedlora.federation.flower.common import (
     QUERY,
     TRAIN,
@@ -70,7 +43,16 @@ from fedlora.federation.flower.common import (
     record_to_adapter,
 )
 from fedlora.federation.methods import RoundPlan
-from fedlora.federation.rundir import check_run_dir, run_dir_lock
+from fedlora.federation.rundir import (
+    atomic_write,
+    check_run_dir,
+    load_run_config,
+    prepare_run_dir,
+    run_dir_for,
+    run_dir_lock,
+)
+from fedlora.federation.runstate import build_run
+from fedlora.federation.trainer import Trained, Trainer, TrainingDiverged
 
 apply_safe_env()
 
@@ -263,9 +245,9 @@ def run_server(
     """The engine's loop over Flower: returns the summary (also written to summary.json).
 
     With `resume`, continue the run in the run directory from its newest readable checkpoint
-    (as `fedlora.federation.engine.run_experiment(resume=True)`): `cfg` must equal the run's saved config
-    (ConfigError naming the differing fields otherwise); metrics.jsonl is cut back to the
-    checkpoint's line count; the dropout counts of ``availability = "observed"`` are restored.
+    (the engine's resume, `run_rounds`): `cfg` must equal the run's saved config (ConfigError
+    naming the differing fields otherwise); metrics.jsonl is cut back to the checkpoint's
+    line count; the dropout counts of ``availability = "observed"`` are restored.
     """
     wall_start = time.perf_counter()
     check_flower_method(cfg)
@@ -293,107 +275,34 @@ def _run_server(
 ) -> dict[str, Any]:  # fmt: skip
     run = build_run(cfg, run_dir, log=log)
     clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
-    metrics_path = run_dir / "metrics.jsonl"
-    progress = Progress()
-    avail = Availability.empty(cfg.data.n_clients)
-    total_dropouts = 0
-    if resume:
-        state = load_checkpoint(run_dir, warn=log)
-        if state is not None:
-            progress = restore_state(run, state)
-            flower = state.get("flower") or {}
-            if "asked" in flower:
-                avail = Availability(
-                    np.asarray(flower["asked"], dtype=np.int64),
-                    np.asarray(flower["answered"], dtype=np.int64),
-                )
-            total_dropouts = int(flower.get("total_dropouts", 0))
-            log(f"resuming {run_dir} after round {progress.round}")
-        else:
-            log(f"no usable checkpoint in {run_dir}: starting from round 0")
-        restore_metrics(metrics_path, state, warn=log)
-    else:
-        metrics_path.unlink(missing_ok=True)
-    write_clients_csv(run_dir, run.fed, run.profiles)
-
-    def checkpoint() -> None:
-        state = checkpoint_state(run, progress)
-        state["flower"] = {
-            "asked": avail.asked.tolist(),
-            "answered": avail.answered.tolist(),
-            "total_dropouts": total_dropouts,
-        }
-        save_checkpoint(run_dir, state)
-
-    if progress.metrics_lines == 0:  # round 0: the untrained adapter
-        results = evaluate_tasks(run)
-        accs = {task: r.accuracy for task, r in results.items()}
-        progress.initial_accuracy = progress.last_accuracy = progress.best_accuracy = (
-            mean_over_tasks(accs)
-        )
-        line0 = {
-            "round": 0, "participants": [], "n_participants": 0, "k": [], "round_time_s": 0.0,
-            "sim_time_s": 0.0, "uplink_bits": 0, "downlink_bits": 0, "train_loss": None,
-            "eval_accuracy": progress.initial_accuracy, "eval": accs,
-            **eval_fields(run, progress, 0, results), "compute_s": 0.0, "dropouts": [],
-        }  # fmt: skip
-        append_metrics(metrics_path, line0)
-        progress.metrics_lines = 1
-
-    tcfg = cfg.training
-    stop_reason = "max_rounds"
-    while progress.round < tcfg.rounds:
-        early = stop_before_round(cfg, progress)
-        if early:
-            stop_reason = early
-            break
-        plan = plan_next_round(run, progress)
-        t0 = time.perf_counter()
-        line = _flower_round(grid, run, plan, progress, clients, avail, opts, log)
-        total_dropouts += len(line["dropouts"])
-        record_round(metrics_path, progress, line, time.perf_counter() - t0)
-        log(
-            f"round {line['round']}: n={line['n_participants']} dropouts={line['dropouts']} "
-            f"loss={line['train_loss']}"
-        )
-        if progress.round % tcfg.checkpoint_every == 0:
-            checkpoint()
-    else:
-        if target_reached(cfg, progress):
-            stop_reason = "target_accuracy"
-        elif target_loss_reached(cfg, progress):
-            stop_reason = "target_loss"
-    checkpoint()
-    run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
-    summary = summarize(cfg, progress, stop_reason, wall_start)
-    summary.update(runtime="flower", total_dropouts=total_dropouts, availability=opts.availability)
-    atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
-    return summary
+    trainer = FlowerTrainer(grid, cfg, clients, opts, log)
+    return run_rounds(
+        run, trainer, resume=resume, log=log, wall_start=wall_start, calibration_s=None
+    )
 
 
-def _flower_round(
-    grid: Grid,
-    run: Any,
-    plan: RoundPlan,
-    progress: Progress,
-    clients: dict[int, int],
-    avail: Availability,
-    opts: FlowerOptions,
-    log: Log,
-) -> dict[str, Any]:
-    cfg, r = run.cfg, plan.round
-    line = round_header(plan)
-    dropouts: list[int] = []
-    effective = RoundPlan(r, ())
-    train_loss: float | None = None
-    if plan.tasks:
-        global_state = to_numpy(run.lora.global_state())
+class FlowerTrainer(Trainer):
+    """The round's tasks sent to the SuperNodes; their adapters aggregated as they arrive.
+
+    A dropout (no answer within round-timeout-s, or an error) contributes nothing; with
+    ``availability = "observed"`` each received weight is divided by the node's observed
+    answer rate. The answer counts and the dropouts travel in checkpoints ("flower")."""
+
+    def __init__(
+        self, grid: Grid, cfg: ExperimentConfig, clients: dict[int, int], opts: FlowerOptions,
+        log: Log,
+    ) -> None:  # fmt: skip
+        self.grid, self.cfg, self.clients, self.opts, self.log = grid, cfg, clients, opts, log
+        self.avail = Availability.empty(cfg.data.n_clients)
+        self.total_dropouts = 0
+
+    def train(self, plan: RoundPlan, global_state: dict[str, np.ndarray]) -> Trained:
+        cfg, r = self.cfg, plan.round
         got, states, losses, dropouts = train_remote(
-            grid, cfg, plan, global_state, clients, opts, log
+            self.grid, cfg, plan, global_state, self.clients, self.opts, self.log
         )
-        asked = np.array(plan.participants)
-        np.add.at(avail.asked, asked, 1)
-        np.add.at(avail.answered, [plan.tasks[i].client for i in got], 1)
+        np.add.at(self.avail.asked, np.array(plan.participants), 1)
+        np.add.at(self.avail.answered, [plan.tasks[i].client for i in got], 1)
         if not np.all(np.isfinite(losses)):
             bad = [plan.tasks[i].client for i, x in zip(got, losses) if not np.isfinite(x)]
             raise TrainingDiverged(
@@ -401,19 +310,47 @@ def _flower_round(
                 f"lower training.lr (now {cfg.training.lr})"
             )
         tasks = [plan.tasks[i] for i in got]
-        if opts.availability == "observed":
-            rate = avail.rate()
+        if self.opts.availability == "observed":
+            rate = self.avail.rate()
             tasks = [dataclasses.replace(t, weight=t.weight / rate[t.client]) for t in tasks]
-        effective = RoundPlan(r, tuple(tasks))
-        if states:
-            apply_aggregate(run, effective, global_state, states)
-            train_loss = float(np.mean(losses))
-    if not plan.tasks:
-        progress.empty_rounds += 1
-    # The clock counts the updates that arrived (a dropout sends nothing on the uplink).
-    close_round(run, effective, progress, line, train_loss)
-    line["dropouts"] = dropouts
-    return line
+        # the clock counts the updates that arrived (a dropout sends nothing on the uplink)
+        return Trained(RoundPlan(r, tuple(tasks)), states, losses, dropouts)
+
+    def line_fields(self, trained: Trained | None) -> dict[str, Any]:
+        dropouts = [] if trained is None else trained.dropouts
+        self.total_dropouts += len(dropouts)
+        return {"dropouts": dropouts}
+
+    def report(self, line: dict[str, Any]) -> None:
+        self.log(
+            f"round {line['round']}: n={line['n_participants']} dropouts={line['dropouts']} "
+            f"loss={line['train_loss']}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "flower": {
+                "asked": self.avail.asked.tolist(),
+                "answered": self.avail.answered.tolist(),
+                "total_dropouts": self.total_dropouts,
+            }
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        flower = state.get("flower") or {}
+        if "asked" in flower:
+            self.avail = Availability(
+                np.asarray(flower["asked"], dtype=np.int64),
+                np.asarray(flower["answered"], dtype=np.int64),
+            )
+        self.total_dropouts = int(flower.get("total_dropouts", 0))
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {
+            "runtime": "flower",
+            "total_dropouts": self.total_dropouts,
+            "availability": self.opts.availability,
+        }
 
 
 app = ServerApp()

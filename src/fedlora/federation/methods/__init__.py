@@ -15,12 +15,12 @@ from fedlora.federation.methods.fedstacklora import FedStackLoRA
 from fedlora.federation.methods.flexlora import FlexLoRA
 from fedlora.federation.methods.fslora import FSLoRA
 from fedlora.federation.methods.heterolora import HeteroLoRA
-from fedlora.federation.methods.proposed import Proposed
+from fedlora.federation.methods.proposed import Plan, Proposed, plan_file
 from fedlora.federation.methods.ranks import resolve_ranks
 from fedlora.federation.methods.sketched import Sketched
 from fedlora.federation.methods.strategies import resolve_k, resolve_q
 
-__all__ = ["Aggregation", "ClientTask", "Method", "Payload", "RoundPlan", "make_method"]
+__all__ = ["Aggregation", "ClientTask", "Method", "Payload", "Plan", "RoundPlan", "make_method"]
 
 
 def make_method(
@@ -29,12 +29,15 @@ def make_method(
     rng: np.random.Generator,
     *,
     tau_full_s: np.ndarray | None = None,
+    plan: Plan | None = None,
 ) -> Method:
     """The method of ``cfg.method.name`` for clients with data weights `a`.
 
     `rng` draws strategy-based k vectors (seeded by the run, so they are reproducible).
     `tau_full_s` (the clients' profiles) gives ``method.ranks = "capability"``; without it the
     profiles are rebuilt from the config (their compute times do not depend on the model).
+    `plan` (Algorithm 2's, `fedlora.studies.calibration`) gives `proposed` its q and k;
+    without one, method.q and method.k must name one plan file.
     """
     m, gamma = cfg.method, cfg.lora.rank
     if m.name in BASELINES:
@@ -70,11 +73,16 @@ def make_method(
             seed=cfg.training.seed,
             clients_per_round=per_round,
         )
-    if (
-        m.name == "proposed"
-    ):  # q, k from the plan (fedlora.federation.methods.proposed.prepare_proposed)
-        q = resolve_q(m.q, a=a, q_fixed=m.q_fixed)
-        k = resolve_k(m.k, n=a.size, gamma=gamma, rng=rng)
+    if m.name == "proposed":  # q, k from the plan, or from the plan file in method.q/k
+        q_spec, k_spec = (list(plan.q), list(plan.k)) if plan is not None else (m.q, m.k)
+        if plan is None and not plan_file(m):
+            raise ConfigError(
+                f"method.name = 'proposed' with method.q = {m.q!r}, method.k = {m.k!r} needs "
+                "Algorithm 2's plan: run it with `fedlora run` / `fedlora compare`, or set "
+                "method.q and method.k to one plan JSON file"
+            )
+        q = resolve_q(q_spec, a=a, q_fixed=m.q_fixed)
+        k = resolve_k(k_spec, n=a.size, gamma=gamma, rng=rng)
         return Proposed(a=a, q=q, k=k, gamma=gamma)
     if m.name == "sketched":
         q = resolve_q(m.q, a=a, q_fixed=m.q_fixed)
@@ -90,6 +98,6 @@ BASELINES = ("fslora", "heterolora", "fedstacklora", "flexlora")
 
 def _profile_tau(cfg: ExperimentConfig) -> np.ndarray:
     """The clients' compute times τ_n as the engine builds them (independent of payload bits)."""
-    from fedlora.federation.engine import build_profiles  # the engine imports this package
+    from fedlora.federation.profiles import build_profiles
 
     return build_profiles(cfg, full_payload_bits=1.0).tau_full_s

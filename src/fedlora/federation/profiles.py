@@ -1,0 +1,53 @@
+"""The clients' profiles of a run: generated from the config's [network] (seeded by the run),
+or read from `network.profiles_file`; written to the run directory as clients.csv."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fedlora.config import ExperimentConfig
+from fedlora.errors import ConfigError
+from fedlora.federation.rundir import atomic_write
+from fedlora.files import load_profiles
+from fedlora.system.network import ClientProfiles, generate_profiles, profiles_to_rows
+from fedlora.system.seeding import derive_rng
+
+
+def build_profiles(cfg: ExperimentConfig, full_payload_bits: float) -> ClientProfiles:
+    """The run's client profiles (`full_payload_bits`: the full-rank adapter's upload)."""
+    net, n = cfg.network, cfg.data.n_clients
+    if net.profiles_file:
+        profiles = load_profiles(net.profiles_file)
+        if profiles.n != n:
+            raise ConfigError(
+                f"network.profiles_file = {net.profiles_file!r} has {profiles.n} clients, "
+                f"but data.n_clients = {n}"
+            )
+        return profiles
+    return generate_profiles(
+        n,
+        full_payload_bits=full_payload_bits,
+        local_steps=cfg.training.local_steps,
+        f_tot_hz=net.f_tot_hz,
+        step_time_median_s=net.step_time_median_s,
+        step_time_sigma=net.step_time_sigma,
+        distance_min_m=net.distance_min_m,
+        distance_max_m=net.distance_max_m,
+        path_loss_exponent=net.path_loss_exponent,
+        path_loss_ref_db=net.path_loss_ref_db,
+        tx_power_dbm=net.tx_power_dbm,
+        noise_psd_dbm_hz=net.noise_psd_dbm_hz,
+        rng=derive_rng(cfg.training.seed, "profiles"),
+    )
+
+
+def write_clients_csv(run_dir: Path, fed: Any, profiles: ClientProfiles) -> None:
+    """clients.csv: per client its example count, data weight a_n and profile."""
+    rows = profiles_to_rows(profiles)
+    header = ["client", "n_examples", "a", *rows[0].keys()]
+    lines = [",".join(header)]
+    for i, row in enumerate(rows):
+        values = [i, len(fed.client_indices[i]), repr(float(fed.a[i])), *map(repr, row.values())]
+        lines.append(",".join(str(v) for v in values))
+    atomic_write(run_dir / "clients.csv", ("\n".join(lines) + "\n").encode())

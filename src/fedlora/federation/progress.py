@@ -1,0 +1,177 @@
+"""What a run's loop carries from round to round (`Progress`, saved in checkpoints), its stop
+rules, its progress display, and the summary it ends with (summary.json, the terminal lines)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fedlora.config import ExperimentConfig
+
+
+@dataclass
+class Progress:
+    """What the loop carries from round to round (and saves in checkpoints)."""
+
+    round: int = 0  # rounds completed
+    sim_time_s: float = 0.0
+    metrics_lines: int = 0
+    initial_accuracy: float | None = None
+    last_accuracy: float | None = None
+    best_accuracy: float | None = None
+    time_to_target_s: float | None = None
+    uplink_bits: int = 0
+    downlink_bits: int = 0
+    empty_rounds: int = 0
+    compute_s: float = 0.0
+    initial_eval_loss: float | None = None
+    last_eval_loss: float | None = None
+    best_eval_loss: float | None = None
+    time_to_target_loss_s: float | None = None
+    initial_eval: dict[str, Any] | None = None  # per task: accuracy, ci95, n, majority, ...
+    last_eval: dict[str, Any] | None = None
+
+
+class Reporter:
+    """A progress bar, or plain log lines with --quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bar = None
+
+    def start(self, total: int, initial: int) -> None:
+        """Rounds `initial` (done before a resume) to `total`."""
+        if not self.quiet:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, initial=initial, desc="rounds", unit="round", file=sys.stderr
+            )
+
+    def update(self, line: dict[str, Any], progress: Progress) -> None:
+        acc = progress.last_accuracy
+        text = {
+            "clock": f"{progress.sim_time_s:.0f}s",
+            "loss": "-" if line["train_loss"] is None else f"{line['train_loss']:.3f}",
+            "acc": "-" if acc is None else f"{acc:.3f}",
+        }
+        if self.bar is not None:
+            self.bar.set_postfix(text, refresh=False)
+            self.bar.update(1)
+        elif "eval_accuracy" in line or line["round"] == 1:
+            print(
+                f"round {line['round']}: n={line['n_participants']} "
+                + " ".join(f"{k}={v}" for k, v in text.items()),
+                file=sys.stderr,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def stop_before_round(cfg: ExperimentConfig, progress: Progress) -> str | None:
+    """The reason to stop before the next round (target reached, time budget spent), if any."""
+    if target_reached(cfg, progress):
+        return "target_accuracy"
+    if target_loss_reached(cfg, progress):
+        return "target_loss"
+    budget = cfg.training.time_budget_s
+    if budget and progress.sim_time_s >= budget:
+        return "time_budget"
+    return None
+
+
+def target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
+    target = cfg.training.target_accuracy
+    return bool(target) and progress.last_accuracy is not None and progress.last_accuracy >= target
+
+
+def target_loss_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
+    target = cfg.training.target_loss
+    return (
+        bool(target) and progress.last_eval_loss is not None and progress.last_eval_loss <= target
+    )
+
+
+def summarize(
+    cfg: ExperimentConfig, progress: Progress, stop_reason: str, wall_start: float
+) -> dict[str, Any]:
+    """The fields of summary.json every runtime writes (the engine's and Flower's)."""
+    return {
+        "stop_reason": stop_reason,
+        "rounds": progress.round,
+        "sim_time_s": progress.sim_time_s,
+        "initial_accuracy": progress.initial_accuracy,
+        "final_accuracy": progress.last_accuracy,
+        "best_accuracy": progress.best_accuracy,
+        "target_accuracy": cfg.training.target_accuracy or None,
+        "time_to_target_s": progress.time_to_target_s,
+        "total_uplink_bits": progress.uplink_bits,
+        "total_downlink_bits": progress.downlink_bits,
+        "empty_rounds": progress.empty_rounds,
+        "compute_s": progress.compute_s,
+        "initial_eval_loss": progress.initial_eval_loss,
+        "final_eval_loss": progress.last_eval_loss,
+        "best_eval_loss": progress.best_eval_loss,
+        "target_loss": cfg.training.target_loss or None,
+        "time_to_target_loss_s": progress.time_to_target_loss_s,
+        "initial_eval": progress.initial_eval,
+        "final_eval": progress.last_eval,
+        "wall_s": time.perf_counter() - wall_start,
+        "method": cfg.method.name,
+        "seed": cfg.training.seed,
+    }
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """A few lines for the terminal."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+    lines = [
+        f"rounds: {summary['rounds']} ({summary['stop_reason']}), "
+        f"simulated wall-clock: {summary['sim_time_s']:.1f} s, compute: {summary['compute_s']:.0f} s",
+        f"accuracy: {pct(summary['initial_accuracy'])} before -> {pct(summary['final_accuracy'])} "
+        f"final (best {pct(summary['best_accuracy'])})",
+        f"uplink: {summary['total_uplink_bits'] / 8e6:.1f} MB, empty rounds: {summary['empty_rounds']}",
+    ]
+    if summary.get("target_accuracy"):
+        ttt = summary["time_to_target_s"]
+        lines.append(
+            f"time to {pct(summary['target_accuracy'])}: "
+            + ("not reached" if ttt is None else f"{ttt:.1f} s")
+        )
+    lines.extend(describe_eval(summary))
+    return "\n".join(lines)
+
+
+def describe_eval(summary: dict[str, Any]) -> list[str]:
+    """Per eval task: accuracy before -> after with 95% Wilson intervals beside the
+    most-frequent-label and chance scores; eval_loss before -> after (and its target)."""
+
+    def acc(d: dict[str, Any]) -> str:
+        lo, hi = d["ci95"]
+        return f"{100 * d['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+    before, after = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
+    lines = []
+    for task, d in after.items():
+        b = before.get(task)
+        loss_before = f"{b['loss']:.4f} -> " if b else ""
+        lines.append(
+            f"{task} (n = {d['n']}): accuracy {acc(b) + ' -> ' if b else ''}{acc(d)}; "
+            f"most-frequent label {100 * d['majority']:.1f}%, chance {100 * d['chance']:.1f}%; "
+            f"eval_loss {loss_before}{d['loss']:.4f}"
+        )
+    if summary.get("target_loss"):
+        ttl = summary.get("time_to_target_loss_s")
+        lines.append(
+            f"time to eval_loss <= {summary['target_loss']:g}: "
+            + ("not reached" if ttl is None else f"{ttl:.1f} s")
+        )
+    return lines

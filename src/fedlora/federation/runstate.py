@@ -1,0 +1,145 @@
+"""What a run holds in memory between rounds (`Run`): the model and its LoRA slots, the
+partitioned data, the client profiles and the method; built once from the config
+(`build_run`), saved to and restored from checkpoints (`checkpoint_state`, `restore_state`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.config import ExperimentConfig
+from fedlora.federation.methods import Method, Plan, make_method
+from fedlora.federation.profiles import build_profiles
+from fedlora.federation.progress import Progress
+from fedlora.llm.device import resolve_runtime
+from fedlora.system.network import ClientProfiles
+from fedlora.system.seeding import derive_rng, derive_seed
+
+
+@dataclass
+class Run:
+    """Everything a run holds in memory between rounds."""
+
+    cfg: ExperimentConfig
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    lora: Any
+    fed: Any
+    profiles: ClientProfiles
+    method: Method
+    shapes: dict[str, tuple[int, int]]
+    base_delta: dict[str, np.ndarray] = field(default_factory=dict)
+    device: str = "cpu"  # where the model, the slots, batches and the layer cache live
+    slots_per_pass: int = 0  # clients per forward/backward; 0 = training.slots
+
+
+def load_trainable(
+    cfg: ExperimentConfig, *, slots: int, progress: bool = True, log=None
+) -> tuple[ExperimentConfig, Any, Any, Any, Any]:
+    """What the engine and a Flower node build alike: the config with its runtime made
+    concrete (threads set, auto device/dtype resolved), the model and tokenizer, LoRA with
+    `slots` client slots (initialised from the run's seed) and the federated data."""
+    from fedlora.llm.data import build_federated_data
+    from fedlora.llm.lora import inject_lora
+    from fedlora.llm.models import load_model
+
+    resolved = resolve_runtime(cfg)
+    cfg = resolved.cfg
+    if log is not None:
+        log(f"model: {cfg.model.name} on {resolved.describe()}")
+    model, tokenizer = load_model(
+        cfg.model.name,
+        dtype=cfg.model.dtype,
+        cache_dir=cfg.model.cache_dir or None,
+        progress=progress,
+        device=cfg.model.device,
+    )
+    lora = inject_lora(model, cfg.lora, slots=slots, seed=derive_seed(cfg.training.seed, "init"))
+    fed = build_federated_data(cfg.data, tokenizer, seed=cfg.training.seed)
+    return cfg, model, tokenizer, lora, fed
+
+
+def build_run(cfg: ExperimentConfig, run_dir: Path, log=print, plan: Plan | None = None) -> Run:
+    """Model, LoRA slots, federated data, client profiles and the method of one run."""
+    cfg, model, tokenizer, lora, fed = load_trainable(cfg, slots=cfg.training.slots, log=log)
+    shapes = lora.layer_shapes()
+    full_bits = cfg.lora.rank * sum(o + i for o, i in shapes.values()) * cfg.network.bits_per_param
+    profiles = build_profiles(cfg, full_bits)
+    method = make_method(
+        cfg,
+        fed.a,
+        derive_rng(cfg.training.seed, "strategy"),
+        tau_full_s=profiles.tau_full_s,
+        plan=plan,
+    )
+    run = Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+    run.device = cfg.model.device
+    run.slots_per_pass = device_slots_per_pass(run, log)
+    return run
+
+
+def device_slots_per_pass(run: Run, log=print) -> int:
+    """training.slots, capped on a CUDA GPU by what half its free memory holds (an
+    over-estimate of one slot's activations, `fedlora.llm.device.activation_bytes_per_slot`)."""
+    requested = run.cfg.training.slots
+    if not run.device.startswith("cuda"):
+        return requested
+    import torch
+
+    from fedlora.llm.device import activation_bytes_per_slot, slots_for_memory
+    from fedlora.llm.lora import layer_index
+
+    free_bytes, _ = torch.cuda.mem_get_info(run.device)
+    n_layers = int(run.model.config.num_hidden_layers)
+    lowest = min((i for n in run.lora.names if (i := layer_index(n)) is not None), default=0)
+    per_slot = activation_bytes_per_slot(
+        run.model.config,
+        batch_size=run.cfg.training.batch_size,
+        seq_len=run.cfg.data.max_seq_len,
+        trained_layers=n_layers - lowest,
+        dtype_bytes=2 if run.cfg.model.dtype == "bf16" else 4,
+    )
+    slots = slots_for_memory(requested, free_bytes, per_slot)
+    if slots < requested:
+        log(
+            f"training.slots = {requested}: {slots} per pass fit in half of the "
+            f"{free_bytes / 2**30:.1f} GiB free on {run.device}"
+        )
+    return slots
+
+
+def to_numpy(state: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def to_torch(state: dict[str, np.ndarray]) -> dict[str, Any]:
+    import torch
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
+
+
+def checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
+    return {
+        "round": progress.round,
+        "progress": progress.__dict__.copy(),
+        "global": run.lora.global_state(),
+        "base_delta": run.base_delta,
+        "method": run.method.state_dict(),
+        "seed": run.cfg.training.seed,
+        "rng": "derived from (seed, stream, round): see fedlora.federation.engine.derive_rng",
+    }
+
+
+def restore_state(run: Run, state: dict[str, Any]) -> Progress:
+    """Put a checkpoint's global adapter, merged base delta and method state back into `run`;
+    its progress. Shared by the engine and the Flower ServerApp."""
+    run.lora.load_global(state["global"])
+    run.base_delta = state.get("base_delta") or {}
+    if run.base_delta:
+        run.lora.add_to_base(to_torch(run.base_delta))
+    run.method.load_state_dict(state.get("method", {}))
+    return Progress(**state["progress"])

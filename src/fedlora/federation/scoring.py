@@ -1,0 +1,113 @@
+"""Evaluation of the global adapter during a run: accuracy and loss per eval task, the
+metrics-line fields they give, and the per-question predictions file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.federation.progress import Progress
+from fedlora.federation.rundir import atomic_write
+from fedlora.federation.runstate import Run
+
+
+def evaluate_tasks(run: Run) -> dict[str, Any]:
+    """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
+    import torch
+
+    from fedlora.llm.evaluation import eval_cache_for, evaluate
+
+    ecfg = run.cfg.evaluation
+    run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
+    # lora.layers = K: the eval set's frozen lower layers once per run (same results)
+    cache = eval_cache_for(run.model, run.lora, ecfg.cache_mb)
+    return {
+        task: evaluate(
+            run.model,
+            run.tokenizer,
+            examples,
+            batch_size=ecfg.batch_size,
+            scoring=ecfg.scoring,
+            task=task,
+            cache=cache,
+        )
+        for task, examples in run.fed.eval_sets.items()
+    }
+
+
+PREDICTIONS_FILE = "predictions.jsonl"
+
+
+def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) -> None:
+    """One line per task of this evaluation in predictions.jsonl: question ids, predicted
+    label index, correct (0/1) and NLL per question. Lines of this or later rounds (left by
+    an interrupted run that is being resumed) are replaced."""
+    path = run_dir / PREDICTIONS_FILE
+    kept = []
+    if path.exists():
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(raw)["round"] < round_index:
+                    kept.append(raw)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn line of a killed run
+    for task, r in results.items():
+        line = {
+            "round": round_index,
+            "task": task,
+            "scoring": r.scoring,
+            "ids": r.ids,
+            "pred": r.predictions,
+            "correct": [int(c) for c in r.correct],
+            "nll": [round(x, 6) for x in r.nll],
+        }
+        kept.append(json.dumps(line))
+    atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[str, Any]) -> dict:
+    """The metrics-line fields of an evaluation beside the accuracy (eval_loss, intervals,
+    majority-label and chance scores, n); updates the loss in `progress` and writes the
+    per-question predictions."""
+    loss = mean_over_tasks({t: r.loss for t, r in results.items()})
+    if progress.initial_eval_loss is None:
+        progress.initial_eval_loss = loss
+    progress.last_eval_loss = loss
+    best = progress.best_eval_loss
+    progress.best_eval_loss = loss if best is None else min(best, loss)
+    target = run.cfg.training.target_loss
+    if target and loss <= target and progress.time_to_target_loss_s is None:
+        progress.time_to_target_loss_s = progress.sim_time_s
+    details = {
+        t: {
+            "accuracy": r.accuracy,
+            "ci95": list(r.ci95),
+            "n": r.n,
+            "majority": r.majority,
+            "chance": r.chance,
+            "loss": r.loss,
+            "loss_ci95": list(r.loss_ci95),
+        }
+        for t, r in results.items()
+    }
+    if progress.initial_eval is None:
+        progress.initial_eval = details
+    progress.last_eval = details
+    if run.cfg.evaluation.predictions:
+        write_predictions(run.run_dir, round_index, results)
+    return {
+        "eval_loss": loss,
+        "eval_losses": {t: r.loss for t, r in results.items()},
+        "eval_ci95": {t: list(r.ci95) for t, r in results.items()},
+        "eval_n": {t: r.n for t, r in results.items()},
+        "eval_majority": {t: r.majority for t, r in results.items()},
+        "eval_chance": {t: r.chance for t, r in results.items()},
+        "eval_scoring": run.cfg.evaluation.scoring,
+    }
+
+
+def mean_over_tasks(values: dict[str, float]) -> float:
+    return float(np.mean(list(values.values())))

@@ -1,0 +1,148 @@
+"""Local training of a round's participants, behind one interface (`Trainer`): the engine's
+round loop (`fedlora.federation.engine.run_rounds`) calls `train(plan, global_state)` and
+gets back the adapters that arrived. `SlotTrainer` trains in this process, `slots` clients
+per forward/backward; the Flower ServerApp's trainer sends the tasks to its nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedlora.errors import FedloraError
+from fedlora.federation.methods import RoundPlan
+from fedlora.federation.runstate import Run, to_numpy
+from fedlora.system.seeding import derive_rng, derive_seed
+
+
+class TrainingDiverged(FedloraError):
+    """A non-finite training loss: the run stops and keeps its last good checkpoint."""
+
+
+@dataclass
+class Trained:
+    """What came back from one round's local training: `plan` holds the tasks whose adapters
+    arrived (with the weights to aggregate them by), `states` and `losses` their adapters and
+    mean training losses (in that order), `dropouts` the clients asked that did not answer."""
+
+    plan: RoundPlan
+    states: list[dict[str, np.ndarray]]
+    losses: Any  # (n,) floats
+    dropouts: list[int] = field(default_factory=list)
+
+
+class Trainer:
+    """Local training of a round's participants for `fedlora.federation.engine.run_rounds`.
+
+    `train` is the one verb; the others let a runtime add to what the loop records (Flower:
+    the dropouts on every metrics line, its answer counts in checkpoints, its summary keys).
+    """
+
+    def train(self, plan: RoundPlan, global_state: dict[str, np.ndarray]) -> Trained:
+        raise NotImplementedError
+
+    def line_fields(self, trained: Trained | None) -> dict[str, Any]:
+        """Extra fields at the end of a round's metrics line (None: round 0 or no participant)."""
+        return {}
+
+    def report(self, line: dict[str, Any]) -> None:
+        """Called with every round's metrics line once it is written."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Extra entries of a checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from a checkpoint (the whole checkpoint state)."""
+
+    def summary_fields(self) -> dict[str, Any]:
+        """Extra keys of summary.json."""
+        return {}
+
+
+class SlotTrainer(Trainer):
+    """In-process training: the participants share the model, `slots` per forward/backward."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def train(self, plan: RoundPlan, global_state: dict[str, np.ndarray]) -> Trained:
+        states, losses = train_participants(self.run, plan)  # slots start from the global
+        return Trained(plan, states, losses)
+
+
+def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
+    """Local training of every participant, `slots` clients per forward/backward.
+
+    Returns each participant's final adapter (in plan order) and its mean loss over H steps.
+    """
+    from fedlora.llm.train import TrainingError, layer_cache_for
+
+    cfg, r = run.cfg, plan.round
+    # lora.layers = K: frozen lower layers once per example, kept across rounds (exact)
+    cache = layer_cache_for(
+        run.model, run.lora, cfg.training.layer_cache_mb, cfg.training.layer_cache_dtype
+    )
+    states: list[dict[str, np.ndarray]] = []
+    losses: list[float] = []
+    tasks = list(plan.tasks)
+    per_pass = run.slots_per_pass or cfg.training.slots
+    for start in range(0, len(tasks), per_pass):
+        chunk = tasks[start : start + per_pass]
+        clients = [t.client for t in chunk]
+        try:
+            chunk_losses = train_clients(
+                run, r, clients, np.stack([t.scale for t in chunk]), start, cache=cache
+            )  # (c, H)
+        except TrainingError as e:
+            raise TrainingDiverged(f"round {r + 1}, clients {clients}: {e}") from None
+        for i in range(len(chunk)):
+            states.append(to_numpy(run.lora.slot_state(i)))
+        losses.extend(np.asarray(chunk_losses).mean(axis=1).tolist())
+    return states, np.array(losses)
+
+
+def train_clients(
+    holder: Any,
+    round_index: int,
+    clients: list[int],
+    scales: np.ndarray,
+    torch_id: int,
+    *,
+    cache: Any = None,
+) -> Any:
+    """H local steps of `clients` on slots 0..c-1 (each starts from the global adapter);
+    returns their losses (c, H). `holder`: a `Run`, or a Flower node's state (the same
+    cfg, model, tokenizer, lora and fed). The draws: batches from
+    ``derive_rng(seed, "data", r, client)``, torch seeded by ``derive_seed(seed, "torch", r,
+    torch_id)`` (torch_id: the first client's position in the round's plan)."""
+    import torch
+
+    from fedlora.llm.data import client_batches
+    from fedlora.llm.train import local_train, step_sizes_for
+
+    cfg, seed = holder.cfg, holder.cfg.training.seed
+    scales = np.asarray(scales, dtype=np.float32)  # (c, γ)
+    holder.lora.set_clients(torch.from_numpy(scales))
+    batches = [
+        client_batches(
+            holder.fed,
+            client,
+            cfg.training.local_steps,
+            cfg.training.batch_size,
+            derive_rng(seed, "data", round_index, client),
+            holder.tokenizer.pad_token_id,
+        )
+        for client in clients
+    ]
+    torch.manual_seed(derive_seed(seed, "torch", round_index, torch_id))
+    return local_train(
+        holder.model,
+        holder.lora,
+        batches,
+        step_sizes_for(cfg.training, scales),
+        autocast_bf16=cfg.model.dtype == "bf16",
+        cache=cache,
+        momentum=cfg.training.momentum,
+    )

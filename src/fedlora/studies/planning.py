@@ -1,0 +1,134 @@
+"""Algorithm 2's plan from the calibration runs' observations: the clients' profiles read
+back from clients.csv, the constants A–D fitted (SVD, or non-negative least squares as the
+fallback), then (q*, k*) planned with `fedlora.system.planner` (both, q only with k from
+`method.k`, or k only with q from `method.q`). Used by `fedlora.studies.calibration`.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.config import ExperimentConfig
+from fedlora.errors import ConfigError
+
+
+def read_clients(path: Path) -> dict[str, np.ndarray]:
+    """a_n, τ_n^γ, t_n^γ (and the mean SNR of generated profiles) from a run's clients.csv."""
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    out = {key: np.array([float(r[key]) for r in rows]) for key in ("a", "tau_full_s", "t_full")}
+    if rows and "snr_db" in rows[0]:  # generated profiles: the mean SNR (fading-aware plan)
+        out["snr_db"] = np.array([float(r["snr_db"]) for r in rows])
+    return out
+
+
+def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
+    """t_full for the planner: with Rayleigh fading, the mean-SNR time times the expected
+    factor of fading (`fedlora.system.network.planning_time_factor`; the ergodic rate when there is
+    no outage floor, the exact mean with one); unchanged without fading or channel data."""
+    snr = clients.get("snr_db")
+    if cfg.network.fading != "rayleigh" or snr is None or not np.all(np.isfinite(snr)):
+        return clients["t_full"]
+    from fedlora.system.network import planning_time_factor
+
+    return clients["t_full"] * planning_time_factor(snr, cfg.network.fading_floor)
+
+
+def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray) -> Any:
+    """A, C, D >= 0 with B = 1 by non-negative least squares on A/R_i + C·Y_i + D·Z_i = 1
+    (Eq. 21's rows divided through by B; Y = Σ a²/q, Z = Σ a²/q·γ²/k², PAPER_NOTES #2).
+
+    The fallback of ``planner.calibration_fit = "nonnegative"`` when the unconstrained fit
+    contradicts the model. A constant the fit puts at 0 is raised to 1e-9 of the largest
+    (the planner needs all four > 0): a zero D says that, in the calibration, smaller
+    sketches did not need more rounds.
+    """
+    from scipy.optimize import nnls
+
+    from fedlora.system import planner as pl
+
+    a2 = np.asarray(a, dtype=float) ** 2
+    rows = []
+    for o in observations:
+        y = float(np.sum(a2 / o.q))
+        z = float(np.sum(a2 / o.q * gamma**2 / np.asarray(o.k, dtype=float) ** 2))
+        rows.append([1.0 / o.rounds, y, z])
+    x, _ = nnls(np.asarray(rows), np.ones(len(rows)))
+    if not x[0] > 0:
+        raise ConfigError(
+            "calibration: even with A, C, D >= 0 the fit gives A = 0 (the rounds R_i carry "
+            "no information); raise planner.calibration_rounds or set planner.calibration_loss"
+        )
+    x = np.maximum(x, 1e-9 * x.max())
+    return pl.Constants(A=float(x[0]), B=1.0, C=float(x[1]), D=float(x[2]))
+
+
+def plan_from_calibration(
+    cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[dict]
+) -> dict:
+    """plan.json's fields beside the calibration: fit, degeneracy, q, k, constants, ..."""
+    from fedlora.system import planner as pl
+
+    n, gamma = cfg.data.n_clients, cfg.lora.rank
+    a = clients["a"] / clients["a"].sum()
+    observations = [
+        pl.Observation(np.full(n, r["q"]), np.full(n, r["k"]), float(r["rounds"])) for r in records
+    ]
+    options = pl.PlanOptions.from_config(cfg.planner, cfg.network)
+    problem = pl.PlanProblem(
+        gamma=gamma,
+        f_tot=cfg.network.f_tot_hz,
+        a=a,
+        tau_full_s=clients["tau_full_s"],
+        t_full=planning_t_full(cfg, clients),
+        calibration=tuple(observations),
+    )
+    try:
+        constants = pl.estimate_constants(observations, gamma, a, options.estimation_matrix)
+        fit = "svd"
+    except ConfigError as e:
+        if cfg.planner.calibration_fit != "nonnegative":
+            raise
+        constants = nonnegative_constants(observations, gamma, a)
+        fit = f"nonnegative (the SVD fit was refused: {e})"
+    if cfg.planner.optimize == "qk":
+        result = pl.multi_start(problem, constants, options)
+        q, k = result.q, result.k
+        extra = {
+            "iterations": result.iterations,
+            "stop_reason": result.stop_reason,
+            "start": result.start,
+            "starts": result.starts,
+        }
+    else:
+        from fedlora.federation.methods.strategies import resolve_k, resolve_q
+        from fedlora.system.seeding import derive_rng
+
+        if cfg.planner.optimize == "q":  # Figure 2: k from method.k, q planned
+            k = resolve_k(cfg.method.k, n=n, gamma=gamma,
+                          rng=derive_rng(cfg.training.seed, "strategy"))  # fmt: skip
+            q = pl.q_step(problem, constants, k, options).q
+        else:  # Figure 3: q from method.q, k planned
+            q = resolve_q(cfg.method.q, a=a, q_fixed=cfg.method.q_fixed)
+            k = pl.greedy_k(problem, constants, q, options)
+        extra = {}
+    weights = pl.sketched_round_weights(problem, np.asarray(k), options)
+    degeneracy = pl.plan_degeneracy(problem, constants, q, k, options)
+    return {
+        "fit": pl.calibration_fit(observations, gamma, a, constants),
+        "degeneracy": degeneracy,
+        "q": [float(x) for x in q],
+        "k": [int(x) for x in k],
+        "optimize": cfg.planner.optimize,
+        "constants": constants.to_dict(),
+        "constants_fit": fit,
+        "objective": float(pl.p2_objective(problem, constants, q, k, options)),
+        "expected_rounds": float(pl.expected_rounds(problem, constants, q, k)),
+        "expected_round_time_s": float(np.dot(q, weights)),
+        **extra,
+    }
