@@ -222,6 +222,33 @@ def test_run_suite_refuses_to_resume_a_partial_run_with_another_config(tmp_path)
         run_suite(spec, tmp_path / "out", log=lambda m: None)
 
 
+@needs_data
+def test_run_suite_resumes_a_partial_run_whose_saved_config_resolved_auto(tmp_path):
+    # Prepare: the suite says model.device/dtype = "auto"; the partial run's config.toml holds
+    # what auto resolved to (prepare_run_dir saves the resolved values), as on a real machine
+    from fedlora.config import dump_toml
+    from fedlora.studies.experiments import run_suite
+
+    from dataclasses import replace
+
+    tiny = [x for x in TINY if not x.startswith("model.dtype")] + ["training.rounds=1"]
+    spec = load_suite("table1", _suite_file(tmp_path, "[suite]\ntargets = {arc-e = 0.5}\n"),
+                      overrides=tiny, methods=["fslora"])  # fmt: skip
+    cfg = spec.config_for("fslora", 0)
+    assert cfg.model.dtype == "auto" and cfg.model.device == "auto"
+    partial = tmp_path / "out" / "fslora-seed0"
+    partial.mkdir(parents=True)
+    resolved = cfg.replace(model=replace(cfg.model, dtype="fp32", device="cpu"))
+    (partial / "config.toml").write_text(dump_toml(resolved))
+    # Execute: the run resumes (no checkpoint: from round 0) instead of being refused
+    lines: list[str] = []
+    run_suite(spec, tmp_path / "out", log=lines.append)
+    # Assert
+    assert any("resuming in" in x for x in lines), lines
+    assert (partial / "summary.json").is_file()
+    assert "error" not in json.loads((partial / "summary.json").read_text())
+
+
 # ----------------------------------------------------------------------------- powered pipeline
 
 

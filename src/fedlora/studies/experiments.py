@@ -345,6 +345,7 @@ def run_suite(
 def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], None]) -> None:
     """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
     from fedlora.federation.rundir import load_run_config, prepare_run_dir
+    from fedlora.llm.device import inherit_auto
     from fedlora.studies.calibration import run_method
 
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
@@ -359,7 +360,8 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
         resume = (run_dir / "config.toml").is_file()
         if resume:  # a partial run continues only with the config it started with
             saved = load_run_config(run_dir)
-            differing = diff_configs(saved, cfg)
+            # the saved config holds the resolved device/dtype; the suite's "auto" means those
+            differing = diff_configs(saved, inherit_auto(cfg, saved))
             if differing:
                 raise ConfigError(
                     f"{run_dir} is a partial run started with different {', '.join(differing)}; "
