@@ -226,10 +226,10 @@ def test_run_suite_refuses_to_resume_a_partial_run_with_another_config(tmp_path)
 def test_run_suite_resumes_a_partial_run_whose_saved_config_resolved_auto(tmp_path):
     # Prepare: the suite says model.device/dtype = "auto"; the partial run's config.toml holds
     # what auto resolved to (prepare_run_dir saves the resolved values), as on a real machine
+    from dataclasses import replace
+
     from fedlora.config import dump_toml
     from fedlora.studies.experiments import run_suite
-
-    from dataclasses import replace
 
     tiny = [x for x in TINY if not x.startswith("model.dtype")] + ["training.rounds=1"]
     spec = load_suite("table1", _suite_file(tmp_path, "[suite]\ntargets = {arc-e = 0.5}\n"),
