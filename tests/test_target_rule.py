@@ -9,7 +9,7 @@ import pytest
 
 from fedlora.errors import ConfigError
 from fedlora.studies import target_rule
-from fedlora.studies.runs import load_run
+from fedlora.studies.runs import load_run, time_to
 from powered_cases import write_run
 
 RULE = {"budget_fraction": 0.6, "floor_se": 4, "text": "slowest baseline at 60%, floor 4 SE"}
@@ -68,3 +68,23 @@ def test_rule_targets_bad_input(tmp_path):
     prop = load_run(write_run(tmp_path, "proposed", 1, [(0, 0.25, 1.5)]))
     with pytest.raises(ConfigError, match="no baseline run"):
         target_rule.rule_targets([prop], ["arc-e"], 10.0, RULE)
+
+
+def test_loss_drops_map_the_pilot_target_to_a_decrease_from_round_0(tmp_path):
+    # Prepare: two pilot runs with round-0 eval_loss 1.5 (same questions); target 1.3 -> Δ 0.2
+    pilot = [
+        load_run(write_run(tmp_path / "pilot", "fslora", 9, [(0, 0.25, 1.5), (50, 0.3, 1.1)])),
+        load_run(write_run(tmp_path / "pilot", "heterolora", 9, [(0, 0.25, 1.5), (30, 0.3, 1.3)])),
+    ]
+    # Execute
+    drops = target_rule.loss_drops(pilot, {"arc-e": 1.3, "obqa": 1.0})
+    # Assert: obqa has no pilot evaluation: left out; a target above round 0 (Δ <= 0) too
+    assert drops == {"arc-e": pytest.approx(0.2)}
+    assert target_rule.loss_drops(pilot, {"arc-e": 1.6}) == {}
+    # a main seed whose questions start at 1.25, already below the absolute 1.3 at round 0:
+    # the absolute target is "reached" at 0 s, the decrease of 0.2 (<= 1.05) only at 40 s
+    main = load_run(write_run(tmp_path, "fslora", 1, [(0, 0.25, 1.25), (20, 0.3, 1.1),
+                                                      (40, 0.3, 1.05)]))  # fmt: skip
+    assert time_to(main, "arc-e", "loss", 1.3) == (0.0, True)
+    assert time_to(main, "arc-e", "loss_drop", drops["arc-e"]) == (40.0, True)
+    assert time_to(main, "arc-e", "loss_drop", 0.5) == (40.0, False)  # censored at its clock

@@ -51,6 +51,7 @@ def render(
     targets: dict[str, float],
     *,
     target_losses: dict[str, float] | None = None,
+    target_drops: dict[str, float] | None = None,
     suite: str = "",
     order: Sequence[str] | None = None,
     margin: float = SIMILAR_MARGIN,
@@ -61,6 +62,7 @@ def render(
     if not gs:
         return ""
     target_losses = target_losses or {}
+    target_drops = target_drops or {}
     seeds = sorted({s for g in gs for s in g.seeds})
     out = ["", "## Over seeds (powered report)", ""]
     out += [
@@ -79,6 +81,8 @@ def render(
         head = f"| method | seeds | time to {100 * target:.1f}% (s) | without calibration (s) |"
         head += f" speed-up over {ref.label} |" if ref else ""
         head += f" time to loss <= {loss_t:.4g} (s) |" if loss_t is not None else ""
+        drop = target_drops.get(task)
+        head += f" time to a loss drop >= {drop:.4g} (s) |" if drop is not None else ""
         head += " accuracy at budget (%) | eval_loss at budget |"
         out += [head, "|" + "---|" * (head.count("|") - 1)]
         for g in gs:
@@ -95,6 +99,9 @@ def render(
             if loss_t is not None:
                 tl, okl = times_to(g.runs, task, "loss", loss_t, False)
                 cells.append(summarize(tl, okl.count(False)).text())
+            if drop is not None:
+                td, okd = times_to(g.runs, task, "loss_drop", drop, False)
+                cells.append(summarize(td, okd.count(False)).text())
             accs = [v for v in (final_value(r, task, "accuracy") for r in g.runs) if v is not None]
             losses = [v for v in (final_value(r, task, "loss") for r in g.runs) if v is not None]
             cells.append(summarize(accs).text(100) if accs else "-")
@@ -124,7 +131,7 @@ def render(
                 row.append("-" if mc is None else f"{mc[0]}: {mc[1]} / {mc[2]}, p = {mc[3]:.3g}")
                 out.append("| " + " | ".join(row) + " |")
         out.append("")
-    rows = claims(suite, gs, targets, margin, target_losses)
+    rows = claims(suite, gs, targets, margin, target_losses, target_drops)
     if rows:
         out += ["## Claims of the paper", ""]
         out += [

@@ -251,10 +251,21 @@ def level_at(run: RunRecord, task: str, metric: str, time_s: float) -> float | N
 
 def time_to(run: RunRecord, task: str, metric: str, target: float) -> tuple[float, bool]:
     """(time, reached): first evaluation at/above an accuracy target or at/below a loss
-    target; (last clock, False) when never (censored)."""
+    target; (last clock, False) when never (censored).
+
+    metric "loss_drop": `target` is a decrease in nats from the run's own first evaluation
+    (round 0: the untrained adapter on the run's eval questions, the same for every method of
+    a seed), so that one target means the same on every seed's questions; a run without
+    evaluations is censored at its clock.
+    """
     if metric == "accuracy":
         return _first_time(run, points(run, task, metric), lambda v: v >= target)
-    return _first_time(run, points(run, task, metric), lambda v: v <= target)
+    pts = points(run, task, "loss")
+    if metric == "loss_drop":
+        if not pts:
+            return run.total_time_s, False
+        target = pts[0][1] - target
+    return _first_time(run, pts, lambda v: v <= target)
 
 
 def final_value(run: RunRecord, task: str, metric: str) -> float | None:

@@ -50,21 +50,33 @@ def report_suite(
         target_loss=target_loss,
         mcnemar=mcnemar,
     )
-    return _append_powered(path, runs, merged, suite, title or suite.get("title", ""))
+    pilots = [Path(p) / "pilot" for p in paths if (Path(p) / "pilot").is_dir()]
+    pilot_runs = collect_runs(pilots)[0] if pilots else []
+    return _append_powered(path, runs, merged, suite, title or suite.get("title", ""), pilot_runs)
 
 
 def _append_powered(
-    path: Path, runs: Sequence[Any], targets: dict[str, float], suite: dict[str, Any], title: str
+    path: Path,
+    runs: Sequence[Any],
+    targets: dict[str, float],
+    suite: dict[str, Any],
+    title: str,
+    pilot_runs: Sequence[Any] = (),
 ) -> Path:
-    """The over-seeds sections and band plots (`fedlora.studies.powered`) after report.md."""
+    """The over-seeds sections and band plots (`fedlora.studies.powered`) after report.md;
+    with the suite's pilot runs, the eval_loss targets also as decreases from round 0
+    (`fedlora.studies.target_rule.loss_drops`)."""
     from fedlora.studies import powered
+    from fedlora.studies.target_rule import loss_drops
 
     runs = [r for r in runs if r.lines]
     losses = {t: float(v) for t, v in suite.get("target_losses", {}).items()}
+    drops = loss_drops([r for r in pilot_runs if r.lines], losses) if pilot_runs else {}
     text = powered.render(
         runs,
         targets,
         target_losses=losses,
+        target_drops=drops,
         suite=str(suite.get("suite", "")),
         order=suite.get("labels"),
         margin=float(suite.get("similar_margin", powered.SIMILAR_MARGIN)),

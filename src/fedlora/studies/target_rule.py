@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedlora.errors import ConfigError, bad_value
-from fedlora.studies.runs import RunRecord, eval_constant, level_at
+from fedlora.studies.runs import RunRecord, eval_constant, level_at, points
 
 RULE_KEYS = ("budget_fraction", "floor_se", "text")
 
@@ -124,3 +124,21 @@ def targets_toml(result: dict[str, Any], rule: dict[str, Any], pilot: str) -> st
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def loss_drops(pilot: Sequence[RunRecord], target_losses: dict[str, float]) -> dict[str, float]:
+    """Each task's eval_loss target as a decrease from round 0 on the pilot's questions:
+    Δ = (the pilot's round-0 eval_loss, the mean over its runs, which share the untrained
+    adapter and the questions) − target. Every seed evaluates other questions, whose
+    untrained eval_loss can already be below an absolute target (it was on issue 14's
+    powered suites); a decrease of Δ from each run's own round 0 means the same on every
+    seed (`runs.time_to`'s "loss_drop"). Tasks without pilot evaluations, or Δ <= 0, are left
+    out."""
+    drops: dict[str, float] = {}
+    for task, target in target_losses.items():
+        firsts = [pts[0][1] for pts in (points(r, task, "loss") for r in pilot) if pts]
+        if firsts:
+            drop = sum(firsts) / len(firsts) - float(target)
+            if drop > 0:
+                drops[task] = drop
+    return drops
