@@ -201,6 +201,41 @@ def test_target_accuracy_and_time_budget_stop(tmp_path):
     assert summary["stop_reason"] == "time_budget" and summary["rounds"] == 1
 
 
+def test_eval_schedule_is_laid_from_the_end_of_a_calibration(tmp_path):
+    # Prepare: a planned run (q, k given as a Plan, every client every round) without, then
+    # with c s of calibration on its clock; round times do not depend on either
+    from dataclasses import replace
+
+    from fedlora.federation.methods.proposed import Plan
+
+    cfg = _cfg("method.name=proposed", "training.rounds=4", "training.eval_every=100")
+    n, gamma = cfg.data.n_clients, cfg.lora.rank
+
+    def run(name: str, calibration_s: float, every_s: float = 0.0) -> list[dict]:
+        c = cfg.replace(training=replace(cfg.training, eval_every_s=every_s))
+        run_dir = tmp_path / name
+        prepare_run_dir(c, run_dir)
+        plan = Plan((1.0,) * n, (gamma,) * n, calibration_s)
+        run_experiment(c, run_dir, quiet=True, log=lambda m: None, plan=plan)
+        return _metrics(run_dir)
+
+    clock = [m["sim_time_s"] for m in run("ref", 0.0)]
+    every = (clock[1] + clock[2]) / 2
+    due = [math.floor(clock[r] / every) > math.floor(clock[r - 1] / every) for r in range(1, 5)]
+    # a calibration time that moves the grid if the grid were laid in absolute time
+    shifted = [
+        c for c in (0.5 * every, 0.25 * every, 0.75 * every)
+        if [math.floor((c + clock[r]) / every) > math.floor((c + clock[r - 1]) / every)
+            for r in range(1, 5)] != due
+    ]  # fmt: skip
+    assert shifted, "no calibration time tells the two grids apart"
+    # Execute
+    lines = run("calibrated", shifted[0], every)
+    # Assert: the clock starts at c; evaluations fall where they do without a calibration
+    assert [m["sim_time_s"] for m in lines] == pytest.approx([shifted[0] + x for x in clock])
+    assert [("eval" in m) for m in lines[1:]] == [d or r == 4 for r, d in enumerate(due, 1)]
+
+
 def test_eval_schedule_in_simulated_time_and_at_the_budget(tmp_path):
     # Round times do not depend on evaluation: a reference run gives the clock c_1..c_4.
     ref, _ = _run(tmp_path, "ref", "training.rounds=4", "training.eval_every=100")

@@ -152,6 +152,7 @@ def run_rounds(
         restore_metrics(metrics_path, state, warn=log)
     else:
         metrics_path.unlink(missing_ok=True)
+    progress.clock_start_s = calibration_s or 0.0  # also on resume (older checkpoints lack it)
     write_clients_csv(run_dir, run.fed, run.profiles)
     if progress.metrics_lines == 0:  # round 0: the untrained adapter, before any time passes
         append_metrics(metrics_path, _round_zero(run, trainer, progress, calibration_s))
@@ -320,9 +321,13 @@ def _crossed_budget(cfg: ExperimentConfig, before_s: float, after_s: float) -> b
 
 
 def _eval_due_s(cfg: ExperimentConfig, before_s: float, progress: Progress) -> bool:
-    """training.eval_every_s: this round's clock passed a multiple of it."""
+    """training.eval_every_s: this round's clock passed a multiple of it, counted from the
+    clock's start (after a calibration, whose time would otherwise shift the grid)."""
     every = cfg.training.eval_every_s
-    return bool(every) and math.floor(progress.sim_time_s / every) > math.floor(before_s / every)
+    start = progress.clock_start_s
+    return bool(every) and (
+        math.floor((progress.sim_time_s - start) / every) > math.floor((before_s - start) / every)
+    )
 
 
 def _one_round(run: Run, trainer: Trainer, plan: RoundPlan, progress: Progress) -> dict[str, Any]:

@@ -33,6 +33,10 @@ class Progress:
     time_to_target_loss_s: float | None = None
     initial_eval: dict[str, Any] | None = None  # per task: accuracy, ci95, n, majority, ...
     last_eval: dict[str, Any] | None = None
+    # where training's clock started: a calibration's simulated time (0 without one); the
+    # eval_every_s grid is laid from here, so that every method's evaluations fall at the
+    # same times after its start
+    clock_start_s: float = 0.0
 
 
 class Reporter:
