@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedlora.config import LoraConfig, TrainingConfig
+from fedlora.config import TrainingConfig
 from fedlora.errors import ConfigError
 from fedlora.llm.layer_cache import LayerCache, cacheable_layers
-from fedlora.llm.lora import inject_lora
 from fedlora.llm.models import load_model
 from fedlora.llm.train import collate_clients, layer_cache_for, local_train, target_token_loss
 from train_cases import PROMPTS, RANK, fresh, make_batch
@@ -61,14 +60,7 @@ def deep(request):
 
 
 def with_lora(base_model, slots: int, layers=2, seed=0):
-    model = copy.deepcopy(base_model)
-    cfg = LoraConfig(rank=RANK, alpha=8.0, target_modules=("q_proj", "v_proj"), layers=layers)
-    lora = inject_lora(model, cfg, slots=slots, seed=seed)
-    gen = torch.Generator().manual_seed(11)
-    lora.load_global(
-        {k: torch.randn(v.shape, generator=gen) * 0.1 for k, v in lora.global_state().items()}
-    )
-    return model, lora
+    return fresh((base_model, None), slots, seed=seed, layers=layers)
 
 
 def client_steps(tok, c: int, steps: int) -> list[dict[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ from fedlora.llm.lora import inject_lora
 from fedlora.llm.models import load_model
 from fedlora.llm.step_sizes import SKETCH_STEP_POWER, client_step_sizes, step_sizes_for
 from fedlora.llm.train import collate_clients, local_train, target_token_loss
+from train_cases import make_batch
 
 RANK = 4  # γ
 PAIRS = [
@@ -30,25 +31,6 @@ PAIRS = [
 @pytest.fixture(scope="module")
 def base():
     return load_model("tiny-llama")
-
-
-def make_batch(tok, pairs) -> dict[str, torch.Tensor]:
-    rows = []
-    for prompt, response in pairs:
-        p = tok(prompt)["input_ids"]
-        r = tok(response)["input_ids"] + [tok.eos_token_id]
-        rows.append((p + r, [-100] * len(p) + r))
-    t = max(len(x) for x, _ in rows)
-    ids = torch.full((len(rows), t), tok.pad_token_id)
-    mask = torch.zeros((len(rows), t), dtype=torch.long)
-    labels = torch.full((len(rows), t), -100)
-    for i, (x, y) in enumerate(rows):
-        ids[i, : len(x)], mask[i, : len(x)], labels[i, : len(y)] = (
-            torch.tensor(x),
-            1,
-            torch.tensor(y),
-        )
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def fresh(base, slots, *, trained=False):
