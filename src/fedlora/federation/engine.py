@@ -212,10 +212,7 @@ def _round_zero(
     run: Run, trainer: Trainer, progress: Progress, calibration_s: float | None
 ) -> dict[str, Any]:
     """Metrics line 0: the untrained adapter's evaluation."""
-    results = evaluate_tasks(run)
-    accs = {task: r.accuracy for task, r in results.items()}
-    progress.initial_accuracy = progress.last_accuracy = mean_over_tasks(accs)
-    progress.best_accuracy = progress.initial_accuracy
+    evaluation = _evaluate(run, progress, 0)
     calibration = {} if calibration_s is None else {"calibration_sim_time_s": calibration_s}
     return {
         "round": 0,
@@ -228,9 +225,7 @@ def _round_zero(
         "uplink_bits": 0,
         "downlink_bits": 0,
         "train_loss": None,
-        "eval_accuracy": progress.initial_accuracy,
-        "eval": accs,
-        **eval_fields(run, progress, 0, results),
+        **evaluation,
         "compute_s": 0.0,
         **trainer.line_fields(None),
     }
@@ -301,16 +296,24 @@ def close_round(
     )
     last = r + 1 == cfg.training.rounds or _crossed_budget(cfg, before_s, progress.sim_time_s)
     if (r + 1) % cfg.training.eval_every == 0 or last or _eval_due_s(cfg, before_s, progress):
-        results = evaluate_tasks(run)
-        accs = {task: res.accuracy for task, res in results.items()}
-        acc = mean_over_tasks(accs)
-        line.update(eval_accuracy=acc, eval=accs, **eval_fields(run, progress, r + 1, results))
-        progress.last_accuracy = acc
-        progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
+        line.update(_evaluate(run, progress, r + 1))
         target = cfg.training.target_accuracy
-        if target and acc >= target and progress.time_to_target_s is None:
+        if target and progress.last_accuracy >= target and progress.time_to_target_s is None:
             progress.time_to_target_s = progress.sim_time_s
     return line
+
+
+def _evaluate(run: Run, progress: Progress, round_no: int) -> dict[str, Any]:
+    """Evaluate the global adapter: its metrics-line fields (accuracy per task and mean,
+    eval_loss, intervals), with the accuracy's initial/last/best kept in `progress`."""
+    results = evaluate_tasks(run)
+    accs = {task: res.accuracy for task, res in results.items()}
+    acc = mean_over_tasks(accs)
+    if progress.initial_accuracy is None:
+        progress.initial_accuracy = acc
+    progress.last_accuracy = acc
+    progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
+    return {"eval_accuracy": acc, "eval": accs, **eval_fields(run, progress, round_no, results)}
 
 
 def _crossed_budget(cfg: ExperimentConfig, before_s: float, after_s: float) -> bool:

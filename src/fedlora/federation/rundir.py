@@ -65,6 +65,7 @@ __all__ = [  # what the run directory's users import from here, the moved names 
     "atomic_write",
     "check_run_dir",
     "checkpoint_paths",
+    "config_changes",
     "load_checkpoint",
     "load_run_config",
     "load_saved_config",
@@ -298,6 +299,17 @@ def load_saved_config(path: Path) -> ExperimentConfig:
     return config_from_dict(raw, source=str(path))
 
 
+def config_changes(
+    saved: ExperimentConfig, given: ExperimentConfig
+) -> tuple[ExperimentConfig, list[str]]:
+    """`given` as it applies to a run started with `saved` (its ``auto`` device/dtype take the
+    values the run resolved and saved), and the ``section.key`` names that still differ."""
+    from fedlora.llm.device import inherit_auto
+
+    given = inherit_auto(given, saved)
+    return given, diff_configs(saved, given)
+
+
 def load_run_config(
     run_dir: Path, given: ExperimentConfig | None = None, *, force: bool = False
 ) -> ExperimentConfig:
@@ -311,10 +323,7 @@ def load_run_config(
     saved = load_saved_config(path)
     if given is None:
         return saved
-    from fedlora.llm.device import inherit_auto
-
-    given = inherit_auto(given, saved)  # auto device/dtype: what the run started with
-    differing = diff_configs(saved, given)
+    given, differing = config_changes(saved, given)
     if differing and not force:
         raise ConfigError(
             f"--resume {str(run_dir)!r}: the config differs from the run's in "

@@ -42,7 +42,6 @@ from typing import Any
 from fedlora.config import (
     ExperimentConfig,
     config_from_dict,
-    diff_configs,
     parse_override,
     read_toml,
 )
@@ -344,8 +343,7 @@ def run_suite(
 
 def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], None]) -> None:
     """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
-    from fedlora.federation.rundir import load_run_config, prepare_run_dir
-    from fedlora.llm.device import inherit_auto
+    from fedlora.federation.rundir import config_changes, load_run_config, prepare_run_dir
     from fedlora.studies.calibration import run_method
 
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
@@ -359,9 +357,7 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
         cfg = spec.config_for(label, seed)
         resume = (run_dir / "config.toml").is_file()
         if resume:  # a partial run continues only with the config it started with
-            saved = load_run_config(run_dir)
-            # the saved config holds the resolved device/dtype; the suite's "auto" means those
-            differing = diff_configs(saved, inherit_auto(cfg, saved))
+            _, differing = config_changes(load_run_config(run_dir), cfg)
             if differing:
                 raise ConfigError(
                     f"{run_dir} is a partial run started with different {', '.join(differing)}; "
