@@ -255,7 +255,15 @@ TINY = [
 def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None:
     from fedlora.federation.engine import describe, prepare_run_dir, run_experiment
 
-    cfg = load_config(None, [*TINY, "evaluation.scoring=option_norm", "data.response=option"])
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "evaluation.format=llm-adapters",
+            "evaluation.scoring=option_norm",
+            "data.response=option",
+        ],
+    )
     run_dir = tmp_path / "run"
     prepare_run_dir(cfg, run_dir)
     summary = run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)

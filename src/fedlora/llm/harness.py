@@ -31,14 +31,18 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from fedlora.errors import DataError
-from fedlora.llm.prompts import parse_options
+from fedlora.llm.prompts import IGNORE_INDEX, TokenizedSet, parse_options
 from fedlora.llm.tasks import TASK_FOLDERS, Example
 
 TARGET_DELIMITER = " "  # lm-eval's default target_delimiter
+# evaluation.format = "auto": harness below this many parameters (a small model answers the
+# cloze form near its published score, the LLM-Adapters prompt near chance), else llm-adapters
+HARNESS_MAX_PARAMS = 3_000_000_000
 
 # fedlora task -> lm-eval task name
 HARNESS_TASKS: dict[str, str] = {
@@ -192,6 +196,93 @@ def harness_training_text(ex: Example) -> tuple[str, str]:
     reads (the loss on the continuation and EOS)."""
     req = harness_request(ex)
     return req.contexts[req.gold], req.continuations[req.gold]
+
+
+def resolve_eval_format(fmt: str, n_params: int, tasks: Sequence[str] = ()) -> str:
+    """evaluation.format made concrete: ``auto`` is ``harness`` for a model of fewer than
+    `HARNESS_MAX_PARAMS` parameters whose `tasks` (training and eval) all have an lm-eval
+    definition, else ``llm-adapters`` (the paper's protocol)."""
+    if fmt == "auto":
+        known = all(_FOLDER_TASKS.get(t, t) in HARNESS_TASKS for t in tasks)
+        return "harness" if n_params < HARNESS_MAX_PARAMS and known else "llm-adapters"
+    if fmt not in ("harness", "llm-adapters"):
+        raise DataError(
+            f"evaluation.format = {fmt!r} is invalid: allowed: auto, harness, llm-adapters"
+        )
+    return fmt
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text)["input_ids"])  # the tokenizer's own special tokens, as lm-eval
+
+
+def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's tokens of one request (HFLM ``_encode_pair``): trailing spaces of the context
+    move to the continuation; the context's tokens alone, then the tokens of the whole string
+    after as many tokens as the context has."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    ctx = _ids(tokenizer, context)
+    return ctx, _ids(tokenizer, context + continuation)[len(ctx) :]
+
+
+@dataclass(frozen=True)
+class LengthReport:
+    """Token lengths of the harness-format training examples (context + continuation + EOS)
+    and how many were dropped for exceeding ``data.max_seq_len`` (none is ever cut)."""
+
+    n: int
+    dropped: int
+    max_len: int
+    p50: float
+    p99: float
+    longest: int
+
+    def describe(self) -> str:
+        return (
+            f"training examples (harness format): {self.n - self.dropped} of {self.n} kept, "
+            f"{self.dropped} dropped (longer than data.max_seq_len = {self.max_len} tokens; "
+            f"none is cut); tokens p50 {self.p50:.0f}, p99 {self.p99:.0f}, max {self.longest}"
+        )
+
+
+def tokenize_harness(
+    examples: Sequence[Example], tokenizer: Any, max_len: int
+) -> tuple[TokenizedSet, list[int], LengthReport]:
+    """Training in the format evaluated in: the task's context and the correct continuation
+    (lm-eval's tokens, `encode_pair`) and EOS; loss on the continuation and EOS only.
+    An example longer than `max_len` is dropped, never cut. Returns the tokenized set, the
+    indices in `examples` it kept, and the length report."""
+    if max_len < 2:
+        raise DataError(f"max_len = {max_len!r} is invalid: must be >= 2")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids_out, labels_out, kept, lengths = [], [], [], []
+    for i, ex in enumerate(examples):
+        ctx, cont = encode_pair(tokenizer, *harness_training_text(ex))
+        target = cont + ([eos] if eos is not None else [])
+        lengths.append(len(ctx) + len(target))
+        if lengths[-1] > max_len:
+            continue
+        ids = np.asarray(ctx + target, dtype=np.int64)
+        labels = ids.copy()
+        labels[: len(ctx)] = IGNORE_INDEX
+        ids_out.append(ids)
+        labels_out.append(labels)
+        kept.append(i)
+    lens = np.asarray(lengths or [0], dtype=np.float64)
+    report = LengthReport(
+        n=len(examples),
+        dropped=len(examples) - len(kept),
+        max_len=max_len,
+        p50=float(np.percentile(lens, 50)),
+        p99=float(np.percentile(lens, 99)),
+        longest=int(lens.max()),
+    )
+    return TokenizedSet(ids_out, labels_out), kept, report
 
 
 # ----------------------------------------------------------------------------- metrics
