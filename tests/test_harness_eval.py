@@ -283,3 +283,22 @@ def test_target_mc_loss_stops_the_run(tmp_path: Path) -> None:
     summary = run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)
     assert summary["stop_reason"] == "target_mc_loss" and summary["rounds"] == 0
     assert summary["time_to_target_mc_loss_s"] == 0.0 and summary["target_mc_loss"] == 100.0
+
+
+@needs_data
+def test_fedlora_eval_format(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedlora.cli import main
+
+    argv = ["eval", "--model", "tiny-llama", "--task", "arc-e", "--data-dir", DATA, "--limit", "4"]
+    assert main([*argv, "--json"]) == 0  # auto: harness for a tiny model on arc-e
+    out = json.loads(capsys.readouterr().out)
+    assert (out["format"], out["scoring"], out["n"]) == ("harness", "acc", 4)
+    assert 0 <= out["acc_norm"] <= 1 and out["mc_chance"] == pytest.approx(math.log(4), abs=0.1)
+    assert main([*argv, "--format", "llm-adapters", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["format"], out["scoring"]) == ("llm-adapters", "label")
+    assert main([*argv, "--format", "harness"]) == 0
+    text = capsys.readouterr().out
+    assert "acc_norm" in text and "mc_loss" in text and "format harness" in text
+    assert main([*argv, "--format", "cloze"]) == 2
+    assert "--format = 'cloze' is invalid" in capsys.readouterr().err
