@@ -66,6 +66,7 @@ class Reporter:
             "clock": f"{progress.sim_time_s:.0f}s",
             "loss": "-" if line["train_loss"] is None else f"{line['train_loss']:.3f}",
             "acc": "-" if acc is None else f"{acc:.3f}",
+            "mc_loss": "-" if progress.last_mc_loss is None else f"{progress.last_mc_loss:.3f}",
         }
         if self.bar is not None:
             self.bar.set_postfix(text, refresh=False)
