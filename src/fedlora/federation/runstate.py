@@ -75,6 +75,11 @@ def load_trainable(
         log(f"evaluation.format: {fmt} ({n_params / 1e6:.0f}M parameters)")
         if fed.lengths is not None:
             log(fed.lengths.describe())
+        elif fed.train.cut:
+            log(
+                f"training examples (llm-adapters format): {fed.train.cut} of {len(fed.train)} "
+                f"prompts cut from the left to data.max_seq_len = {cfg.data.max_seq_len} tokens"
+            )
     return cfg, model, tokenizer, lora, fed
 
 
