@@ -203,11 +203,14 @@ def describe_eval(summary: dict[str, Any]) -> list[str]:
         lo, hi = d["mc_loss_ci95"]
         return f"{d['mc_loss']:.4f} [{lo:.4f}, {hi:.4f}]"
 
+    def norm(d: dict[str, Any]) -> str:
+        return acc(d, "acc_norm", "acc_norm_ci95")
+
     def loss(d: dict[str, Any]) -> str:
         return f"{d['loss']:.4f}"
 
-    def change(b: dict[str, Any] | None, d: dict[str, Any], show: Any) -> str:
-        return f"{show(b)} -> {show(d)}" if b else show(d)
+    def change(b: dict[str, Any] | None, d: dict[str, Any], show: Any, key: str = "loss") -> str:
+        return f"{show(b)} -> {show(d)}" if b and _known(b.get(key)) else show(d)
 
     before, after = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
     lines = []
@@ -220,12 +223,14 @@ def describe_eval(summary: dict[str, Any]) -> list[str]:
     for task, d in after.items():
         b = before.get(task)
         fmt = d.get("format", "llm-adapters")
-        text = f"{task} (n = {d['n']}) in the {fmt} format: accuracy {change(b, d, acc)}"
+        text = (
+            f"{task} (n = {d['n']}) in the {fmt} format: accuracy {change(b, d, acc, 'accuracy')}"
+        )
         if _known(d.get("acc_norm")):
-            text += f"; acc_norm {change(b, d, lambda x: acc(x, 'acc_norm', 'acc_norm_ci95'))}"
+            text += f"; acc_norm {change(b, d, norm, 'acc_norm')}"
         text += f"; most-frequent label {100 * d['majority']:.1f}%, chance {100 * d['chance']:.1f}%"
         if _known(d.get("mc_loss")):
-            text += f"; mc_loss {change(b, d, mc)} (chance {d['mc_chance']:.4f})"
+            text += f"; mc_loss {change(b, d, mc, 'mc_loss')} (chance {d['mc_chance']:.4f})"
         text += f"; eval_loss {change(b, d, loss)}"
         lines.append(text)
     for key, name in (("loss", "eval_loss"), ("mc_loss", "mc_loss")):

@@ -5,6 +5,7 @@ per-question predictions file."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,8 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
             "chance": r.chance,
             "loss": r.loss,
             "loss_ci95": list(r.loss_ci95),
-            "acc_norm": r.acc_norm,
-            "acc_norm_ci95": list(r.acc_norm_ci95),
+            "acc_norm": _or_none(r.acc_norm),  # None in the llm-adapters format
+            "acc_norm_ci95": [_or_none(x) for x in r.acc_norm_ci95],
             "mc_loss": r.mc_loss,
             "mc_loss_ci95": list(r.mc_loss_ci95),
             "mc_chance": r.mc_chance,
@@ -127,12 +128,17 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
         "eval_chance": {t: r.chance for t, r in results.items()},
         "eval_scoring": next(iter(results.values())).scoring,  # acc with harness
         "eval_format": run.fed.fmt,
-        "eval_acc_norm": {t: r.acc_norm for t, r in results.items()},
+        "eval_acc_norm": {t: _or_none(r.acc_norm) for t, r in results.items()},
         "eval_mc_loss": mc,
         "eval_mc_losses": {t: r.mc_loss for t, r in results.items()},
         "eval_mc_loss_ci95": {t: list(r.mc_loss_ci95) for t, r in results.items()},
         "eval_mc_chance": {t: r.mc_chance for t, r in results.items()},
     }
+
+
+def _or_none(x: float) -> float | None:
+    """NaN (a metric the format does not define) as JSON null."""
+    return None if math.isnan(x) else x
 
 
 def mean_over_tasks(values: dict[str, float]) -> float:
