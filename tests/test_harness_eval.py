@@ -297,6 +297,7 @@ def test_fedlora_eval_format(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--format", "llm-adapters", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["format"], out["scoring"]) == ("llm-adapters", "label")
+    assert out["acc_norm"] is None and out["mc_loss"] > 0
     assert main([*argv, "--format", "harness"]) == 0
     text = capsys.readouterr().out
     assert "acc_norm" in text and "mc_loss" in text and "format harness" in text
