@@ -28,6 +28,9 @@ class ClientTask:
     scale: np.ndarray
     rank_used: int
     weight: float  # the aggregation weight of this participant (a_n/q_n for unbiased sampling)
+    trains: str = (
+        "AB"  # the factors local training moves (FFA-LoRA "B", RoLoRA "A"/"B", Fed-SB "R")
+    )
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,17 @@ class Method:
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = sketch_payload_params(task.rank_used, shapes)
         return Payload(uplink_params=params, downlink_params=params)
+
+    def initial_state(self, global_state: Adapter) -> Adapter:
+        """The global adapter the run starts from, given the model's seeded LoRA init (most
+        methods: unchanged; Fed-SB adds its frozen factors and R). Called once per run."""
+        return global_state
+
+    def is_local(self, name: str) -> bool:
+        """True for adapter tensors a client keeps for itself across rounds and never uploads
+        (FedSA-LoRA: every ``lora_B``). Most methods: none."""
+        del name
+        return False
 
     def state_dict(self) -> dict:
         """Anything the method must carry across a checkpoint (most methods: nothing)."""
