@@ -5,6 +5,7 @@ subset and seeds (the engine derives all of those from the seed), then a report.
               fedstacklora-free-downlink (its clock without the downlink)
     sampling  proposed q vs full, fixed 0.2, uniform 1/N, weighted; k = γ (Figure 2)
     ranks     proposed k vs full, normal, uniform; q = 0.2                 (Figure 3)
+    methods   every method: proposed, the baselines, ffalora, fedsalora, fedexlora, rolora, fedsb
 
 A suite file is an experiment TOML (the sections of `fedlora.config`) plus a `[suite]` table:
 
@@ -52,6 +53,9 @@ from fedlora.studies.report import SUITE_FILE, collect_runs
 from fedlora.studies.suite_report import format_command, report_suite  # noqa: F401
 
 # label -> overrides applied on top of the suite file's config
+METHOD_SUITE = tuple(  # the `methods` suite's non-planned methods
+    "fedavg fslora heterolora flexlora fedstacklora ffalora fedsalora fedexlora rolora fedsb".split()
+)
 Q_FIXED = ("method.q=fixed", "method.q_fixed=0.2")  # q = 0.2 (Figure 3, and Figure 2's fixed)
 SUITES: dict[str, dict[str, tuple[str, ...]]] = {
     "table1": {
@@ -76,6 +80,12 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
         "full": ("method.name=sketched", "method.k=full", *Q_FIXED),
         "normal": ("method.name=sketched", "method.k=normal", *Q_FIXED),
         "uniform": ("method.name=sketched", "method.k=uniform", *Q_FIXED),
+    },
+    # every federated method on one setting (issue 22): the paper's, its baselines and the
+    # aggregation rules published after FSLoRA (docs/methods.md)
+    "methods": {
+        "proposed": ("method.name=proposed", "planner.optimize=qk"),
+        **{name: (f"method.name={name}",) for name in METHOD_SUITE},
     },
 }
 TITLES = {
