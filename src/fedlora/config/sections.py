@@ -197,6 +197,7 @@ class TrainingConfig:
 
 
 METHODS = ("sketched", "fedavg", "proposed", "fslora", "heterolora", "fedstacklora", "flexlora")
+METHODS += ("ffalora", "fedsalora", "fedexlora", "rolora", "fedsb")  # issue 22
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
 RANK_STRATEGIES = ("capability", *K_STRATEGIES)  # method.ranks (fedlora.federation.methods.ranks)

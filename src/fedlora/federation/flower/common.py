@@ -127,10 +127,15 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
     (its merged base update stays on the server, so the nodes would train on a stale base)
     and `proposed` without a plan file (the calibration runs of Algorithm 2 are engine runs)."""
     m = cfg.method
-    if m.name == "fedstacklora":
+    if m.name in ("fedstacklora", "fedexlora"):
         raise ConfigError(
-            "method.name = 'fedstacklora' is not supported on Flower: its merged base update "
+            f"method.name = {m.name!r} is not supported on Flower: its merged base update "
             "is not sent to the nodes; use `fedlora run`"
+        )
+    if m.name == "fedsalora":
+        raise ConfigError(
+            "method.name = 'fedsalora' is not supported on Flower: each client's own B is kept "
+            "by the engine's client memory, not on the nodes; use `fedlora run`"
         )
     if m.name == "proposed" and not (
         isinstance(m.q, str) and m.q == m.k and m.q.endswith(".json") and Path(m.q).exists()

@@ -94,7 +94,7 @@ def train_one(
     scale = np.asarray(task["scale"], dtype=np.float32)  # (γ,)
     losses = np.asarray(
         train_clients(state, int(task["round"]), [int(task["client"])], scale[None, :],
-                      int(task["index"]))
+                      int(task["index"]), trains=str(task.get("trains", "AB")))
     )  # (1, H)  # fmt: skip
     adapter = {k: v.numpy().copy() for k, v in state.lora.slot_state(0).items()}
     return adapter, float(losses.mean())

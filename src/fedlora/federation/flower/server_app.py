@@ -198,6 +198,7 @@ def train_remote(
                 "scale": [float(s) for s in t.scale],
                 "rank-used": t.rank_used,
                 "weight": t.weight,
+                "trains": t.trains,  # the factors it trains (FFA-LoRA, RoLoRA, Fed-SB)
             }
         )
         content = RecordDict(

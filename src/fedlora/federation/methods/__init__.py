@@ -9,6 +9,7 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError
+from fedlora.federation.methods import fedexlora, fedsalora, fedsb, ffalora, rolora
 from fedlora.federation.methods.base import Aggregation, ClientTask, Method, Payload, RoundPlan
 from fedlora.federation.methods.fedavg import FedAvg
 from fedlora.federation.methods.fedstacklora import FedStackLoRA
@@ -90,7 +91,18 @@ def make_method(
         return Sketched(a=a, q=q, k=k, gamma=gamma)
     if m.name == "fedavg":
         return FedAvg(a=a, gamma=gamma, clients_per_round=m.clients_per_round)
+    if m.name in POST_FSLORA:  # the aggregation rules published after FSLoRA (issue 22)
+        return POST_FSLORA[m.name].build(cfg, a, rng)
     raise ConfigError(f"method.name = {m.name!r} is not available yet in this build")
+
+
+POST_FSLORA = {
+    "ffalora": ffalora,
+    "fedsalora": fedsalora,
+    "fedexlora": fedexlora,
+    "rolora": rolora,
+    "fedsb": fedsb,
+}
 
 
 BASELINES = ("fslora", "heterolora", "fedstacklora", "flexlora")

@@ -34,7 +34,12 @@ from fedlora.federation.methods.base import (
     RoundPlan,
 )
 from fedlora.federation.methods.factors import lora_modules, normalized_weights, stack_factors
-from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.partial import (
+    average_parts,
+    factor_params,
+    forward_scaling,
+    full_rank_plan,
+)
 
 
 class FedExLoRA(Method):
@@ -79,3 +84,13 @@ class FedExLoRA(Method):
             uplink_params=factor_params("AB", shapes, self.gamma),
             downlink_params=factor_params("ABW", shapes, self.gamma),
         )
+
+
+def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> FedExLoRA:
+    """The method of an `ExperimentConfig` for clients with data weights `a`."""
+    return FedExLoRA(
+        a=a,
+        gamma=cfg.lora.rank,
+        scaling=forward_scaling(cfg.lora),
+        clients_per_round=cfg.method.clients_per_round,
+    )

@@ -65,3 +65,8 @@ class FedSALoRA(Method):
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = factor_params("A", shapes, self.gamma)
         return Payload(uplink_params=params, downlink_params=params)
+
+
+def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> FedSALoRA:
+    """The method of an `ExperimentConfig` for clients with data weights `a`."""
+    return FedSALoRA(a=a, gamma=cfg.lora.rank, clients_per_round=cfg.method.clients_per_round)

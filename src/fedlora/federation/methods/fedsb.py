@@ -87,3 +87,13 @@ class FedSB(Method):
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = factor_params("R", shapes, self.gamma)
         return Payload(uplink_params=params, downlink_params=params)
+
+
+def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> FedSB:
+    """The method of an `ExperimentConfig` for clients with data weights `a`."""
+    return FedSB(
+        a=a,
+        gamma=cfg.lora.rank,
+        clients_per_round=cfg.method.clients_per_round,
+        seed=cfg.training.seed,
+    )

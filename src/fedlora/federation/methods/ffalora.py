@@ -56,3 +56,8 @@ class FFALoRA(Method):
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = factor_params("B", shapes, self.gamma)
         return Payload(uplink_params=params, downlink_params=params)
+
+
+def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> FFALoRA:
+    """The method of an `ExperimentConfig` for clients with data weights `a`."""
+    return FFALoRA(a=a, gamma=cfg.lora.rank, clients_per_round=cfg.method.clients_per_round)

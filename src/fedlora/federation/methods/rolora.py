@@ -69,3 +69,8 @@ class RoLoRA(Method):
             uplink_params=factor_params(rolora_factor(plan.round), shapes, self.gamma),
             downlink_params=factor_params("AB", shapes, self.gamma),
         )
+
+
+def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> RoLoRA:
+    """The method of an `ExperimentConfig` for clients with data weights `a`."""
+    return RoLoRA(a=a, gamma=cfg.lora.rank, clients_per_round=cfg.method.clients_per_round)
