@@ -1,0 +1,59 @@
+"""The post-FSLoRA methods on the Flower node path: a task's trained factors travel in its
+ConfigRecord, and the node (`fedlora.federation.flower.node.train_one`, what the ClientApp
+and the node worker run) trains exactly those, bit for bit as the engine's trainer; Fed-SB's
+middle factor R arrives with the adapter. The methods Flower cannot run yet are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedlora.config import load_config
+from fedlora.errors import ConfigError
+from fedlora.federation.flower.common import check_flower_method
+from flower_cases import needs_data, write_config
+
+
+@needs_data
+@pytest.mark.parametrize("name, r", [("ffalora", 0), ("rolora", 1), ("fedsb", 0)])
+def test_the_node_trains_the_factors_the_task_names(tmp_path, name, r):
+    from flwr.app import ConfigRecord
+
+    from fedlora.federation.flower import node
+    from fedlora.federation.methods import make_method
+    from fedlora.federation.trainer import train_clients
+
+    cfg = load_config(write_config(tmp_path, rounds=1, q='"full"'), [f"method.name={name}"])
+    state = node.client_state(cfg)
+    method = make_method(cfg, state.fed.a, np.random.default_rng(0))
+    start = {k: v.numpy().copy() for k, v in state.lora.global_state().items()}
+    global_adapter = method.initial_state(start)
+    if name == "rolora":  # an A-round after a B-round: B ≠ 0 (with B = 0, A gets no gradient)
+        rng = np.random.default_rng(3)
+        global_adapter = {
+            k: (rng.normal(0, 0.1, v.shape).astype(v.dtype) if k.endswith("lora_B") else v)
+            for k, v in global_adapter.items()
+        }
+    plan = method.plan_round(r, np.random.default_rng(1), np.random.default_rng(2))
+    t = plan.tasks[0]
+    record = ConfigRecord(  # what the ServerApp sends (server_app.train_remote)
+        {"client": t.client, "round": r, "index": 0, "scale": [float(s) for s in t.scale],
+         "rank-used": t.rank_used, "weight": t.weight, "trains": t.trains}
+    )  # fmt: skip
+    got, _ = node.train_one(state, global_adapter, dict(record))
+    # the engine's trainer on the same task (one slot, torch_id 0): the same bits
+    losses = train_clients(state, r, [t.client], np.asarray(t.scale)[None, :], 0, trains=t.trains)
+    want = {k: v.numpy() for k, v in state.lora.slot_state(0).items()}
+    assert np.isfinite(losses).all()
+    assert set(got) == set(want) == set(global_adapter)
+    for k in got:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        moved = not np.array_equal(got[k], global_adapter[k])
+        assert moved == (k[-1] in t.trains), k
+    state.lora.set_trainable("AB")
+
+
+@pytest.mark.parametrize("name", ["fedexlora", "fedsalora"])
+def test_methods_with_base_merges_or_client_state_are_refused_on_flower(name):
+    with pytest.raises(ConfigError, match=f"method.name = '{name}' is not supported on Flower"):
+        check_flower_method(load_config(None, [f"method.name={name}"]))
