@@ -1,7 +1,8 @@
 """The post-FSLoRA methods on the Flower node path: a task's trained factors travel in its
 ConfigRecord, and the node (`fedlora.federation.flower.node.train_one`, what the ClientApp
 and the node worker run) trains exactly those, bit for bit as the engine's trainer; Fed-SB's
-middle factor R arrives with the adapter. The methods Flower cannot run yet are refused."""
+middle factor R arrives with the adapter; FedEx-LoRA's base merges arrive as arrays.
+FedSA-LoRA is refused."""
 
 from __future__ import annotations
 
@@ -53,7 +54,39 @@ def test_the_node_trains_the_factors_the_task_names(tmp_path, name, r):
     state.lora.set_trainable("AB")
 
 
-@pytest.mark.parametrize("name", ["fedexlora", "fedsalora"])
-def test_methods_with_base_merges_or_client_state_are_refused_on_flower(name):
-    with pytest.raises(ConfigError, match=f"method.name = '{name}' is not supported on Flower"):
-        check_flower_method(load_config(None, [f"method.name={name}"]))
+def test_fedsalora_is_refused_on_flower_and_fedexlora_is_not():
+    with pytest.raises(ConfigError, match="method.name = 'fedsalora' is not supported on Flower"):
+        check_flower_method(load_config(None, ["method.name=fedsalora"]))
+    check_flower_method(load_config(None, ["method.name=fedexlora"]))
+
+
+@needs_data
+def test_the_node_trains_on_the_base_the_server_sends(tmp_path):
+    # FedEx-LoRA on Flower: the server's sum of residuals arrives as base/<layer> arrays; the
+    # node's weights become W_init + sum (bit for bit the engine's), and the next message
+    # without them puts the initial base back
+    import torch
+
+    from fedlora.federation.flower import node
+
+    cfg = load_config(write_config(tmp_path, rounds=1, q='"full"'), ["method.name=fedexlora"])
+    state = node.client_state(cfg)
+    name = state.lora.names[0]
+    w_init = state.model.get_submodule(name).weight.detach().clone()
+    rng = np.random.default_rng(0)
+    d1, d2 = (rng.normal(0, 1e-3, w_init.shape).astype(np.float32) for _ in range(2))
+    adapter = {k: v.numpy().copy() for k, v in state.lora.global_state().items()}
+    task = {"client": 0, "round": 0, "index": 0, "scale": [1.0] * cfg.lora.rank,
+            "rank-used": cfg.lora.rank, "weight": 1.0, "trains": "AB"}  # fmt: skip
+    sent = {**adapter, f"{node.BASE_PREFIX}{name}": d1 + d2}  # the server's run.base_delta
+    node.train_one(state, sent, task)
+    on_node = state.model.get_submodule(name).weight.detach().clone()
+    # the engine merged d1, then d2
+    state.lora.add_to_base({}, total=True)
+    assert torch.equal(state.model.get_submodule(name).weight, w_init)
+    state.lora.add_to_base({name: torch.from_numpy(d1)})
+    state.lora.add_to_base({name: torch.from_numpy(d2)})
+    assert torch.equal(state.model.get_submodule(name).weight, on_node)
+    assert not torch.equal(on_node, w_init)
+    node.train_one(state, adapter, task)  # no base arrays: the initial base
+    assert torch.equal(state.model.get_submodule(name).weight, w_init)

@@ -296,8 +296,10 @@ class SlotLora:
         for layer in self.layers.values():
             layer.train(mode)
 
-    def add_to_base(self, deltas: dict[str, torch.Tensor]) -> None:
-        """W0[name] += delta (out, in) (FedStackLoRA merges, FedEx-LoRA's residual).
+    def add_to_base(self, deltas: dict[str, torch.Tensor], *, total: bool = False) -> None:
+        """W0[name] += delta (out, in) (FedStackLoRA merges, FedEx-LoRA's residual); with
+        `total`, W0 = W_init + delta for every adapted layer (absent: + 0; a Flower node gets
+        the server's sum of merges each round).
 
         The weight is always the weight before any merge plus the fp32 running sum of the
         merges, rounded once: W = W_init + ((d_1 + d_2) + …). So a resumed run that merges the
@@ -306,10 +308,11 @@ class SlotLora:
         drop most of an update of 1e-5 at |W| ~ 0.02)."""
         if unknown := sorted(set(deltas) - set(self.modules)):
             raise ConfigError(f"add_to_base: unknown layers {unknown[:3]}; adapted: {self.names}")
+        names = [n for n in self.names if n in deltas or (total and n in self._base_w0)]
         with torch.no_grad():
-            for n, d in deltas.items():
+            for n in names:
                 w = self.modules[n].weight
-                d = torch.as_tensor(d)
+                d = torch.as_tensor(deltas.get(n, torch.zeros(w.shape)))
                 if tuple(d.shape) != tuple(w.shape):
                     raise ConfigError(
                         f"add_to_base[{n!r}] has shape {tuple(d.shape)}, expected {tuple(w.shape)}"
@@ -318,7 +321,7 @@ class SlotLora:
                 if n not in self._base_w0:
                     self._base_w0[n] = w.detach().clone()
                     self._base_total[n] = torch.zeros_like(d)
-                self._base_total[n] += d
+                self._base_total[n] = d.clone() if total else self._base_total[n] + d
                 w.copy_((self._base_w0[n].float() + self._base_total[n]).to(w.dtype))
 
     def base_residual(self) -> dict[str, torch.Tensor]:
