@@ -6,8 +6,13 @@ FedSA-LoRA is refused."""
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+
 import numpy as np
 import pytest
+import torch
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
@@ -65,7 +70,6 @@ def test_the_node_trains_on_the_base_the_server_sends(tmp_path):
     # FedEx-LoRA on Flower: the server's sum of residuals arrives as base/<layer> arrays; the
     # node's weights become W_init + sum (bit for bit the engine's), and the next message
     # without them puts the initial base back
-    import torch
 
     from fedlora.federation.flower import node
 
@@ -90,3 +94,29 @@ def test_the_node_trains_on_the_base_the_server_sends(tmp_path):
     assert not torch.equal(on_node, w_init)
     node.train_one(state, adapter, task)  # no base arrays: the initial base
     assert torch.equal(state.model.get_submodule(name).weight, w_init)
+
+
+@pytest.mark.slow
+@needs_data
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_fedexlora_on_the_ray_simulation_is_the_engine_bit_for_bit(tmp_path):
+    # the residuals merged on the server reach the nodes, or round 2 would train on another base
+    from fedlora.federation.flower.common import safe_env
+    from fedlora.federation.rundir import load_checkpoint
+    from flower_cases import assert_matches_engine, engine_run
+
+    path = write_config(tmp_path, rounds=2, q='"full"')
+    path.write_text(path.read_text().replace("[method]\n", '[method]\nname = "fedexlora"\n'))
+    out = tmp_path / "sim-run"
+    args = [sys.executable, "-m", "fedlora.cli", "flower", "simulate", "--config", str(path),
+            "--out", str(out), "--num-cpus", "2"]  # fmt: skip
+    done = subprocess.run(args, env=safe_env(HF_HUB_OFFLINE="1"), capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert_matches_engine(out, path, tmp_path)
+    got, want = load_checkpoint(out), load_checkpoint(engine_run(path, tmp_path))
+    for k, v in want["global"].items():
+        assert torch.equal(got["global"][k], v), k
+    assert want["base_delta"].keys() == got["base_delta"].keys()
+    for k, v in want["base_delta"].items():
+        np.testing.assert_array_equal(got["base_delta"][k], v, err_msg=k)
+    assert any(np.abs(v).max() > 1e-4 for v in want["base_delta"].values())
