@@ -168,3 +168,4 @@ def test_compare_suite_methods_runs_every_method(tmp_path):
         summary = json.loads((out / f"{label}-seed0" / "summary.json").read_text())
         assert summary["method"] == label and summary["rounds"] == 2
         assert f"| {label} | " in text
+        assert 'comm_cost = "exact"' in (out / f"{label}-seed0" / "config.toml").read_text()
