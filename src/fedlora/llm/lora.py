@@ -179,10 +179,9 @@ class SlotLora:
         return {k: v.clone() for k, v in self._global.items()}
 
     def enable_middle(self) -> None:
-        """Give every layer Fed-SB's middle factor R (C, r, r): ΔW = (α/r)·B R diag(s) A.
-
-        The global adapter gains ``<name>.lora_R`` = I (so ΔW is unchanged until R trains).
-        Idempotent; `load_global` calls it for a state that holds ``lora_R`` keys."""
+        """Give every layer Fed-SB's middle factor R (C, r, r): ΔW = (α/r)·B R diag(s) A; the
+        global adapter gains ``<name>.lora_R`` = I (ΔW unchanged). `load_global` calls it for a
+        state with ``lora_R`` keys."""
         if self.middle:
             return
         self.middle = True
