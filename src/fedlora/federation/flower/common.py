@@ -126,6 +126,9 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
     """ConfigError for what the Flower runtime cannot run like the engine does: `fedstacklora`
     (its merged base update stays on the server, so the nodes would train on a stale base)
     and `proposed` without a plan file (the calibration runs of Algorithm 2 are engine runs)."""
+    from fedlora.federation.methods import check_method_config
+
+    check_method_config(cfg)
     m = cfg.method
     if m.name == "fedstacklora":
         raise ConfigError(
