@@ -30,7 +30,6 @@ from fedlora.config.experiment import (
 )
 from fedlora.config.sections import (
     K_STRATEGIES,
-    METHODS,
     Q_STRATEGIES,
     RANK_STRATEGIES,
     RESPONSES,
@@ -59,7 +58,6 @@ from fedlora.config.toml_io import (
 __all__ = [
     "DEVICE_FORMS",
     "K_STRATEGIES",
-    "METHODS",
     "Q_STRATEGIES",
     "RANK_STRATEGIES",
     "RESPONSES",

@@ -47,6 +47,7 @@ from fedlora.config import (
     read_toml,
 )
 from fedlora.errors import ConfigError, FedloraError, bad_value
+from fedlora.federation.methods import check_method_config
 from fedlora.studies.report import SUITE_FILE, collect_runs
 
 # report_suite and format_command live in suite_report; re-exported for their callers
@@ -130,7 +131,9 @@ class SuiteSpec:
         for text in (*SUITES[self.name][label], f"training.seed={seed}"):
             section, key, value = parse_override(text)
             raw.setdefault(section, {})[key] = value
-        return config_from_dict(raw, source=f"suite {self.name}, {label}")
+        cfg = config_from_dict(raw, source=f"suite {self.name}, {label}")
+        check_method_config(cfg)  # method.name and its own fields (the methods' registry)
+        return cfg
 
 
 def load_suite(

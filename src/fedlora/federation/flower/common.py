@@ -128,6 +128,9 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
     `fedsalora` (its evaluation view needs every client's B) and `proposed` without a plan
     file (the calibration runs of Algorithm 2 are engine runs). FedEx-LoRA's base merges
     travel to the nodes with every train message (the ``base`` ArrayRecord)."""
+    from fedlora.federation.methods import check_method_config
+
+    check_method_config(cfg)
     m = cfg.method
     if m.name == "fedstacklora":
         raise ConfigError(

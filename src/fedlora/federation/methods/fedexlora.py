@@ -30,6 +30,7 @@ from fedlora.federation.methods.base import (
     ClientTask,
     LayerShapes,
     Method,
+    MethodContext,
     Payload,
     RoundPlan,
 )
@@ -40,10 +41,22 @@ from fedlora.federation.methods.partial import (
     forward_scaling,
     full_rank_plan,
 )
+from fedlora.federation.methods.registry import register_method
 
 
+@register_method("fedexlora")
 class FedExLoRA(Method):
     name = "fedexlora"
+    delta_aggregate = False  # its residual is exact only for the plain means B̄, Ā
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> FedExLoRA:
+        return cls(
+            a=ctx.a,
+            gamma=ctx.gamma,
+            scaling=forward_scaling(ctx.cfg.lora),
+            clients_per_round=ctx.cfg.method.clients_per_round,
+        )
 
     def __init__(
         self, *, a: np.ndarray, gamma: int, scaling: float, clients_per_round: int = 0
@@ -84,13 +97,3 @@ class FedExLoRA(Method):
             uplink_params=factor_params("AB", shapes, self.gamma),
             downlink_params=factor_params("ABW", shapes, self.gamma),
         )
-
-
-def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> FedExLoRA:
-    """The method of an `ExperimentConfig` for clients with data weights `a`."""
-    return FedExLoRA(
-        a=a,
-        gamma=cfg.lora.rank,
-        scaling=forward_scaling(cfg.lora),
-        clients_per_round=cfg.method.clients_per_round,
-    )

@@ -31,14 +31,22 @@ from fedlora.federation.methods.base import (
     ClientTask,
     LayerShapes,
     Method,
+    MethodContext,
     Payload,
     RoundPlan,
 )
 from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.registry import register_method
 
 
+@register_method("fedsalora")
 class FedSALoRA(Method):
     name = "fedsalora"
+    delta_aggregate = True  # A ← A + Σ p_n (A_n − A)
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> FedSALoRA:
+        return cls(a=ctx.a, gamma=ctx.gamma, clients_per_round=ctx.cfg.method.clients_per_round)
 
     def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
         self.a = np.asarray(a, dtype=float)
@@ -65,8 +73,3 @@ class FedSALoRA(Method):
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = factor_params("A", shapes, self.gamma)
         return Payload(uplink_params=params, downlink_params=params)
-
-
-def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> FedSALoRA:
-    """The method of an `ExperimentConfig` for clients with data weights `a`."""
-    return FedSALoRA(a=a, gamma=cfg.lora.rank, clients_per_round=cfg.method.clients_per_round)

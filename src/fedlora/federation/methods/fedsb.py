@@ -31,11 +31,13 @@ from fedlora.federation.methods.base import (
     ClientTask,
     LayerShapes,
     Method,
+    MethodContext,
     Payload,
     RoundPlan,
 )
 from fedlora.federation.methods.factors import lora_modules
 from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.registry import register_method
 
 INIT_STREAM = 0x5B5B  # keeps the frozen factors' draws apart from the engine's streams
 
@@ -47,8 +49,19 @@ def orthonormal(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return q if tall else q.T
 
 
+@register_method("fedsb")
 class FedSB(Method):
     name = "fedsb"
+    delta_aggregate = True  # R ← R + Σ p_n (R_n − R); B R A is linear in R: exact for any step
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> FedSB:
+        return cls(
+            a=ctx.a,
+            gamma=ctx.gamma,
+            clients_per_round=ctx.cfg.method.clients_per_round,
+            seed=ctx.cfg.training.seed,
+        )
 
     def __init__(
         self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0, seed: int = 0
@@ -87,13 +100,3 @@ class FedSB(Method):
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = factor_params("R", shapes, self.gamma)
         return Payload(uplink_params=params, downlink_params=params)
-
-
-def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> FedSB:
-    """The method of an `ExperimentConfig` for clients with data weights `a`."""
-    return FedSB(
-        a=a,
-        gamma=cfg.lora.rank,
-        clients_per_round=cfg.method.clients_per_round,
-        seed=cfg.training.seed,
-    )

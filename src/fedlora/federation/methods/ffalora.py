@@ -25,14 +25,24 @@ from fedlora.federation.methods.base import (
     ClientTask,
     LayerShapes,
     Method,
+    MethodContext,
     Payload,
     RoundPlan,
 )
 from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.registry import register_method
 
 
+@register_method("ffalora")
 class FFALoRA(Method):
     name = "ffalora"
+    delta_aggregate = (
+        True  # B ← B + Σ p_n (B_n − B): a server optimizer keeps it exact (linear in B)
+    )
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> FFALoRA:
+        return cls(a=ctx.a, gamma=ctx.gamma, clients_per_round=ctx.cfg.method.clients_per_round)
 
     def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
         self.a = np.asarray(a, dtype=float)
@@ -56,8 +66,3 @@ class FFALoRA(Method):
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = factor_params("B", shapes, self.gamma)
         return Payload(uplink_params=params, downlink_params=params)
-
-
-def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> FFALoRA:
-    """The method of an `ExperimentConfig` for clients with data weights `a`."""
-    return FFALoRA(a=a, gamma=cfg.lora.rank, clients_per_round=cfg.method.clients_per_round)

@@ -41,10 +41,18 @@ import math
 
 import numpy as np
 
+from fedlora.config import ExperimentConfig
 from fedlora.errors import bad_value
-from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, RoundPlan
+from fedlora.federation.methods.base import (
+    Adapter,
+    Aggregation,
+    ClientTask,
+    MethodContext,
+    RoundPlan,
+)
 from fedlora.federation.methods.factors import lora_modules, normalized_weights, product_fro_norm
 from fedlora.federation.methods.fedavg import RankTruncationMethod, weighted_mean
+from fedlora.federation.methods.registry import register_method
 
 WEIGHTINGS = ("sparsity", "data")
 PADDINGS = ("updates", "modules")
@@ -62,8 +70,31 @@ def tail_norm(state: Adapter, rank: int, decay: float) -> float:
     return total
 
 
+def check_pruning(pruning: float) -> None:
+    """ConfigError unless the self-pruning decay d is 0 (off) or in (0, 1)."""
+    if isinstance(pruning, bool) or not (pruning == 0 or 0 < pruning < 1):
+        raise bad_value("method.heterolora_pruning", pruning, "0 (off) or in (0, 1)")
+
+
+@register_method("heterolora")
 class HeteroLoRA(RankTruncationMethod):
     name = "heterolora"
+    delta_aggregate = True  # padding = "updates": X + Σ p_n pad(X_n − X)
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        check_pruning(cfg.method.heterolora_pruning)
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> HeteroLoRA:
+        m = ctx.cfg.method
+        return cls(
+            a=ctx.a,
+            ranks=ctx.ranks(),
+            gamma=ctx.gamma,
+            clients_per_round=m.clients_per_round,
+            pruning=m.heterolora_pruning,
+        )
 
     def __init__(
         self,
@@ -83,8 +114,7 @@ class HeteroLoRA(RankTruncationMethod):
             raise bad_value("heterolora padding", padding, f"one of {', '.join(PADDINGS)}")
         if scaling not in SCALINGS:
             raise bad_value("heterolora scaling", scaling, f"one of {', '.join(SCALINGS)}")
-        if isinstance(pruning, bool) or not (pruning == 0 or 0 < pruning < 1):
-            raise bad_value("method.heterolora_pruning", pruning, "0 (off) or in (0, 1)")
+        check_pruning(pruning)
         super().__init__(a=a, ranks=ranks, gamma=gamma, clients_per_round=clients_per_round)
         self.ranks = self.ranks.copy()  # pruning changes them
         self.weighting, self.padding, self.scaling = weighting, padding, scaling

@@ -27,10 +27,12 @@ from fedlora.federation.methods.base import (
     ClientTask,
     LayerShapes,
     Method,
+    MethodContext,
     Payload,
     RoundPlan,
 )
 from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.registry import register_method
 
 
 def rolora_factor(round_index: int) -> str:
@@ -38,8 +40,14 @@ def rolora_factor(round_index: int) -> str:
     return "B" if round_index % 2 == 0 else "A"
 
 
+@register_method("rolora")
 class RoLoRA(Method):
     name = "rolora"
+    delta_aggregate = True  # the moving factor ← it + Σ p_n (X_n − X); exact for any step
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> RoLoRA:
+        return cls(a=ctx.a, gamma=ctx.gamma, clients_per_round=ctx.cfg.method.clients_per_round)
 
     def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
         self.a = np.asarray(a, dtype=float)
@@ -69,8 +77,3 @@ class RoLoRA(Method):
             uplink_params=factor_params(rolora_factor(plan.round), shapes, self.gamma),
             downlink_params=factor_params("AB", shapes, self.gamma),
         )
-
-
-def build(cfg, a: np.ndarray, rng: np.random.Generator | None = None) -> RoLoRA:
-    """The method of an `ExperimentConfig` for clients with data weights `a`."""
-    return RoLoRA(a=a, gamma=cfg.lora.rank, clients_per_round=cfg.method.clients_per_round)
