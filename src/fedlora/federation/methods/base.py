@@ -32,9 +32,7 @@ class ClientTask:
     scale: np.ndarray
     rank_used: int
     weight: float  # the aggregation weight of this participant (a_n/q_n for unbiased sampling)
-    trains: str = (
-        "AB"  # the factors local training moves (FFA-LoRA "B", RoLoRA "A"/"B", Fed-SB "R")
-    )
+    trains: str = "AB"  # the factors it trains (FFA-LoRA "B", RoLoRA "A"/"B", Fed-SB "R")
 
 
 @dataclass(frozen=True)
