@@ -5,6 +5,7 @@ methods` over every method."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from pathlib import Path
@@ -128,6 +129,13 @@ def test_each_method_trains_what_it_says_and_pays_for_what_it_sends(
         clients = {int(k.split("/")[0]) for k in memory}
         assert clients and all(k.endswith("lora_B") for k in memory)
         assert clients <= set(lines[0]["participants"]) | set(lines[1]["participants"])
+        # the evaluated global B is Σ_n a_n B_n over every client's kept B (init: 0)
+        with open(run_dir / "clients.csv", encoding="utf-8") as f:
+            a = [float(row["a"]) for row in csv.DictReader(f)]
+        for key in (k for k in g2 if k.endswith("lora_B")):
+            kept = [memory.get(f"{n}/{key}", np.zeros_like(g2[key])) for n in range(len(a))]
+            want = sum(w * b.astype(np.float64) for w, b in zip(a, kept))
+            np.testing.assert_allclose(g2[key], want, rtol=1e-6, atol=1e-7)
 
 
 @needs_data
