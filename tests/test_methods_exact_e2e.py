@@ -101,9 +101,21 @@ def _same(x: dict, y: dict, suffix: str) -> bool:
     ],
 )
 def test_each_method_trains_what_it_says_and_pays_for_what_it_sends(
-    tmp_path, name, per_client_bits
+    tmp_path, name, per_client_bits, monkeypatch
 ):
+    from fedlora.federation.methods import method_class
+
+    cls = method_class(name)
+    uploaded: list[set[str]] = []  # the keys of every upload the server aggregates
+    aggregate = cls.aggregate
+
+    def spy(self, global_state, plan, client_states):
+        uploaded.extend(set(s) for s in client_states)
+        return aggregate(self, global_state, plan, client_states)
+
+    monkeypatch.setattr(cls, "aggregate", spy)
     run_dir = _run(tmp_path, name)
+    assert len(uploaded) == 4
     r1, r2 = _states(run_dir)
     g1, g2 = r1["global"], r2["global"]
     o, i, m = _sum_shapes(run_dir)
@@ -124,7 +136,8 @@ def test_each_method_trains_what_it_says_and_pays_for_what_it_sends(
         assert _same(g1, g2, "lora_B") and not _same(g1, g2, "lora_A")
         assert [line["uplink_bits"] for line in lines] == [2 * GAMMA * o * 16, 2 * GAMMA * i * 16]
         assert [line["downlink_bits"] for line in lines] == [2 * GAMMA * (o + i) * 16] * 2
-    if name == "fedsalora":  # the clients' own B are in the memory; the global B is their mean
+    if name == "fedsalora":  # B never leaves the client: kept in the memory, never uploaded
+        assert all(keys and not any(k.endswith("lora_B") for k in keys) for keys in uploaded)
         memory = r2["memory"]
         clients = {int(k.split("/")[0]) for k in memory}
         assert clients and all(k.endswith("lora_B") for k in memory)
