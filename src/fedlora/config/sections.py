@@ -198,6 +198,7 @@ class TrainingConfig:
 
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
+SERVER_OPTIMIZERS = ("avg", "avgm", "adam", "yogi", "adagrad")  # method.server_optimizer
 RANK_STRATEGIES = ("capability", *K_STRATEGIES)  # method.ranks (fedlora.federation.methods.ranks)
 
 
@@ -223,6 +224,15 @@ class MethodConfig:
     # fslora's sketch sizes: "reference" (k_n uniform on [4, γ], FSLoRA's code) or "ranks"
     # (the shared budgets of method.ranks)
     fslora_k: str = "reference"
+    # The server optimizer on the aggregated update Δ (a pseudo-gradient; Reddi et al. 2021,
+    # docs/methods.md "Server optimizers"), for the methods whose aggregate is X + Δ
+    server_optimizer: str = "avg"  # avg | avgm | adam | yogi | adagrad
+    server_lr: float = 1.0  # η (avg with η = 1: the method's own aggregate)
+    server_momentum: float = 0.9  # avgm: μ
+    server_betas: tuple[float, ...] = (0.9, 0.99)  # adam, yogi, adagrad: (β1, β2)
+    server_eps: float = 1e-3  # adam, yogi, adagrad: τ (the adaptivity)
+    server_bias_correction: bool = False  # adam, yogi: divide m, v by 1 − β^t (torch's Adam)
+    server_weight_decay: float = 0.0  # decoupled decay λ: X ← (1 − ηλ) X (torch's AdamW)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -232,6 +242,19 @@ class MethodConfig:
         check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
         check_int("method.clients_per_round", self.clients_per_round, lo=0)
         check_vector_or_strategy("method.ranks", self.ranks, RANK_STRATEGIES, integer=True)
+        check_choice("method.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        check_number("method.server_lr", self.server_lr, lo=0, lo_open=True)
+        check_number("method.server_momentum", self.server_momentum, lo=0, hi=1, hi_open=True)
+        if len(self.server_betas) != 2:
+            raise bad_value("method.server_betas", self.server_betas, "two numbers [β1, β2]")
+        for i, beta in enumerate(self.server_betas):
+            check_number(f"method.server_betas[{i}]", beta, lo=0, hi=1, hi_open=True)
+        check_number("method.server_eps", self.server_eps, lo=0, lo_open=True)
+        if not isinstance(self.server_bias_correction, bool):
+            raise bad_value(
+                "method.server_bias_correction", self.server_bias_correction, "true or false"
+            )
+        check_number("method.server_weight_decay", self.server_weight_decay, lo=0)
 
 
 @dataclass(frozen=True)

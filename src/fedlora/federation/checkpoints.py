@@ -58,7 +58,9 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
     tensors = {f"global/{k}": v.detach().cpu().contiguous() for k, v in state["global"].items()}
     for k, v in (state.get("base_delta") or {}).items():
         tensors[f"base_delta/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
-    rest = {k: v for k, v in state.items() if k not in ("global", "base_delta")}
+    for k, v in (state.get("server_opt") or {}).items():  # the server optimizer's m, v, t
+        tensors[f"server_opt/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
+    rest = {k: v for k, v in state.items() if k not in ("global", "base_delta", "server_opt")}
     n_lines = int(state["progress"]["metrics_lines"])
     rest["metrics"] = read_metrics_lines(run_dir / "metrics.jsonl")[:n_lines]
     meta = {"format": CHECKPOINT_FORMAT, "state": json.dumps(rest, default=_json_default)}
@@ -85,6 +87,9 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
     state["global"] = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
     state["base_delta"] = {
         k[11:]: v.numpy() for k, v in tensors.items() if k.startswith("base_delta/")
+    }
+    state["server_opt"] = {
+        k[11:]: v.numpy() for k, v in tensors.items() if k.startswith("server_opt/")
     }
     return state
 

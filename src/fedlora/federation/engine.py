@@ -262,7 +262,7 @@ def apply_aggregate(
     run: Run, plan: RoundPlan, global_state: dict[str, np.ndarray], states: list
 ) -> None:
     """The method's aggregate becomes the global adapter (and, for FedStackLoRA, the base)."""
-    agg = run.method.aggregate(global_state, plan, states)
+    agg = run.method.server_step(global_state, plan, states)  # aggregate + server optimizer
     run.lora.load_global(to_torch(agg.global_state))
     if agg.base_delta:
         run.lora.add_to_base(to_torch(agg.base_delta))

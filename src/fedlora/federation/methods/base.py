@@ -116,6 +116,7 @@ class Method:
 
     name = "base"
     delta_aggregate = False
+    server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -137,6 +138,16 @@ class Method:
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
     ) -> Aggregation:
         raise NotImplementedError
+
+    def server_step(
+        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
+    ) -> Aggregation:
+        """What the engine applies: `aggregate`, then the server optimizer on its update Δ
+        (``method.server_optimizer``; a round without participants is no optimizer step)."""
+        agg = self.aggregate(global_state, plan, client_states)
+        if self.server_opt is not None and plan.tasks:
+            agg.global_state = self.server_opt.step(global_state, agg.global_state)
+        return agg
 
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = sketch_payload_params(task.rank_used, shapes)
