@@ -46,9 +46,17 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     layers: Union[str, int] = 8  # "all" or K (the top K layers)  # noqa: UP007
+    rslora: bool = False  # rank-stabilised LoRA: scaling α/√r instead of α/r (PEFT use_rslora)
+
+    @property
+    def scaling(self) -> float:
+        """The adapter's forward factor: α/r, or α/√r with rsLoRA (PEFT's semantics)."""
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
 
     def __post_init__(self) -> None:
         check_int("lora.rank", self.rank, lo=1)
+        if not isinstance(self.rslora, bool):
+            raise bad_value("lora.rslora", self.rslora, "true or false")
         check_number("lora.alpha", self.alpha, lo=0, lo_open=True)
         check_number("lora.dropout", self.dropout, lo=0, hi=1, hi_open=True)
         if not self.target_modules or not all(
