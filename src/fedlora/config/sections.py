@@ -207,7 +207,10 @@ class TrainingConfig:
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
 SERVER_OPTIMIZERS = ("avg", "avgm", "adam", "yogi", "adagrad")  # method.server_optimizer
-RANK_STRATEGIES = ("capability", *K_STRATEGIES)  # method.ranks (fedlora.federation.methods.ranks)
+# the FSLoRA authors' `generate_ranks` distributions on method.rank_range (docs/methods.md)
+REFERENCE_RANK_STRATEGIES = ("fslora_uniform", "fslora_normal", "fslora_heavy_tail_low")
+# method.ranks (fedlora.federation.methods.ranks)
+RANK_STRATEGIES = ("capability", *K_STRATEGIES, *REFERENCE_RANK_STRATEGIES)
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,8 @@ class MethodConfig:
     fslora_k: str = "reference"
     # The server optimizer on the aggregated update Δ (a pseudo-gradient; Reddi et al. 2021,
     # docs/methods.md "Server optimizers"), for the methods whose aggregate is X + Δ
+    # [a, b] of the fslora_* rank strategies (the authors' lora_r_min, lora_r_max); [] = [1, γ]
+    rank_range: tuple[int, ...] = ()
     server_optimizer: str = "avg"  # avg | avgm | adam | yogi | adagrad
     server_lr: float = 1.0  # η (avg with η = 1: the method's own aggregate)
     server_momentum: float = 0.9  # avgm: μ
@@ -250,6 +255,11 @@ class MethodConfig:
         check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
         check_int("method.clients_per_round", self.clients_per_round, lo=0)
         check_vector_or_strategy("method.ranks", self.ranks, RANK_STRATEGIES, integer=True)
+        if self.rank_range:
+            if len(self.rank_range) != 2:
+                raise bad_value("method.rank_range", self.rank_range, "[] or two integers [a, b]")
+            check_int("method.rank_range[0]", self.rank_range[0], lo=1)
+            check_int("method.rank_range[1]", self.rank_range[1], lo=self.rank_range[0])
         check_choice("method.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
         check_number("method.server_lr", self.server_lr, lo=0, lo_open=True)
         check_number("method.server_momentum", self.server_momentum, lo=0, hi=1, hi_open=True)

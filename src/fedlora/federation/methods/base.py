@@ -86,7 +86,12 @@ class MethodContext:
         """The (N,) rank budgets of ``method.ranks`` (`fedlora.federation.methods.ranks`)."""
         m = self.cfg.method
         return resolve_ranks(
-            m.ranks, n=self.a.size, gamma=self.gamma, rng=self.rng, tau_full_s=self.tau_full_s
+            m.ranks,
+            n=self.a.size,
+            gamma=self.gamma,
+            rng=self.rng,
+            tau_full_s=self.tau_full_s,
+            rank_range=m.rank_range,
         )
 
 
