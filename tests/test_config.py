@@ -175,7 +175,7 @@ def test_config_from_dict_needs_tables():
         ("network.ftot_hz=1", r"unknown key network\.ftot_hz \(did you mean 'f_tot_hz'\?\)"),
         (
             "lora.r=8",
-            r"unknown key lora\.r \(valid: rank, alpha, dropout, target_modules, layers\)",
+            r"unknown key lora\.r \(valid: rank, alpha, dropout, target_modules, layers, rslora\)",
         ),
         ("zzz.q=1", r"unknown section \[zzz\] \(valid: model, lora, data, network"),
     ],

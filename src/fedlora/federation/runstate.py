@@ -137,6 +137,7 @@ def checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
         "base_delta": run.base_delta,
         "method": run.method.state_dict(),
         "memory": run.memory.state_dict(),
+        "server_opt": run.method.server_opt.state_dict() if run.method.server_opt else {},
         "seed": run.cfg.training.seed,
         "rng": "derived from (seed, stream, round): see fedlora.federation.engine.derive_rng",
     }
@@ -151,4 +152,6 @@ def restore_state(run: Run, state: dict[str, Any]) -> Progress:
         run.lora.add_to_base(to_torch(run.base_delta))
     run.method.load_state_dict(state.get("method", {}))
     run.memory.load_state_dict(state.get("memory") or {})
+    if run.method.server_opt is not None:  # method.server_optimizer's m, v, t
+        run.method.server_opt.load_state_dict(state.get("server_opt") or {})
     return Progress(**state["progress"])

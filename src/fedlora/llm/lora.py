@@ -142,7 +142,7 @@ class SlotLora:
         self.model = model
         self.names = list(names)
         self.rank = cfg.rank
-        self.scaling = float(cfg.alpha) / cfg.rank  # PEFT's default (not rsLoRA)
+        self.scaling = float(cfg.scaling)  # α/r, or α/√r with lora.rslora (PEFT's use_rslora)
         self.slots = slots
         self.cfg = cfg
         self.modules: dict[str, nn.Linear] = {n: model.get_submodule(n) for n in self.names}
@@ -363,6 +363,7 @@ class SlotLora:
             bias="none",
             task_type="CAUSAL_LM",
             base_model_name_or_path=base_model_name_or_path,
+            use_rslora=self.cfg.rslora,
         )
         config.save_pretrained(str(out))
         tensors = {}

@@ -29,6 +29,7 @@ from fedlora.federation.methods.registry import (
     method_names,
     register_method,
 )
+from fedlora.federation.methods.server_opt import ServerOptimizer
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -39,6 +40,7 @@ __all__ = [
     "Payload",
     "Plan",
     "RoundPlan",
+    "ServerOptimizer",
     "check_method_config",
     "make_method",
     "method_class",
@@ -73,4 +75,7 @@ def make_method(
         # the clients' compute times as the engine builds them (independent of payload bits)
         tau_full_s = build_profiles(cfg, full_payload_bits=1.0).tau_full_s
     ctx = MethodContext(cfg, np.asarray(a), rng, tau_full_s=tau_full_s, plan=plan)
-    return cls.from_config(ctx)
+    method = cls.from_config(ctx)
+    server_opt = ServerOptimizer.from_config(cfg.method)
+    method.server_opt = None if server_opt.is_identity else server_opt
+    return method

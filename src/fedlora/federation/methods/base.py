@@ -87,7 +87,12 @@ class MethodContext:
         """The (N,) rank budgets of ``method.ranks`` (`fedlora.federation.methods.ranks`)."""
         m = self.cfg.method
         return resolve_ranks(
-            m.ranks, n=self.a.size, gamma=self.gamma, rng=self.rng, tau_full_s=self.tau_full_s
+            m.ranks,
+            n=self.a.size,
+            gamma=self.gamma,
+            rng=self.rng,
+            tau_full_s=self.tau_full_s,
+            rank_range=m.rank_range,
         )
 
 
@@ -117,6 +122,7 @@ class Method:
 
     name = "base"
     delta_aggregate = False
+    server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -138,6 +144,16 @@ class Method:
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
     ) -> Aggregation:
         raise NotImplementedError
+
+    def server_step(
+        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
+    ) -> Aggregation:
+        """What the engine applies: `aggregate`, then the server optimizer on its update Δ
+        (``method.server_optimizer``; a round without participants is no optimizer step)."""
+        agg = self.aggregate(global_state, plan, client_states)
+        if self.server_opt is not None and plan.tasks:
+            agg.global_state = self.server_opt.step(global_state, agg.global_state)
+        return agg
 
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = sketch_payload_params(task.rank_used, shapes)

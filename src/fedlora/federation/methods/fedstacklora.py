@@ -67,7 +67,7 @@ class FedStackLoRA(RankTruncationMethod):
             a=ctx.a,
             ranks=ctx.ranks(),
             gamma=ctx.gamma,
-            scaling=cfg.lora.alpha / ctx.gamma,
+            scaling=cfg.lora.scaling,  # α/γ (α/√γ with lora.rslora): the slots' factor
             seed=cfg.training.seed,
             clients_per_round=cfg.method.clients_per_round,
         )

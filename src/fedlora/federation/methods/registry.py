@@ -94,4 +94,15 @@ def check_method_config(cfg: ExperimentConfig) -> type[Method]:
     cls = method_class(cfg.method.name)
     for other in {*_REGISTRY.values(), cls}:
         other.check_config(cfg)
+    m = cfg.method
+    plain = m.server_optimizer == "avg" and m.server_lr == 1.0 and m.server_weight_decay == 0
+    if not plain and not cls.delta_aggregate:
+        delta = sorted(n for n, c in _REGISTRY.items() if c.delta_aggregate)
+        raise ConfigError(
+            f"method.server_optimizer = {m.server_optimizer!r} (server_lr = {m.server_lr}, "
+            f"server_weight_decay = {m.server_weight_decay}) is invalid for method.name = "
+            f"{m.name!r}: its aggregate is not the global adapter plus an update "
+            '(docs/methods.md, "Server optimizers"); allowed: avg with server_lr = 1 and '
+            f"server_weight_decay = 0, or one of the methods {', '.join(delta)}"
+        )
     return cls
