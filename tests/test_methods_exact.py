@@ -184,3 +184,14 @@ def test_partial_participation_weights_and_empty_rounds():
     assert method.aggregate(g, RoundPlan(0, ()), []).global_state == g
     task = ClientTask(0, np.ones(GAMMA), GAMMA, 1.0)
     assert task.trains == "AB"  # the default: both factors
+
+
+@pytest.mark.parametrize("rslora, want", [(False, 32.0 / 16), (True, 32.0 / 4)])
+def test_fedexlora_folds_with_the_forward_factor_of_the_run(rslora, want):
+    from fedlora.config import load_config
+    from fedlora.federation.methods import make_method
+
+    cfg = load_config(None, ["method.name=fedexlora", "lora.rank=16", "lora.alpha=32",
+                             f"lora.rslora={str(rslora).lower()}", "data.n_clients=3"])  # fmt: skip
+    method = make_method(cfg, A_W, np.random.default_rng(0))
+    assert method.scaling == want

@@ -7,7 +7,7 @@ both factors of the rank-γ adapter, as FedAvg. The server averages them (p_n = 
 difference to every client's frozen base weights:
 
     B ← B̄ = Σ p_n B_n,   A ← Ā = Σ p_n A_n,
-    W0 ← W0 + s · (Σ p_n B_n A_n − B̄ Ā)      (s = the forward factor, lora.alpha / γ),
+    W0 ← W0 + s · (Σ p_n B_n A_n − B̄ Ā)      (s = lora.scaling: α/γ, or α/√γ with rsLoRA),
 
 so W0 + s·B̄Ā after the round equals W0 + Σ p_n s·B_n A_n: the global ΔW is exactly the
 weighted mean of the clients' ΔW_n. The engine merges the residual once
@@ -38,7 +38,6 @@ from fedlora.federation.methods.factors import lora_modules, normalized_weights,
 from fedlora.federation.methods.partial import (
     average_parts,
     factor_params,
-    forward_scaling,
     full_rank_plan,
 )
 from fedlora.federation.methods.registry import register_method
@@ -54,7 +53,7 @@ class FedExLoRA(Method):
         return cls(
             a=ctx.a,
             gamma=ctx.gamma,
-            scaling=forward_scaling(ctx.cfg.lora),
+            scaling=ctx.cfg.lora.scaling,
             clients_per_round=ctx.cfg.method.clients_per_round,
         )
 

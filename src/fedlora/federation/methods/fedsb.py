@@ -1,7 +1,7 @@
 """`fedsb`: Fed-SB, federated LoRA-SB: train an r × r matrix between frozen factors
 (Singhal, Ponkshe, Vartak, Varshney & Vepakomma, 2025).
 
-Every LoRA module computes ΔW = s · B R A (s = the forward factor, lora.alpha / γ) with B
+Every LoRA module computes ΔW = s · B R A (s = the forward factor lora.scaling) with B
 (out, γ) and A (γ, in) frozen and the same on every client, and only R (γ, γ) trained. Each
 round m clients are sampled uniformly (``method.clients_per_round``; 0 = all), each trains
 R_n from the global R, and the server averages

@@ -8,7 +8,6 @@ An adapter holds, per LoRA module, ``<module>.lora_A`` (γ, in), ``<module>.lora
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -24,12 +23,6 @@ FACTOR_PARAMS: dict[str, Callable[[int, int, int], int]] = {
     "R": lambda out, inp, g: g * g,
     "W": lambda out, inp, g: out * inp,  # a dense (out, in) matrix (FedEx-LoRA's residual)
 }
-
-
-def forward_scaling(lora) -> float:
-    """The LoRA forward factor s of ΔW = s·B A: α/γ, or α/√γ with rsLoRA (``lora.rslora``)."""
-    root = math.sqrt(lora.rank) if getattr(lora, "rslora", False) else lora.rank
-    return float(lora.alpha) / root
 
 
 def factor_params(factors: str, shapes: LayerShapes, gamma: int) -> int:
