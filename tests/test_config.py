@@ -175,7 +175,7 @@ def test_config_from_dict_needs_tables():
         ("network.ftot_hz=1", r"unknown key network\.ftot_hz \(did you mean 'f_tot_hz'\?\)"),
         (
             "lora.r=8",
-            r"unknown key lora\.r \(valid: rank, alpha, dropout, target_modules, layers\)",
+            r"unknown key lora\.r \(valid: rank, alpha, dropout, target_modules, layers, rslora\)",
         ),
         ("zzz.q=1", r"unknown section \[zzz\] \(valid: model, lora, data, network"),
     ],
@@ -268,7 +268,7 @@ BAD_VALUES = [
     (["training.lr=fast"], "training.lr = 'fast' is invalid: a number"),
     (["training.seed=-1"], "training.seed = -1 is invalid"),
     (["training.target_accuracy=55"], "training.target_accuracy = 55.0 is invalid"),
-    (["method.name=fedprox"], "method.name = 'fedprox' is invalid"),
+    (["method.name='fed prox'"], "method.name = 'fed prox' is invalid"),
     (["planner.solver=gurobi"], "planner.solver = 'gurobi' is invalid"),
     (["planner.max_iterations=0"], "planner.max_iterations = 0 is invalid"),
     (["output.dir=''"], "output.dir = '' is invalid"),

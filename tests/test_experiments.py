@@ -57,7 +57,7 @@ RULE = "target_rule = {budget_fraction = 0.6, floor_se = 4, text = 'slowest at 6
 @pytest.mark.parametrize(
     ("suite", "text", "kwargs", "message"),
     [
-        ("table2", "", {}, "--suite = 'table2' is invalid: allowed: table1, sampling, ranks"),
+        ("table2", "", {}, "--suite = 'table2' is invalid: allowed: table1, sampling, ranks, methods"),
         ("table1", "", {}, "no target accuracy for task(s) arc-e"),
         ("table1", "[suite]\ntargets = {arc-e = 1.5}\n", {}, "suite.targets.arc-e = 1.5"),
         ("table1", "[suite]\ntarget = 1\n", {}, "unknown key suite.target"),

@@ -11,7 +11,7 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.methods import make_method
+from fedlora.federation.methods import check_method_config, make_method
 from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
 from fedlora.federation.methods.fedstacklora import FedStackLoRA, fresh_adapter
 from fedlora.federation.methods.flexlora import FlexLoRA, truncated_svd_factors
@@ -567,8 +567,9 @@ def test_make_method_passes_heterolora_pruning():
          "method.heterolora_pruning=0.75"],
     )  # fmt: skip
     assert make_method(cfg, np.full(2, 0.5), _rng()).pruning == 0.75
+    # checked by the method (the registry), whichever method.name is
     with pytest.raises(ConfigError, match="method.heterolora_pruning = 1.5"):
-        load_config(None, ["method.heterolora_pruning=1.5"])
+        check_method_config(load_config(None, ["method.heterolora_pruning=1.5"]))
 
 
 # ----------------------------------------------------------------------------- issue 12: FlexLoRA
@@ -661,7 +662,7 @@ def test_fslora_k_from_the_shared_rank_budgets_and_small_gamma():
     small = make_method(load_config(None, base), np.ones(3) / 3, _rng())
     assert small.k.tolist() == [3, 3, 3]
     with pytest.raises(ConfigError, match="method.fslora_k = 'paper'.*reference, ranks"):
-        load_config(None, ['method.fslora_k="paper"'])
+        check_method_config(load_config(None, ['method.fslora_k="paper"']))
 
 
 def test_docs_reference_tables_name_existing_tests():

@@ -17,5 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    print(dump_toml(load_config(args.config, args.overrides)), end="")
+    from fedlora.federation.methods import check_method_config
+
+    cfg = load_config(args.config, args.overrides)
+    check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    print(dump_toml(cfg), end="")
     return 0

@@ -55,6 +55,12 @@ class ExperimentConfig:
                 self.method.ranks,
                 f"every r_n must be in 1..lora.rank = {self.lora.rank}",
             )
+        if self.method.rank_range and self.method.rank_range[1] > self.lora.rank:
+            raise bad_value(
+                "method.rank_range",
+                self.method.rank_range,
+                f"[a, b] with b <= lora.rank = {self.lora.rank}",
+            )
         if self.method.clients_per_round > n:
             raise bad_value(
                 "method.clients_per_round",

@@ -46,9 +46,17 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     layers: Union[str, int] = 8  # "all" or K (the top K layers)  # noqa: UP007
+    rslora: bool = False  # rank-stabilised LoRA: scaling α/√r instead of α/r (PEFT use_rslora)
+
+    @property
+    def scaling(self) -> float:
+        """The adapter's forward factor: α/r, or α/√r with rsLoRA (PEFT's semantics)."""
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
 
     def __post_init__(self) -> None:
         check_int("lora.rank", self.rank, lo=1)
+        if not isinstance(self.rslora, bool):
+            raise bad_value("lora.rslora", self.rslora, "true or false")
         check_number("lora.alpha", self.alpha, lo=0, lo_open=True)
         check_number("lora.dropout", self.dropout, lo=0, hi=1, hi_open=True)
         if not self.target_modules or not all(
@@ -198,17 +206,24 @@ class TrainingConfig:
         check_number("training.momentum", self.momentum, lo=0, hi=1, hi_open=True)
 
 
-METHODS = ("sketched", "fedavg", "proposed", "fslora", "heterolora", "fedstacklora", "flexlora")
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
-RANK_STRATEGIES = ("capability", *K_STRATEGIES)  # method.ranks (fedlora.federation.methods.ranks)
+SERVER_OPTIMIZERS = ("avg", "avgm", "adam", "yogi", "adagrad")  # method.server_optimizer
+# the FSLoRA authors' `generate_ranks` distributions on method.rank_range (docs/methods.md)
+REFERENCE_RANK_STRATEGIES = ("fslora_uniform", "fslora_normal", "fslora_heavy_tail_low")
+# method.ranks (fedlora.federation.methods.ranks)
+RANK_STRATEGIES = ("capability", *K_STRATEGIES, *REFERENCE_RANK_STRATEGIES)
 
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """The federated method and its per-client sampling probabilities q and sketch sizes k."""
+    """The federated method and its per-client sampling probabilities q and sketch sizes k.
 
-    name: str = "sketched"
+    The methods live in `fedlora.federation.methods` (a registry this layer cannot see):
+    ``name`` and each method's own fields (heterolora_pruning, fslora_k, ...) are checked
+    there, by `check_method_config`, before a config becomes a run; here only their types."""
+
+    name: str = "sketched"  # a registered method (fedlora.federation.methods.method_names())
     q: Union[str, tuple[float, ...]] = "fixed"  # noqa: UP007
     q_fixed: float = 0.2  # the value of the "fixed" strategy
     k: Union[str, tuple[int, ...]] = "uniform"  # noqa: UP007
@@ -222,16 +237,44 @@ class MethodConfig:
     # fslora's sketch sizes: "reference" (k_n uniform on [4, γ], FSLoRA's code) or "ranks"
     # (the shared budgets of method.ranks)
     fslora_k: str = "reference"
+    # The server optimizer on the aggregated update Δ (a pseudo-gradient; Reddi et al. 2021,
+    # docs/methods.md "Server optimizers"), for the methods whose aggregate is X + Δ
+    # [a, b] of the fslora_* rank strategies (the authors' lora_r_min, lora_r_max); [] = [1, γ]
+    rank_range: tuple[int, ...] = ()
+    server_optimizer: str = "avg"  # avg | avgm | adam | yogi | adagrad
+    server_lr: float = 1.0  # η (avg with η = 1: the method's own aggregate)
+    server_momentum: float = 0.9  # avgm: μ
+    server_betas: tuple[float, ...] = (0.9, 0.99)  # adam, yogi, adagrad: (β1, β2)
+    server_eps: float = 1e-3  # adam, yogi, adagrad: τ (the adaptivity)
+    server_bias_correction: bool = False  # adam, yogi: divide m, v by 1 − β^t (torch's Adam)
+    server_weight_decay: float = 0.0  # decoupled decay λ: X ← (1 − ηλ) X (torch's AdamW)
 
     def __post_init__(self) -> None:
-        check_choice("method.name", self.name, METHODS)
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise bad_value("method.name", self.name, "a method name (fedlora.federation.methods)")
         check_vector_or_strategy("method.q", self.q, Q_STRATEGIES, integer=False)
         check_number("method.q_fixed", self.q_fixed, lo=0, hi=1, lo_open=True)
         check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)
         check_int("method.clients_per_round", self.clients_per_round, lo=0)
         check_vector_or_strategy("method.ranks", self.ranks, RANK_STRATEGIES, integer=True)
-        check_number("method.heterolora_pruning", self.heterolora_pruning, lo=0, hi=1, hi_open=True)
-        check_choice("method.fslora_k", self.fslora_k, ("reference", "ranks"))
+        if self.rank_range:
+            if len(self.rank_range) != 2:
+                raise bad_value("method.rank_range", self.rank_range, "[] or two integers [a, b]")
+            check_int("method.rank_range[0]", self.rank_range[0], lo=1)
+            check_int("method.rank_range[1]", self.rank_range[1], lo=self.rank_range[0])
+        check_choice("method.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        check_number("method.server_lr", self.server_lr, lo=0, lo_open=True)
+        check_number("method.server_momentum", self.server_momentum, lo=0, hi=1, hi_open=True)
+        if len(self.server_betas) != 2:
+            raise bad_value("method.server_betas", self.server_betas, "two numbers [β1, β2]")
+        for i, beta in enumerate(self.server_betas):
+            check_number(f"method.server_betas[{i}]", beta, lo=0, hi=1, hi_open=True)
+        check_number("method.server_eps", self.server_eps, lo=0, lo_open=True)
+        if not isinstance(self.server_bias_correction, bool):
+            raise bad_value(
+                "method.server_bias_correction", self.server_bias_correction, "true or false"
+            )
+        check_number("method.server_weight_decay", self.server_weight_decay, lo=0)
 
 
 @dataclass(frozen=True)

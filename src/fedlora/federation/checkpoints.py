@@ -21,6 +21,9 @@ from fedlora.errors import DataError
 from fedlora.federation.runfiles import read_metrics_lines
 
 CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
+# stored as tensors "<group>/<key>": FedStackLoRA's / FedEx-LoRA's base merges, the server
+# optimizer's state, what clients keep across rounds (FedSA-LoRA's B_n)
+TENSOR_GROUPS = ("base_delta", "server_opt", "memory")
 
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
@@ -56,9 +59,10 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
     ckpt_dir = run_dir / "checkpoints"
     ckpt_dir.mkdir(exist_ok=True)
     tensors = {f"global/{k}": v.detach().cpu().contiguous() for k, v in state["global"].items()}
-    for k, v in (state.get("base_delta") or {}).items():
-        tensors[f"base_delta/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
-    rest = {k: v for k, v in state.items() if k not in ("global", "base_delta")}
+    for group in TENSOR_GROUPS:  # server_opt: its m, v, t; memory: FedSA-LoRA's B_n
+        for k, v in (state.get(group) or {}).items():
+            tensors[f"{group}/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
+    rest = {k: v for k, v in state.items() if k not in ("global", *TENSOR_GROUPS)}
     n_lines = int(state["progress"]["metrics_lines"])
     rest["metrics"] = read_metrics_lines(run_dir / "metrics.jsonl")[:n_lines]
     meta = {"format": CHECKPOINT_FORMAT, "state": json.dumps(rest, default=_json_default)}
@@ -83,9 +87,9 @@ def _load_safetensors(path: Path) -> dict[str, Any]:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open API
     state = json.loads(meta["state"])
     state["global"] = {k[7:]: v for k, v in tensors.items() if k.startswith("global/")}
-    state["base_delta"] = {
-        k[11:]: v.numpy() for k, v in tensors.items() if k.startswith("base_delta/")
-    }
+    for group in TENSOR_GROUPS:
+        n = len(group) + 1
+        state[group] = {k[n:]: v.numpy() for k, v in tensors.items() if k.startswith(group + "/")}
     return state
 
 

@@ -258,7 +258,9 @@ def apply_aggregate(
     run: Run, plan: RoundPlan, global_state: dict[str, np.ndarray], states: list
 ) -> None:
     """The method's aggregate becomes the global adapter (and, for FedStackLoRA, the base)."""
-    agg = run.method.aggregate(global_state, plan, states)
+    agg = run.method.server_step(global_state, plan, states)  # aggregate + server optimizer
+    if run.memory:  # clients keep a part (FedSA-LoRA's B): evaluate with its mean Σ a_n X_n
+        agg.global_state = {**agg.global_state, **run.memory.mean(run.fed.a)}
     run.lora.load_global(to_torch(agg.global_state))
     if agg.base_delta:
         run.lora.add_to_base(to_torch(agg.base_delta))

@@ -155,8 +155,10 @@ def check_clients(cfg: ExperimentConfig) -> None:
 
 def check_inputs(cfg: ExperimentConfig) -> None:
     """Every check above; raises `ConfigError` / `DataError` naming the field and the value."""
+    from fedlora.federation.methods.registry import check_method_config
     from fedlora.llm.device import resolve_device
 
+    check_method_config(cfg)  # method.name and the method's own fields (the registry)
     resolve_device(cfg.model.device)  # a device this machine lacks names the ones it has
     check_model(cfg)
     check_data(cfg)

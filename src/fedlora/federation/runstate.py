@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.config import ExperimentConfig
+from fedlora.federation.clientmemory import ClientMemory
 from fedlora.federation.methods import Method, Plan, make_method
 from fedlora.federation.profiles import build_profiles
 from fedlora.federation.progress import Progress
@@ -35,6 +36,7 @@ class Run:
     base_delta: dict[str, np.ndarray] = field(default_factory=dict)
     device: str = "cpu"  # where the model, the slots, batches and the layer cache live
     slots_per_pass: int = 0  # clients per forward/backward; 0 = training.slots
+    memory: ClientMemory = field(default_factory=lambda: ClientMemory(lambda k: False, {}))
 
 
 def load_trainable(
@@ -96,7 +98,12 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, log=print, plan: Plan | None
         tau_full_s=profiles.tau_full_s,
         plan=plan,
     )
+    start = to_numpy(lora.global_state())
+    initial = method.initial_state(start)  # e.g. Fed-SB's frozen factors and R
+    if initial is not start:
+        lora.load_global(to_torch(initial))
     run = Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+    run.memory = ClientMemory(method.is_local, initial)
     run.device = cfg.model.device
     run.slots_per_pass = device_slots_per_pass(run, log)
     return run
@@ -149,6 +156,8 @@ def checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
         "global": run.lora.global_state(),
         "base_delta": run.base_delta,
         "method": run.method.state_dict(),
+        "memory": run.memory.state_dict(),
+        "server_opt": run.method.server_opt.state_dict() if run.method.server_opt else {},
         "seed": run.cfg.training.seed,
         "rng": "derived from (seed, stream, round): see fedlora.federation.engine.derive_rng",
     }
@@ -162,4 +171,7 @@ def restore_state(run: Run, state: dict[str, Any]) -> Progress:
     if run.base_delta:
         run.lora.add_to_base(to_torch(run.base_delta))
     run.method.load_state_dict(state.get("method", {}))
+    run.memory.load_state_dict(state.get("memory") or {})
+    if run.method.server_opt is not None:  # method.server_optimizer's m, v, t
+        run.method.server_opt.load_state_dict(state.get("server_opt") or {})
     return Progress(**state["progress"])

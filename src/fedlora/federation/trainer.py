@@ -87,18 +87,23 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     states: list[dict[str, np.ndarray]] = []
     losses: list[float] = []
     tasks = list(plan.tasks)
+    trains = {t.trains for t in tasks}
+    if len(trains) > 1:
+        raise FedloraError(f"round {r + 1}: tasks train different factors {sorted(trains)}")
+    memory = run.memory  # what clients keep across rounds (FedSA-LoRA's B_n)
     per_pass = run.slots_per_pass or cfg.training.slots
     for start in range(0, len(tasks), per_pass):
         chunk = tasks[start : start + per_pass]
         clients = [t.client for t in chunk]
         try:
             chunk_losses = train_clients(
-                run, r, clients, np.stack([t.scale for t in chunk]), start, cache=cache
-            )  # (c, H)
+                run, r, clients, np.stack([t.scale for t in chunk]), start, cache=cache,
+                trains=chunk[0].trains, overlays=[memory.restore(c) for c in clients],
+            )  # (c, H)  # fmt: skip
         except TrainingError as e:
             raise TrainingDiverged(f"round {r + 1}, clients {clients}: {e}") from None
-        for i in range(len(chunk)):
-            states.append(to_numpy(run.lora.slot_state(i)))
+        for i, client in enumerate(clients):  # a client's local part stays with it
+            states.append(memory.keep(client, to_numpy(run.lora.slot_state(i))))
         losses.extend(np.asarray(chunk_losses).mean(axis=1).tolist())
     return states, np.array(losses)
 
@@ -111,12 +116,16 @@ def train_clients(
     torch_id: int,
     *,
     cache: Any = None,
+    trains: str = "AB",
+    overlays: list[dict[str, np.ndarray]] | None = None,
 ) -> Any:
     """H local steps of `clients` on slots 0..c-1 (each starts from the global adapter);
     returns their losses (c, H). `holder`: a `Run`, or a Flower node's state (the same
     cfg, model, tokenizer, lora and fed). The draws: batches from
     ``derive_rng(seed, "data", r, client)``, torch seeded by ``derive_seed(seed, "torch", r,
-    torch_id)`` (torch_id: the first client's position in the round's plan)."""
+    torch_id)`` (torch_id: the first client's position in the round's plan). `trains`: the
+    factors that move (`SlotLora.set_trainable`); `overlays[i]`: slot i's own tensors (a
+    client's kept local part) over the global adapter."""
     import torch
 
     from fedlora.llm.data import client_batches
@@ -125,6 +134,10 @@ def train_clients(
     cfg, seed = holder.cfg, holder.cfg.training.seed
     scales = np.asarray(scales, dtype=np.float32)  # (c, γ)
     holder.lora.set_clients(torch.from_numpy(scales))
+    holder.lora.set_trainable(trains)
+    for i, values in enumerate(overlays or []):
+        if values:
+            holder.lora.set_slot(i, {k: torch.from_numpy(np.asarray(v)) for k, v in values.items()})
     batches = [
         client_batches(
             holder.fed,

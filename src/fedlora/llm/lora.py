@@ -7,7 +7,9 @@ sketch S_c = diag(s_c))
 
     y = W0 x + (α/r) · B_c diag(s_c) A_c x         for the rows of slot c,
 
-with one batched matmul over the active slots. A sketch of k-of-γ indices is
+with one batched matmul over the active slots. With a middle factor (`enable_middle`, Fed-SB's
+LoRA-SB) the layer computes (α/r) · B_c R_c diag(s_c) A_c x with R_c (r × r). `set_trainable`
+picks the factors local training moves (FFA-LoRA: B only; RoLoRA: A or B; Fed-SB: R). A sketch of k-of-γ indices is
 s_c = γ/k on the sketched indices and 0 elsewhere (`fedlora.system.sketch.sketch_scale_vectors`);
 a rank truncation is 1 on the first r_n indices (`truncation_scale_vectors`). Rank components
 with s_c[j] = 0 receive exactly zero gradient, so a client trains only its sketch.
@@ -46,7 +48,8 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 class SlotLoraLayer(nn.Module):
     """The LoRA part of one adapted linear layer, with `slots` client slots.
 
-    Parameters: ``lora_A`` (C, r, in), ``lora_B`` (C, out, r), fp32; buffer ``scale`` (C, r).
+    Parameters: ``lora_A`` (C, r, in), ``lora_B`` (C, out, r), fp32; buffer ``scale`` (C, r);
+    ``lora_R`` (C, r, r) or None (no middle factor).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class SlotLoraLayer(nn.Module):
         self.lora_A = nn.Parameter(torch.zeros(slots, rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(slots, out_features, rank))
         self.register_buffer("scale", torch.ones(slots, rank))
+        self.lora_R: nn.Parameter | None = None  # Fed-SB's middle factor (`SlotLora.enable_middle`)
         self.active = 1  # slots 0..active-1 are used by the forward pass
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +81,8 @@ class SlotLoraLayer(nn.Module):
             xs = F.dropout(xs, p=self.dropout_p, training=True)
         h = torch.bmm(xs, a.transpose(1, 2))  # (c, b*T, r)
         h = h * (self.scale[:c] * self.scaling).unsqueeze(1).to(h.dtype)  # × diag(s_c)·α/r
+        if self.lora_R is not None:
+            h = torch.bmm(h, self.lora_R[:c].transpose(1, 2))  # (c, b*T, r): × R_cᵀ
         d = torch.bmm(h, b.transpose(1, 2))  # (c, b*T, out)
         return d.reshape(*x.shape[:-1], self.out_features)  # (c*b, ..., out)
 
@@ -136,12 +142,14 @@ class SlotLora:
         self.model = model
         self.names = list(names)
         self.rank = cfg.rank
-        self.scaling = float(cfg.alpha) / cfg.rank  # PEFT's default (not rsLoRA)
+        self.scaling = float(cfg.scaling)  # α/r, or α/√r with lora.rslora (PEFT's use_rslora)
         self.slots = slots
         self.cfg = cfg
         self.modules: dict[str, nn.Linear] = {n: model.get_submodule(n) for n in self.names}
         self.layers: dict[str, SlotLoraLayer] = {}
-        self._base_residual: dict[str, torch.Tensor] = {}  # see add_to_base
+        self._base_w0: dict[str, torch.Tensor] = {}  # see add_to_base: the weight before merges
+        self._base_total: dict[str, torch.Tensor] = {}  # and the fp32 sum of the merges
+        self.middle = False  # Fed-SB's r × r factor R (`enable_middle`)
         self._handles = []
         for n, lin in self.modules.items():
             layer = SlotLoraLayer(
@@ -170,6 +178,30 @@ class SlotLora:
         """fp32 CPU copies of the global adapter: ``{name}.lora_A`` (r, in), ``.lora_B`` (out, r)."""
         return {k: v.clone() for k, v in self._global.items()}
 
+    def enable_middle(self) -> None:
+        """Give every layer Fed-SB's middle factor R (C, r, r): ΔW = (α/r)·B R diag(s) A; the
+        global adapter gains ``<name>.lora_R`` = I (ΔW unchanged). `load_global` calls it for a
+        state with ``lora_R`` keys."""
+        if self.middle:
+            return
+        self.middle = True
+        for n, layer in self.layers.items():
+            eye = torch.eye(self.rank).expand(self.slots, -1, -1).clone()
+            layer.lora_R = nn.Parameter(eye.to(layer.lora_A.device))
+            self._global[f"{n}.lora_R"] = torch.eye(self.rank)
+
+    def set_trainable(self, parts: str = "AB") -> None:
+        """The factors local training moves: a string of ``A``, ``B``, ``R`` (default ``AB``).
+        A frozen factor gets no gradient, so `local_train` leaves it exactly as it was."""
+        bad = sorted(set(parts) - set("ABR" if self.middle else "AB"))
+        if bad or not parts:
+            raise bad_value("trainable LoRA factors", parts, "letters of 'AB' (+ 'R' w/ middle)")
+        for layer in self.layers.values():
+            layer.lora_A.requires_grad_("A" in parts)
+            layer.lora_B.requires_grad_("B" in parts)
+            if layer.lora_R is not None:
+                layer.lora_R.requires_grad_("R" in parts)
+
     def _check_state(self, state: dict[str, torch.Tensor], what: str) -> None:
         missing = sorted(set(self._global) - set(state))
         extra = sorted(set(state) - set(self._global))
@@ -186,7 +218,10 @@ class SlotLora:
                 )
 
     def load_global(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace the global adapter (copied, as fp32). Slots change only at `set_clients`."""
+        """Replace the global adapter (copied, as fp32). Slots change only at `set_clients`.
+        A state with ``lora_R`` keys turns the middle factor on (`enable_middle`)."""
+        if any(k.endswith(".lora_R") for k in state):
+            self.enable_middle()
         self._check_state(state, "global adapter")
         self._global = {
             k: torch.as_tensor(v).detach().float().cpu().clone() for k, v in state.items()
@@ -214,9 +249,24 @@ class SlotLora:
             for n, layer in self.layers.items():
                 layer.lora_A[:c].copy_(self._global[f"{n}.lora_A"].unsqueeze(0))
                 layer.lora_B[:c].copy_(self._global[f"{n}.lora_B"].unsqueeze(0))
+                if layer.lora_R is not None:
+                    layer.lora_R[:c].copy_(self._global[f"{n}.lora_R"].unsqueeze(0))
+                    layer.lora_R.grad = None
                 layer.scale[:c].copy_(scales)
                 layer.active = c
                 layer.lora_A.grad = layer.lora_B.grad = None
+
+    def set_slot(self, c: int, values: dict[str, torch.Tensor]) -> None:
+        """Overwrite some of slot c's tensors (keys as `global_state`'s) after `set_clients`:
+        a client's own persistent part of the adapter (FedSA-LoRA's local B)."""
+        if not 0 <= c < self.active:
+            raise ConfigError(f"slot {c} is not active: 0 <= c < {self.active}")
+        with torch.no_grad():
+            for key, v in values.items():
+                name, part = key.rsplit(".", 1)
+                if name not in self.layers or part not in ("lora_A", "lora_B", "lora_R"):
+                    raise ConfigError(f"set_slot: {key!r} is not a tensor of this adapter")
+                getattr(self.layers[name], part)[c].copy_(torch.as_tensor(v))
 
     @property
     def active(self) -> int:
@@ -231,52 +281,53 @@ class SlotLora:
         for n, layer in self.layers.items():
             out[f"{n}.lora_A"] = layer.lora_A[c].detach().float().cpu().clone()
             out[f"{n}.lora_B"] = layer.lora_B[c].detach().float().cpu().clone()
+            if layer.lora_R is not None:
+                out[f"{n}.lora_R"] = layer.lora_R[c].detach().float().cpu().clone()
         return out
 
     def parameters(self) -> list[nn.Parameter]:
-        """The trainable slot tensors: per layer A (C, r, in) then B (C, out, r)."""
-        return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
+        """The trainable slot tensors: per layer A (C, r, in), B (C, out, r) (then R (C, r, r))."""
+        parts = [(la.lora_A, la.lora_B, la.lora_R) for la in self.layers.values()]
+        return [p for ps in parts for p in ps if p is not None]
 
     def train(self, mode: bool = True) -> None:
         """Dropout on/off for the LoRA inputs (independent of the base model's mode)."""
         for layer in self.layers.values():
             layer.train(mode)
 
-    def add_to_base(self, deltas: dict[str, torch.Tensor]) -> None:
-        """W0[name] += delta (out, in) (FedStackLoRA merges).
+    def add_to_base(self, deltas: dict[str, torch.Tensor], *, total: bool = False) -> None:
+        """W0[name] += delta (out, in) (FedStackLoRA merges, FedEx-LoRA's residual); with
+        `total`, W0 = W_init + delta for every adapted layer (absent: + 0; a Flower node gets
+        the server's sum of merges each round).
 
-        A base stored below fp32 (bf16) cannot hold small merges: rounding each one into bf16
-        would drop most of an update of 1e-5 at |W| ~ 0.02. The merge is done in fp32 and the
-        rounding error is carried to the next merge (`base_residual`), so after any number of
-        merges the weight is the fp32 sum rounded once.
-        """
-        unknown = sorted(set(deltas) - set(self.modules))
-        if unknown:
-            raise ConfigError(
-                f"add_to_base: unknown layers {unknown[:3]}; adapted: {self.names[:3]}..."
-            )
+        The weight is always the weight before any merge plus the fp32 running sum of the
+        merges, rounded once: W = W_init + ((d_1 + d_2) + …). So a resumed run that merges the
+        checkpoint's sum at once gets the same bits as the run that merged round by round, and
+        a base stored below fp32 (bf16) keeps small merges (rounding each one into bf16 would
+        drop most of an update of 1e-5 at |W| ~ 0.02)."""
+        if unknown := sorted(set(deltas) - set(self.modules)):
+            raise ConfigError(f"add_to_base: unknown layers {unknown[:3]}; adapted: {self.names}")
+        names = [n for n in self.names if n in deltas or (total and n in self._base_w0)]
         with torch.no_grad():
-            for n, d in deltas.items():
+            for n in names:
                 w = self.modules[n].weight
-                d = torch.as_tensor(d)
+                d = torch.as_tensor(deltas.get(n, torch.zeros(w.shape)))
                 if tuple(d.shape) != tuple(w.shape):
                     raise ConfigError(
                         f"add_to_base[{n!r}] has shape {tuple(d.shape)}, expected {tuple(w.shape)}"
                     )
                 d = d.to(device=w.device, dtype=torch.float32)
-                if w.dtype == torch.float32:
-                    w.add_(d)
-                    continue
-                target = w.float() + d
-                if n in self._base_residual:
-                    target += self._base_residual[n]
-                w.copy_(target.to(w.dtype))
-                self._base_residual[n] = target - w.float()  # what the bf16 weight lost
+                if n not in self._base_w0:
+                    self._base_w0[n] = w.detach().clone()
+                    self._base_total[n] = torch.zeros_like(d)
+                self._base_total[n] = d.clone() if total else self._base_total[n] + d
+                w.copy_((self._base_w0[n].float() + self._base_total[n]).to(w.dtype))
 
     def base_residual(self) -> dict[str, torch.Tensor]:
-        """The fp32 rounding error `add_to_base` carries per layer of a bf16 base (empty in
-        fp32): weight + residual is the exact fp32 merge."""
-        return {k: v.clone() for k, v in self._base_residual.items()}
+        """The fp32 rounding error of each merged layer of a bf16 base (zeros in fp32):
+        weight + residual is the exact fp32 merge."""
+        w = {n: self.modules[n].weight.detach().float() for n in self._base_total}
+        return {n: self._base_w0[n].float() + t - w[n] for n, t in self._base_total.items()}
 
     def remove(self) -> None:
         """Detach the LoRA hooks: the model computes the base alone again."""
@@ -312,13 +363,16 @@ class SlotLora:
             bias="none",
             task_type="CAUSAL_LM",
             base_model_name_or_path=base_model_name_or_path,
+            use_rslora=self.cfg.rslora,
         )
         config.save_pretrained(str(out))
         tensors = {}
         for n in self.names:
             for part in ("lora_A", "lora_B"):
-                t = torch.as_tensor(state[f"{n}.{part}"]).detach().float().cpu().contiguous()
-                tensors[f"base_model.model.{n}.{part}.weight"] = t
+                t = torch.as_tensor(state[f"{n}.{part}"]).detach().float().cpu()
+                if part == "lora_B" and f"{n}.lora_R" in state:  # PEFT's B = B R (Fed-SB)
+                    t = t @ torch.as_tensor(state[f"{n}.lora_R"]).detach().float().cpu()
+                tensors[f"base_model.model.{n}.{part}.weight"] = t.contiguous()
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         meta: dict[str, Any] = {"rank": self.rank, "alpha": self.cfg.alpha, "layers": self.names}
         (out / "fedlora_adapter.json").write_text(json.dumps(meta, indent=2) + "\n")

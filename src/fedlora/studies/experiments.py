@@ -5,6 +5,7 @@ subset and seeds (the engine derives all of those from the seed), then a report.
               fedstacklora-free-downlink (its clock without the downlink)
     sampling  proposed q vs full, fixed 0.2, uniform 1/N, weighted; k = γ (Figure 2)
     ranks     proposed k vs full, normal, uniform; q = 0.2                 (Figure 3)
+    methods   every method: proposed, the baselines, ffalora, fedsalora, fedexlora, rolora, fedsb
 
 A suite file is an experiment TOML (the sections of `fedlora.config`) plus a `[suite]` table:
 
@@ -46,12 +47,17 @@ from fedlora.config import (
     read_toml,
 )
 from fedlora.errors import ConfigError, FedloraError, bad_value
+from fedlora.federation.methods import check_method_config
 from fedlora.studies.report import SUITE_FILE, collect_runs
 
 # report_suite and format_command live in suite_report; re-exported for their callers
 from fedlora.studies.suite_report import format_command, report_suite  # noqa: F401
 
 # label -> overrides applied on top of the suite file's config
+EXACT = "network.comm_cost=exact"
+METHOD_SUITE = tuple(  # the `methods` suite's non-planned methods
+    "fedavg fslora heterolora flexlora fedstacklora ffalora fedsalora fedexlora rolora fedsb".split()
+)
 Q_FIXED = ("method.q=fixed", "method.q_fixed=0.2")  # q = 0.2 (Figure 3, and Figure 2's fixed)
 SUITES: dict[str, dict[str, tuple[str, ...]]] = {
     "table1": {
@@ -77,11 +83,20 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
         "normal": ("method.name=sketched", "method.k=normal", *Q_FIXED),
         "uniform": ("method.name=sketched", "method.k=uniform", *Q_FIXED),
     },
+    # every federated method on one setting (issue 22): the paper's, its baselines and the
+    # aggregation rules published after FSLoRA (docs/methods.md)
+    # (on the exact clock: their savings are in the bits they send, and the rank-based cost
+    # models charge every full-rank method the full adapter's time)
+    "methods": {
+        "proposed": ("method.name=proposed", "planner.optimize=qk", EXACT),
+        **{name: (f"method.name={name}", EXACT) for name in METHOD_SUITE},
+    },
 }
 TITLES = {
     "table1": "Table I: time to target accuracy",
     "sampling": "Figure 2: sampling probabilities q (k = γ)",
     "ranks": "Figure 3: sketch sizes k (q = 0.2)",
+    "methods": "Every method: time to target accuracy",
 }
 SUITE_KEYS = (
     "targets",
@@ -116,7 +131,9 @@ class SuiteSpec:
         for text in (*SUITES[self.name][label], f"training.seed={seed}"):
             section, key, value = parse_override(text)
             raw.setdefault(section, {})[key] = value
-        return config_from_dict(raw, source=f"suite {self.name}, {label}")
+        cfg = config_from_dict(raw, source=f"suite {self.name}, {label}")
+        check_method_config(cfg)  # method.name and its own fields (the methods' registry)
+        return cfg
 
 
 def load_suite(

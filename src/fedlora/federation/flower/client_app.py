@@ -121,6 +121,9 @@ def train(message: Message, context: Context) -> Message:
             f"task client = {task['client']} was sent to the node with partition-id = {pid}"
         )
     global_adapter = record_to_adapter(message.content.array_records["adapter"])
+    if "base" in message.content.array_records:  # the server's sum of base merges (FedEx-LoRA)
+        base = record_to_adapter(message.content.array_records["base"])
+        global_adapter.update({f"{node.BASE_PREFIX}{k}": v for k, v in base.items()})
     address = worker_address(context)
     if address:
         from fedlora.federation.flower import worker

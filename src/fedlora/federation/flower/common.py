@@ -124,13 +124,24 @@ def config_from_run_config(
 
 def check_flower_method(cfg: ExperimentConfig) -> None:
     """ConfigError for what the Flower runtime cannot run like the engine does: `fedstacklora`
-    (its merged base update stays on the server, so the nodes would train on a stale base)
-    and `proposed` without a plan file (the calibration runs of Algorithm 2 are engine runs)."""
+    (its merged base update stays on the server, so the nodes would train on a stale base),
+    `fedsalora` (its evaluation view needs every client's B) and `proposed` without a plan
+    file (the calibration runs of Algorithm 2 are engine runs). FedEx-LoRA's base merges
+    travel to the nodes with every train message (the ``base`` ArrayRecord)."""
+    from fedlora.federation.methods import check_method_config
+
+    check_method_config(cfg)
     m = cfg.method
     if m.name == "fedstacklora":
         raise ConfigError(
-            "method.name = 'fedstacklora' is not supported on Flower: its merged base update "
+            f"method.name = {m.name!r} is not supported on Flower: its merged base update "
             "is not sent to the nodes; use `fedlora run`"
+        )
+    if m.name == "fedsalora":
+        raise ConfigError(
+            "method.name = 'fedsalora' is not supported on Flower: each client's own B is kept "
+            "by the engine's client memory, and evaluating one global adapter needs every "
+            "client's B, which FedSA-LoRA never sends; use `fedlora run`"
         )
     if m.name == "proposed" and not (
         isinstance(m.q, str) and m.q == m.k and m.q.endswith(".json") and Path(m.q).exists()

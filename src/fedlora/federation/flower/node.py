@@ -32,6 +32,7 @@ class ClientState:
 
 
 _CACHE: dict[str, ClientState] = {}
+BASE_PREFIX = "base/"  # arrays named so are the server's sum of merges into the frozen base
 
 
 def _cache_key(cfg: ExperimentConfig) -> str:
@@ -81,6 +82,8 @@ def train_one(
     state: ClientState, global_adapter: Mapping[str, np.ndarray], task: Mapping[str, Any]
 ) -> tuple[dict[str, np.ndarray], float]:
     """Local training of one participant on slot 0; returns (adapter, mean loss over H).
+    Arrays named ``base/<layer>`` set the frozen base to its initial value plus them
+    (`SlotLora.add_to_base` with total=True; none: the initial base).
 
     The engine's `fedlora.federation.trainer.train_clients` for one client, so the same draws
     as the engine with ``training.slots = 1`` (torch seeded by the task's position in the
@@ -90,11 +93,16 @@ def train_one(
 
     from fedlora.federation.trainer import train_clients
 
-    state.lora.load_global({k: torch.from_numpy(np.array(v)) for k, v in global_adapter.items()})
+    base = {
+        k[len(BASE_PREFIX) :]: v for k, v in global_adapter.items() if k.startswith(BASE_PREFIX)
+    }
+    adapter = {k: v for k, v in global_adapter.items() if not k.startswith(BASE_PREFIX)}
+    state.lora.add_to_base({k: torch.from_numpy(np.array(v)) for k, v in base.items()}, total=True)
+    state.lora.load_global({k: torch.from_numpy(np.array(v)) for k, v in adapter.items()})
     scale = np.asarray(task["scale"], dtype=np.float32)  # (γ,)
     losses = np.asarray(
         train_clients(state, int(task["round"]), [int(task["client"])], scale[None, :],
-                      int(task["index"]))
+                      int(task["index"]), trains=str(task.get("trains", "AB")))
     )  # (1, H)  # fmt: skip
     adapter = {k: v.numpy().copy() for k, v in state.lora.slot_state(0).items()}
     return adapter, float(losses.mean())

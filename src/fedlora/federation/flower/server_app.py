@@ -182,9 +182,14 @@ def train_remote(
     clients: dict[int, int],
     opts: FlowerOptions,
     log: Log = _stderr,
+    base_delta: dict[str, np.ndarray] | None = None,
 ) -> tuple[list[int], list[dict[str, np.ndarray]], list[float], list[int]]:
-    """Send each task to its node; returns (task indices received, adapters, losses, dropouts)."""
+    """Send each task to its node; returns (task indices received, adapters, losses, dropouts).
+
+    `base_delta`: the run's sum of merges into the frozen base (FedEx-LoRA's residuals), sent
+    as the ``base`` ArrayRecord so that every node trains on the server's base."""
     record = _fedlora_record(cfg)
+    base = {"base": adapter_to_record(base_delta)} if base_delta else {}
     sent: list[int] = []
     messages: list[Message] = []
     for i, t in enumerate(plan.tasks):
@@ -198,10 +203,11 @@ def train_remote(
                 "scale": [float(s) for s in t.scale],
                 "rank-used": t.rank_used,
                 "weight": t.weight,
+                "trains": t.trains,  # the factors it trains (FFA-LoRA, RoLoRA, Fed-SB)
             }
         )
         content = RecordDict(
-            {"fedlora": record, "task": task, "adapter": adapter_to_record(global_state)}
+            {"fedlora": record, "task": task, "adapter": adapter_to_record(global_state), **base}
         )
         messages.append(
             Message(
@@ -276,6 +282,7 @@ def _run_server(
     run = build_run(cfg, run_dir, log=log)
     clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
     trainer = FlowerTrainer(grid, cfg, clients, opts, log)
+    trainer.base_delta = lambda: run.base_delta  # the nodes train on the server's base
     return run_rounds(
         run, trainer, resume=resume, log=log, wall_start=wall_start, calibration_s=None
     )
@@ -295,12 +302,14 @@ class FlowerTrainer(Trainer):
         self.grid, self.cfg, self.clients, self.opts, self.log = grid, cfg, clients, opts, log
         self.avail = Availability.empty(cfg.data.n_clients)
         self.total_dropouts = 0
+        self.base_delta: Callable[[], dict[str, np.ndarray]] = dict  # set by `_run_server`
 
     def train(self, plan: RoundPlan, global_state: dict[str, np.ndarray]) -> Trained:
         cfg, r = self.cfg, plan.round
         got, states, losses, dropouts = train_remote(
-            self.grid, cfg, plan, global_state, self.clients, self.opts, self.log
-        )
+            self.grid, cfg, plan, global_state, self.clients, self.opts, self.log,
+            base_delta=self.base_delta(),
+        )  # fmt: skip
         np.add.at(self.avail.asked, np.array(plan.participants), 1)
         np.add.at(self.avail.answered, [plan.tasks[i].client for i in got], 1)
         if not np.all(np.isfinite(losses)):

@@ -8,8 +8,12 @@ and never touches the model or the network.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+from fedlora.config import ExperimentConfig
+from fedlora.federation.methods.ranks import resolve_ranks
 
 Adapter = dict[str, np.ndarray]
 LayerShapes = dict[str, tuple[int, int]]  # module name -> (out_features, in_features)
@@ -28,6 +32,7 @@ class ClientTask:
     scale: np.ndarray
     rank_used: int
     weight: float  # the aggregation weight of this participant (a_n/q_n for unbiased sampling)
+    trains: str = "AB"  # the factors it trains (FFA-LoRA "B", RoLoRA "A"/"B", Fed-SB "R")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,39 @@ class Aggregation:
     info: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class MethodContext:
+    """What `Method.from_config` builds a method from.
+
+    `a` (N,): the clients' data weights. `rng`: the run's "strategy" stream, which draws any
+    random k / rank vector (so those are reproducible). `tau_full_s` (N,): the clients'
+    compute times (``method.ranks = "capability"`` needs them: `make_method` passes them).
+    `plan`: Algorithm 2's `proposed.Plan` of a `proposed` run, or None.
+    """
+
+    cfg: ExperimentConfig
+    a: np.ndarray
+    rng: np.random.Generator
+    tau_full_s: np.ndarray | None = None
+    plan: Any = None
+
+    @property
+    def gamma(self) -> int:
+        return self.cfg.lora.rank
+
+    def ranks(self) -> np.ndarray:
+        """The (N,) rank budgets of ``method.ranks`` (`fedlora.federation.methods.ranks`)."""
+        m = self.cfg.method
+        return resolve_ranks(
+            m.ranks,
+            n=self.a.size,
+            gamma=self.gamma,
+            rng=self.rng,
+            tau_full_s=self.tau_full_s,
+            rank_range=m.rank_range,
+        )
+
+
 def active_indices(scale: np.ndarray) -> np.ndarray:
     """The rank components a task touches (non-zero entries of its scale vector)."""
     return np.flatnonzero(np.asarray(scale) != 0)
@@ -73,9 +111,30 @@ def sketch_payload_params(rank_used: int, shapes: LayerShapes) -> int:
 
 class Method:
     """Base class: subclasses implement `plan_round` and `aggregate`; `payload` defaults to
-    the sketched accounting (a participant downloads and uploads its active components)."""
+    the sketched accounting (a participant downloads and uploads its active components).
+
+    A registered method (`fedlora.federation.methods.registry.register_method`) also gives
+    `from_config` (how it is built from the run's config) and, if it has ``method.*`` fields
+    of its own, `check_config`. `delta_aggregate` says whether its aggregate is the global
+    adapter plus an update (X + Δ, with the clients starting from X): only then can a server
+    optimizer (``method.server_optimizer``) take Δ as its pseudo-gradient.
+    """
 
     name = "base"
+    delta_aggregate = False
+    server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        """Raise ConfigError (naming the field, the value, what is allowed) for a bad value of
+        this method's own ``method.*`` fields. Called for every registered method, whichever
+        ``method.name`` is, so a bad value never waits for the method to be chosen."""
+        del cfg
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> Method:
+        """The method for ``ctx.cfg`` (see `registry.MethodContext`)."""
+        raise NotImplementedError(f"{cls.__qualname__}.from_config")
 
     def plan_round(self, round_index: int, rng_sampling: np.random.Generator,
                    rng_sketch: np.random.Generator) -> RoundPlan:  # fmt: skip
@@ -86,9 +145,30 @@ class Method:
     ) -> Aggregation:
         raise NotImplementedError
 
+    def server_step(
+        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
+    ) -> Aggregation:
+        """What the engine applies: `aggregate`, then the server optimizer on its update Δ
+        (``method.server_optimizer``; a round without participants is no optimizer step)."""
+        agg = self.aggregate(global_state, plan, client_states)
+        if self.server_opt is not None and plan.tasks:
+            agg.global_state = self.server_opt.step(global_state, agg.global_state)
+        return agg
+
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = sketch_payload_params(task.rank_used, shapes)
         return Payload(uplink_params=params, downlink_params=params)
+
+    def initial_state(self, global_state: Adapter) -> Adapter:
+        """The global adapter the run starts from, given the model's seeded LoRA init (most
+        methods: unchanged; Fed-SB adds its frozen factors and R). Called once per run."""
+        return global_state
+
+    def is_local(self, name: str) -> bool:
+        """True for adapter tensors a client keeps for itself across rounds and never uploads
+        (FedSA-LoRA: every ``lora_B``). Most methods: none."""
+        del name
+        return False
 
     def state_dict(self) -> dict:
         """Anything the method must carry across a checkpoint (most methods: nothing)."""

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+from fedlora.federation.methods.base import (
+    Adapter,
+    Aggregation,
+    ClientTask,
+    Method,
+    MethodContext,
+    RoundPlan,
+)
+from fedlora.federation.methods.registry import register_method
 from fedlora.system.sketch import check_k, truncation_scale_vectors
 
 
@@ -70,8 +78,14 @@ class RankTruncationMethod(Method):
         )
 
 
+@register_method("fedavg")
 class FedAvg(RankTruncationMethod):
     name = "fedavg"
+    delta_aggregate = True  # Σ p_n X_n = X + Σ p_n (X_n − X): every client starts from X
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> FedAvg:
+        return cls(a=ctx.a, gamma=ctx.gamma, clients_per_round=ctx.cfg.method.clients_per_round)
 
     def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
         ranks = np.full(len(a), gamma)

@@ -27,12 +27,14 @@ from fedlora.federation.methods.base import (
     Aggregation,
     ClientTask,
     LayerShapes,
+    MethodContext,
     Payload,
     RoundPlan,
     sketch_payload_params,
 )
 from fedlora.federation.methods.factors import lora_modules, normalized_weights, stack_factors
 from fedlora.federation.methods.fedavg import RankTruncationMethod
+from fedlora.federation.methods.registry import register_method
 
 INIT_STREAM = 0x5743  # keeps the fresh-init draws apart from the engine's streams
 
@@ -54,8 +56,21 @@ def fresh_adapter(template: Adapter, seed: int, round_index: int) -> Adapter:
     return out
 
 
+@register_method("fedstacklora")
 class FedStackLoRA(RankTruncationMethod):
     name = "fedstacklora"
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> FedStackLoRA:
+        cfg = ctx.cfg
+        return cls(
+            a=ctx.a,
+            ranks=ctx.ranks(),
+            gamma=ctx.gamma,
+            scaling=cfg.lora.scaling,  # α/γ (α/√γ with lora.rslora): the slots' factor
+            seed=cfg.training.seed,
+            clients_per_round=cfg.method.clients_per_round,
+        )
 
     def __init__(
         self,

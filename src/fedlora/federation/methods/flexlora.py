@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.federation.methods.base import Adapter, Aggregation, RoundPlan
+from fedlora.federation.methods.base import Adapter, Aggregation, MethodContext, RoundPlan
 from fedlora.federation.methods.factors import (
     lora_modules,
     normalized_weights,
@@ -35,6 +35,7 @@ from fedlora.federation.methods.factors import (
     stack_factors,
 )
 from fedlora.federation.methods.fedavg import RankTruncationMethod
+from fedlora.federation.methods.registry import register_method
 
 NULL_STREAM = 0xF1E7  # keeps the null-space draws apart from the engine's streams
 
@@ -70,8 +71,20 @@ def truncated_svd_factors(
     return b, a
 
 
+@register_method("flexlora")
 class FlexLoRA(RankTruncationMethod):
     name = "flexlora"
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> FlexLoRA:
+        m = ctx.cfg.method
+        return cls(
+            a=ctx.a,
+            ranks=ctx.ranks(),
+            gamma=ctx.gamma,
+            clients_per_round=m.clients_per_round,
+            seed=ctx.cfg.training.seed,
+        )
 
     def __init__(
         self,

@@ -19,13 +19,38 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+from fedlora.config import ExperimentConfig, check_choice
+from fedlora.federation.methods.base import (
+    Adapter,
+    Aggregation,
+    ClientTask,
+    Method,
+    MethodContext,
+    RoundPlan,
+)
 from fedlora.federation.methods.fedavg import uniform_subset
+from fedlora.federation.methods.registry import register_method
 from fedlora.system.sketch import check_k, sketch_scale_vectors, unbiased_aggregate
 
+FSLORA_K = ("reference", "ranks")  # method.fslora_k
 
+
+@register_method("fslora")
 class FSLoRA(Method):
     name = "fslora"
+    delta_aggregate = True  # X + (1/m) Σ (X_n − X)
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        check_choice("method.fslora_k", cfg.method.fslora_k, FSLORA_K)
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> FSLoRA:
+        m, gamma = ctx.cfg.method, ctx.gamma
+        ranks = ctx.ranks()
+        if m.fslora_k == "reference":  # FSLoRA's code: k_n uniform on [4, γ] (γ < 4: γ)
+            ranks = ctx.rng.integers(min(4, gamma), gamma + 1, size=ctx.a.size)
+        return cls(k=ranks, gamma=gamma, clients_per_round=m.clients_per_round)
 
     def __init__(self, *, k: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
         self.k = check_k(k, gamma, name="method.ranks")

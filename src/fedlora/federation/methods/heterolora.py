@@ -7,7 +7,8 @@ The global adapter has rank γ. Participant n (m sampled uniformly per round,
 - local training of those r_n components as a LoRA of rank r_n: its forward factor is α/r_n
   (`scaling = "rank"`, HetLoRA: every client's LoRA has the same α). The slot computes
   (α/γ)·B diag(s) A, so s = γ/r_n on the first r_n components and 0 elsewhere.
-  ``scaling = "global"`` keeps α/γ for everyone (s = 1);
+  ``scaling = "global"`` keeps α/γ for everyone (s = 1). With rsLoRA (``lora.rslora``) a
+  rank-r_n LoRA scales by α/√r_n and the slot by α/√γ, so s = √(γ/r_n);
 - upload: the r_n trained components; the server zero-pads the *updates* back to rank γ and
   adds their weighted mean (``padding = "updates"``, the reference):
 
@@ -41,10 +42,18 @@ import math
 
 import numpy as np
 
+from fedlora.config import ExperimentConfig
 from fedlora.errors import bad_value
-from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, RoundPlan
+from fedlora.federation.methods.base import (
+    Adapter,
+    Aggregation,
+    ClientTask,
+    MethodContext,
+    RoundPlan,
+)
 from fedlora.federation.methods.factors import lora_modules, normalized_weights, product_fro_norm
 from fedlora.federation.methods.fedavg import RankTruncationMethod, weighted_mean
+from fedlora.federation.methods.registry import register_method
 
 WEIGHTINGS = ("sparsity", "data")
 PADDINGS = ("updates", "modules")
@@ -62,8 +71,32 @@ def tail_norm(state: Adapter, rank: int, decay: float) -> float:
     return total
 
 
+def check_pruning(pruning: float) -> None:
+    """ConfigError unless the self-pruning decay d is 0 (off) or in (0, 1)."""
+    if isinstance(pruning, bool) or not (pruning == 0 or 0 < pruning < 1):
+        raise bad_value("method.heterolora_pruning", pruning, "0 (off) or in (0, 1)")
+
+
+@register_method("heterolora")
 class HeteroLoRA(RankTruncationMethod):
     name = "heterolora"
+    delta_aggregate = True  # padding = "updates": X + Σ p_n pad(X_n − X)
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        check_pruning(cfg.method.heterolora_pruning)
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> HeteroLoRA:
+        m = ctx.cfg.method
+        return cls(
+            a=ctx.a,
+            ranks=ctx.ranks(),
+            gamma=ctx.gamma,
+            clients_per_round=m.clients_per_round,
+            pruning=m.heterolora_pruning,
+            rslora=ctx.cfg.lora.rslora,
+        )
 
     def __init__(
         self,
@@ -76,6 +109,7 @@ class HeteroLoRA(RankTruncationMethod):
         padding: str = "updates",
         scaling: str = "rank",
         pruning: float = 0.0,
+        rslora: bool = False,
     ) -> None:
         if weighting not in WEIGHTINGS:
             raise bad_value("heterolora weighting", weighting, f"one of {', '.join(WEIGHTINGS)}")
@@ -83,11 +117,11 @@ class HeteroLoRA(RankTruncationMethod):
             raise bad_value("heterolora padding", padding, f"one of {', '.join(PADDINGS)}")
         if scaling not in SCALINGS:
             raise bad_value("heterolora scaling", scaling, f"one of {', '.join(SCALINGS)}")
-        if isinstance(pruning, bool) or not (pruning == 0 or 0 < pruning < 1):
-            raise bad_value("method.heterolora_pruning", pruning, "0 (off) or in (0, 1)")
+        check_pruning(pruning)
         super().__init__(a=a, ranks=ranks, gamma=gamma, clients_per_round=clients_per_round)
         self.ranks = self.ranks.copy()  # pruning changes them
         self.weighting, self.padding, self.scaling = weighting, padding, scaling
+        self.rslora = bool(rslora)
         self.pruning = float(pruning)
         self._tail: dict[int, tuple[int, float]] = {}  # client -> (rank, last tail norm)
 
@@ -98,10 +132,14 @@ class HeteroLoRA(RankTruncationMethod):
         if self.scaling == "global":
             return plan
         tasks = tuple(  # s = γ/r_n on the first r_n: the slot's α/γ becomes α/r_n
-            ClientTask(t.client, t.scale * (self.gamma / t.rank_used), t.rank_used, t.weight)
+            ClientTask(t.client, t.scale * self._rank_factor(t.rank_used), t.rank_used, t.weight)
             for t in plan.tasks
         )
         return RoundPlan(plan.round, tasks)
+
+    def _rank_factor(self, rank: int) -> float:
+        """s on a rank-r client's components: the slot's α/γ (α/√γ) times s is α/r (α/√r)."""
+        return (self.gamma / rank) ** 0.5 if self.rslora else self.gamma / rank
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]

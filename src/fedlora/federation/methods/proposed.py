@@ -14,13 +14,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedlora.config import MethodConfig
+from fedlora.errors import ConfigError
+from fedlora.federation.methods.base import MethodContext
+from fedlora.federation.methods.registry import register_method
 from fedlora.federation.methods.sketched import Sketched
+from fedlora.federation.methods.strategies import resolve_k, resolve_q
 
 
+@register_method("proposed")
 class Proposed(Sketched):
     """Algorithm 1 with the planned per-client (q*, k*) (see the module docstring)."""
 
     name = "proposed"
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> Proposed:
+        m, plan = ctx.cfg.method, ctx.plan
+        q_spec, k_spec = (list(plan.q), list(plan.k)) if plan is not None else (m.q, m.k)
+        if plan is None and not plan_file(m):
+            raise ConfigError(
+                f"method.name = 'proposed' with method.q = {m.q!r}, method.k = {m.k!r} needs "
+                "Algorithm 2's plan: run it with `fedlora run` / `fedlora compare`, or set "
+                "method.q and method.k to one plan JSON file"
+            )
+        q = resolve_q(q_spec, a=ctx.a, q_fixed=m.q_fixed)
+        k = resolve_k(k_spec, n=ctx.a.size, gamma=ctx.gamma, rng=ctx.rng)
+        return cls(a=ctx.a, q=q, k=k, gamma=ctx.gamma)
 
 
 @dataclass(frozen=True)

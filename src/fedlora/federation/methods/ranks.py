@@ -8,6 +8,10 @@ HeteroLoRA, FedStackLoRA and FlexLoRA, so that the methods are compared on the s
   twice as slow ⌈γ/2⌉, and every device at least 1. A device with τ_n = 0 gets γ; the
   reference τ_min is the smallest positive τ.
 - ``full`` / ``normal`` / ``uniform``: the k strategies of `strategies.resolve_k`.
+- ``fslora_uniform`` / ``fslora_normal`` / ``fslora_heavy_tail_low``: the distributions of
+  the FSLoRA authors' ``generate_ranks`` (src/main.py:22-45 of
+  wenzhifang/Federated-Sketching-LoRA-Implementation at ac24177; every baseline of theirs
+  shares it) on [a, b] = ``method.rank_range`` (default [1, γ]); see `reference_ranks`.
 - a ``.json`` / ``.csv`` file (key or column ``k``) or an explicit list, one entry per client.
 """
 
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedlora.config import RANK_STRATEGIES
+from fedlora.config import RANK_STRATEGIES, REFERENCE_RANK_STRATEGIES
 from fedlora.errors import ConfigError, bad_value
 from fedlora.federation.methods.strategies import resolve_k
 
@@ -43,6 +47,34 @@ def capability_ranks(tau_full_s: Sequence[float] | np.ndarray, gamma: int) -> np
     return ranks
 
 
+def reference_ranks(n: int, lo: int, hi: int, dist: str, rng: np.random.Generator) -> np.ndarray:
+    """N rank budgets in [lo, hi] drawn as the FSLoRA authors' ``generate_ranks`` does:
+
+    - ``uniform``: continuous uniform on [lo, hi];
+    - ``normal``: normal with mean (lo + hi)/2 and σ = (hi − lo)/6 (99.7% inside), clipped;
+    - ``heavy_tail_low``: 1/x with x lognormal (μ = ln((lo + hi)/4), σ = 1), rescaled by
+      min–max onto [lo, hi]: most clients near lo, a few up to hi (the smallest draw is lo,
+      the largest hi). One client (or equal draws) gets lo (the authors' formula divides 0/0).
+
+    then rounded half to even (numpy's round). The authors seed numpy's global generator with
+    42 inside the function; here `rng` is the run's ``strategy`` stream (reproducible by
+    training.seed), so the budgets follow the same distribution but not the same draws.
+    """
+    if dist == "uniform":
+        x = rng.uniform(lo, hi, n)
+    elif dist == "normal":
+        x = rng.normal((lo + hi) / 2, (hi - lo) / 6, n)
+    elif dist == "heavy_tail_low":
+        x = 1.0 / rng.lognormal(np.log((lo + hi) / 4), 1.0, n)
+        span = x.max() - x.min()
+        x = lo + (x - x.min()) / span * (hi - lo) if span > 0 else np.full(n, float(lo))
+    else:
+        raise bad_value(
+            "method.ranks", f"fslora_{dist}", "fslora_uniform, _normal, _heavy_tail_low"
+        )
+    return np.round(np.clip(x, lo, hi)).astype(np.int64)
+
+
 def resolve_ranks(
     spec: str | Sequence[int],
     *,
@@ -50,8 +82,17 @@ def resolve_ranks(
     gamma: int,
     rng: np.random.Generator,
     tau_full_s: np.ndarray | None = None,
+    rank_range: Sequence[int] = (),
 ) -> np.ndarray:
-    """The (N,) rank budgets for ``method.ranks``; `tau_full_s` is needed for ``capability``."""
+    """The (N,) rank budgets for ``method.ranks``; `tau_full_s` is needed for ``capability``,
+    `rank_range` ([a, b], default [1, γ]) by the ``fslora_*`` strategies."""
+    if isinstance(spec, str) and spec in REFERENCE_RANK_STRATEGIES:
+        lo, hi = rank_range if len(rank_range) == 2 else (1, gamma)
+        if not 1 <= lo <= hi <= gamma:
+            raise bad_value(
+                "method.rank_range", list(rank_range), f"[a, b] with 1 <= a <= b <= {gamma}"
+            )
+        return reference_ranks(n, int(lo), int(hi), spec.removeprefix("fslora_"), rng)
     if isinstance(spec, str) and spec == "capability":
         if tau_full_s is None:
             raise bad_value(

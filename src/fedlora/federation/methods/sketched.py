@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.federation.methods.base import Adapter, Aggregation, ClientTask, Method, RoundPlan
+from fedlora.federation.methods.base import (
+    Adapter,
+    Aggregation,
+    ClientTask,
+    Method,
+    MethodContext,
+    RoundPlan,
+)
+from fedlora.federation.methods.registry import register_method
+from fedlora.federation.methods.strategies import resolve_k, resolve_q
 from fedlora.system.sketch import (
     aggregation_weights,
     check_k,
@@ -20,8 +29,17 @@ from fedlora.system.sketch import (
 )
 
 
+@register_method("sketched")
 class Sketched(Method):
     name = "sketched"
+    delta_aggregate = True  # X + Σ (a_n/q_n)(X_n − X)
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> Sketched:
+        m = ctx.cfg.method
+        q = resolve_q(m.q, a=ctx.a, q_fixed=m.q_fixed)
+        k = resolve_k(m.k, n=ctx.a.size, gamma=ctx.gamma, rng=ctx.rng)
+        return cls(a=ctx.a, q=q, k=k, gamma=ctx.gamma)
 
     def __init__(self, *, a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> None:
         self.a = np.asarray(a, dtype=float)

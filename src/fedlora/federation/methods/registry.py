@@ -1,0 +1,108 @@
+"""The method registry: the name in ``method.name`` → the `Method` class that runs it.
+
+A method is one file in this folder whose class registers itself::
+
+    @register_method("fslora")
+    class FSLoRA(Method):
+        @classmethod
+        def check_config(cls, m: MethodConfig) -> None: ...   # its own method.* fields
+        @classmethod
+        def from_config(cls, ctx: MethodContext) -> FSLoRA: ...
+
+(the package imports every module of this folder, so the decorator runs). A third-party
+package registers its methods in the ``fedlora.methods`` entry-point group, name → class::
+
+    [project.entry-points."fedlora.methods"]
+    my_method = "my_package.my_method:MyMethod"
+
+An entry point is loaded only when its name is asked for (`method_class`); a built-in name
+wins over an entry point of the same name. The config layer cannot see this registry (it
+sits below the federation layer), so ``method.name`` and each method's own fields are
+checked here, by `check_method_config`, at every boundary where a config becomes a run
+(`make_method`, `fedlora.federation.preflight.check_inputs`, `fedlora config show`, the
+Flower runtime, a suite's runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from fedlora.config import ExperimentConfig
+from fedlora.errors import ConfigError, bad_value
+from fedlora.federation.methods.base import Method
+
+ENTRY_POINT_GROUP = "fedlora.methods"
+
+M = TypeVar("M", bound=type)
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+def register_method(name: str) -> Callable[[M], M]:
+    """Class decorator: `cls` runs ``method.name = name`` (and its ``name`` becomes `name`)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a method name must be an identifier, got {name!r}")
+
+    def decorate(cls: M) -> M:
+        if not (isinstance(cls, type) and issubclass(cls, Method)):
+            raise TypeError(f"@register_method({name!r}) needs a Method subclass, got {cls!r}")
+        known = _REGISTRY.get(name)
+        if known is not None and known.__qualname__ != cls.__qualname__:
+            raise ValueError(f"method {name!r} is already registered by {known.__qualname__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def method_names() -> tuple[str, ...]:
+    """Every name ``method.name`` accepts: the registered methods and the entry points."""
+    return tuple(sorted(set(_REGISTRY) | set(_entry_points())))
+
+
+def method_class(name: str) -> type[Method]:
+    """The class registered as `name` (an entry point is loaded here); ConfigError if none."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    ep = _entry_points().get(name) if isinstance(name, str) else None
+    if ep is None:
+        raise bad_value("method.name", name, f"allowed: {', '.join(method_names())}")
+    try:
+        cls = ep.load()
+    except Exception as e:  # a broken third-party package: say which entry point
+        raise ConfigError(
+            f"method.name = {name!r}: entry point {ep.value!r} of group "
+            f"{ENTRY_POINT_GROUP!r} failed to load: {type(e).__name__}: {e}"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise ConfigError(
+            f"method.name = {name!r}: entry point {ep.value!r} is not a "
+            "fedlora.federation.methods.Method subclass"
+        )
+    return register_method(name)(cls) if name not in _REGISTRY else _REGISTRY[name]
+
+
+def check_method_config(cfg: ExperimentConfig) -> type[Method]:
+    """``method.name`` names a method, and every loaded method accepts its own ``method.*``
+    fields (`Method.check_config`); the class of ``method.name``. Raises ConfigError."""
+    cls = method_class(cfg.method.name)
+    for other in {*_REGISTRY.values(), cls}:
+        other.check_config(cfg)
+    m = cfg.method
+    plain = m.server_optimizer == "avg" and m.server_lr == 1.0 and m.server_weight_decay == 0
+    if not plain and not cls.delta_aggregate:
+        delta = sorted(n for n, c in _REGISTRY.items() if c.delta_aggregate)
+        raise ConfigError(
+            f"method.server_optimizer = {m.server_optimizer!r} (server_lr = {m.server_lr}, "
+            f"server_weight_decay = {m.server_weight_decay}) is invalid for method.name = "
+            f"{m.name!r}: its aggregate is not the global adapter plus an update "
+            '(docs/methods.md, "Server optimizers"); allowed: avg with server_lr = 1 and '
+            f"server_weight_decay = 0, or one of the methods {', '.join(delta)}"
+        )
+    return cls
