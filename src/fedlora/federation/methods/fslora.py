@@ -12,7 +12,8 @@ Every participant counts in the 1/m, also for the components it did not touch (t
 is 0). Dividing each component by the number of clients that touched it instead would not be
 FSLoRA's rule: it re-weights components by how often they were drawn and biases the mean.
 FSLoRA weighs clients equally (its objective is the plain mean of the client losses), so the
-data weights a_n are not used.
+data weights a_n are not used. The authors' code feeds this average update to a server AdamW
+(``method.server_optimizer = "adam"``; configs/fslora_reference.toml).
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class FSLoRA(Method):
     def from_config(cls, ctx: MethodContext) -> FSLoRA:
         m, gamma = ctx.cfg.method, ctx.gamma
         ranks = ctx.ranks()
-        if m.fslora_k == "reference":  # FSLoRA's code: k_n uniform on [4, γ] (γ < 4: γ)
+        # "reference": k_n uniform on [4, γ] (γ < 4: γ), issue #12's reading of the authors'
+        # code at 1bc7362; their current code: fslora_k = "ranks" with ranks = "fslora_*"
+        # (docs/methods.md, "FSLoRA as its authors run it")
+        if m.fslora_k == "reference":
             ranks = ctx.rng.integers(min(4, gamma), gamma + 1, size=ctx.a.size)
         return cls(k=ranks, gamma=gamma, clients_per_round=m.clients_per_round)
 

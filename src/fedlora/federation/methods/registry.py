@@ -92,8 +92,10 @@ def check_method_config(cfg: ExperimentConfig) -> type[Method]:
     """``method.name`` names a method, and every loaded method accepts its own ``method.*``
     fields (`Method.check_config`); the class of ``method.name``. Raises ConfigError."""
     cls = method_class(cfg.method.name)
-    for other in {*_REGISTRY.values(), cls}:
-        other.check_config(cfg)
+    cls.check_config(cfg)  # the chosen method first, then the others in name order
+    for name in sorted(_REGISTRY):
+        if _REGISTRY[name] is not cls:
+            _REGISTRY[name].check_config(cfg)
     m = cfg.method
     plain = m.server_optimizer == "avg" and m.server_lr == 1.0 and m.server_weight_decay == 0
     if not plain and not cls.delta_aggregate:
