@@ -23,8 +23,10 @@ from fedlora.system.planner.alternation import (
     alternate,
     capability_start,
     check_plan,
+    grid_path_start,
     multi_start,
     plan,
+    uniform_start,
 )
 from fedlora.system.planner.estimate import calibration_fit, estimate_constants
 from fedlora.system.planner.kstep import greedy_k
@@ -53,7 +55,7 @@ from fedlora.system.planner.problem import (
     positive_number,
 )
 from fedlora.system.planner.qcurve import STRICT_MARGIN, QCurve, q_curve
-from fedlora.system.planner.qstep import QStepResult, q_step
+from fedlora.system.planner.qstep import QStepResult, p2_q_step, q_step
 from fedlora.system.planner.schema import problem_from_dict
 
 __all__ = [
@@ -82,6 +84,9 @@ __all__ = [
     "expected_rounds",
     "greedy_k",
     "multi_start",
+    "p2_q_step",
+    "uniform_start",
+    "grid_path_start",
     "p2_objective",
     "plan",
     "plan_degeneracy",

@@ -23,7 +23,7 @@ from fedlora.system.planner.estimate import estimate_constants
 from fedlora.system.planner.kstep import greedy_k, k_floor
 from fedlora.system.planner.objective import expected_rounds, p2_objective, sketched_round_weights
 from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
-from fedlora.system.planner.qstep import q_step
+from fedlora.system.planner.qstep import QStepResult, p2_q_step, q_step
 
 
 @dataclass(frozen=True)
@@ -75,15 +75,23 @@ def alternate(
     best: tuple[float, np.ndarray, np.ndarray, float] | None = None
     stop = "max_iterations"
     iterations = 0
+    polish_cache: dict[bytes, QStepResult | None] = {}
     while iterations < options.max_iterations:
         iterations += 1
         step = q_step(problem, constants, k, options)
         k_new = greedy_k(problem, constants, step.q, options)
         for kk in (k, k_new):  # the iterates (q, k) and (q, k_new)
-            value = p2_objective(problem, constants, step.q, kk, options)
+            value, q_it, m_it = (
+                p2_objective(problem, constants, step.q, kk, options),
+                step.q,
+                step.m,
+            )
+            polished = _polish(problem, constants, kk, options, polish_cache)
+            if polished is not None and polished.objective < value:  # a candidate, not the path
+                value, q_it, m_it = polished.objective, polished.q, polished.m
             history.append(value)
             if best is None or value < best[0]:
-                best = (value, step.q, kk, step.m)
+                best = (value, q_it, kk, m_it)
         if np.array_equal(k_new, k):
             stop = "fixed_point"
             break
@@ -110,6 +118,47 @@ def alternate(
         history=tuple(history),
         m=m,
     )
+
+
+def _polish(
+    problem: PlanProblem,
+    constants: Constants,
+    k: np.ndarray,
+    options: PlanOptions,
+    cache: dict[bytes, QStepResult | None],
+) -> QStepResult | None:
+    """`options.polish`: the exact P2 minimiser over q for k (`p2_q_step`), cached by k."""
+    if not options.polish:
+        return None
+    key = np.asarray(k, dtype=np.int64).tobytes()
+    if key not in cache:
+        cache[key] = p2_q_step(problem, constants, k, options)
+    return cache[key]
+
+
+def uniform_start(problem: PlanProblem, constants: Constants, options: PlanOptions) -> np.ndarray:
+    """k⁰ = κ for every client, with κ in 1..γ the level whose exact P2 q-step is lowest
+    (γ q-steps). The coordinate descent cannot raise q and lower k together; this start
+    lets it begin where both are already traded (issue 21: from k = γ the exact q is small,
+    and small q blocks every k decrement)."""
+    best, best_k = math.inf, problem.full_rank()
+    for level in range(problem.gamma, 0, -1):
+        k = np.full(problem.n, level, dtype=np.int64)
+        step = p2_q_step(problem, constants, k, options)
+        if step is not None and step.objective < best:
+            best, best_k = step.objective, k
+    return best_k
+
+
+def grid_path_start(problem: PlanProblem, constants: Constants, options: PlanOptions) -> np.ndarray:
+    """The best k of the paper's own path (Algorithm 2 from k = γ with the grid search over M
+    of step range/200, exact fixed-M q): the exact planner starts there too, so with the P2
+    polish it is never worse than the grid path (tested on random instances)."""
+    grid = dataclasses.replace(options, solver="exact", m_search="grid", polish=False)
+    try:
+        return alternate(problem, constants, grid).k
+    except ConfigError:  # no feasible grid point: the start is simply not offered
+        return problem.full_rank()
 
 
 def check_plan(result: PlanResult) -> None:
@@ -165,7 +214,10 @@ def multi_start(
         starts = {
             "gamma": problem.full_rank(),
             "capability": capability_start(problem),
+            "uniform": uniform_start(problem, constants, options),
         }
+        if options.solver == "exact" and options.polish:
+            starts["grid_path"] = grid_path_start(problem, constants, options)
         restart = True
     else:
         restart = False

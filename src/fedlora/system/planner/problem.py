@@ -185,6 +185,8 @@ class PlanOptions:
     comp_cost: str = "affine"  # quadratic (paper) | linear | affine
     rho: float = 0.9  # affine compute: share of a step that does not shrink with k
     normalize_a: bool = False  # rescale a to sum to 1 instead of refusing
+    max_weight: float = 0.0  # w_max: every q_n >= a_n/w_max (a_n/q_n <= w_max); 0 = no bound
+    polish: bool = True  # each q-step also takes the exact P2 minimiser for its k if lower
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -213,6 +215,17 @@ class PlanOptions:
         r = self.rho
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r <= 1.0):
             raise bad_value("options.rho", r, "a number in [0, 1]")
+        mw = self.max_weight
+        if (
+            isinstance(mw, bool)
+            or not isinstance(mw, (int, float))
+            or not (math.isfinite(mw) and mw >= 0)
+        ):
+            raise bad_value(
+                "options.max_weight", mw, "a finite number >= 0 (w_max of a_n/q_n; 0 = no bound)"
+            )
+        if not isinstance(self.polish, bool):
+            raise bad_value("options.polish", self.polish, "true or false")
         if not isinstance(self.normalize_a, bool):
             raise bad_value("options.normalize_a", self.normalize_a, "true or false")
 
@@ -230,4 +243,5 @@ class PlanOptions:
             comm_cost=network.comm_cost,
             comp_cost=network.comp_cost,
             rho=network.rho,
+            max_weight=getattr(planner, "max_weight", 0.0),
         )
