@@ -10,6 +10,8 @@ algorithm uses them:
 - `objective`: P2 = R(q, k) · Σ q_n w_n(k) and its pieces (sketched round weights, the
   penalty c_n, the bounds lo_n), and `plan_degeneracy`;
 - `estimate`: A–D from calibration runs (Eq. 21) and `calibration_fit`;
+- `fit`: the constrained fit (A, C, D >= 0, floors where not identified) and the per-round
+  progress rates of one run's own rounds (in-run calibration, re-planning);
 - `qcurve`, `qstep`: the q-step for fixed k (P3 along its exact KKT curve; cvxpy reference);
 - `kstep`: the greedy k-step for fixed q;
 - `alternation`: q-step → k-step to a fixed point or cycle, from several starts; `plan`;
@@ -29,6 +31,7 @@ from fedlora.system.planner.alternation import (
     uniform_start,
 )
 from fedlora.system.planner.estimate import calibration_fit, estimate_constants
+from fedlora.system.planner.fit import FLOOR_SHARE, FitResult, constrained_fit, progress_rates
 from fedlora.system.planner.kstep import greedy_k
 from fedlora.system.planner.objective import (
     expected_rounds,
@@ -59,6 +62,10 @@ from fedlora.system.planner.qstep import QStepResult, p2_q_step, q_step
 from fedlora.system.planner.schema import problem_from_dict
 
 __all__ = [
+    "FLOOR_SHARE",
+    "FitResult",
+    "constrained_fit",
+    "progress_rates",
     "A_SUM_TOLERANCE",
     "COMM_COSTS",
     "COMP_COSTS",
