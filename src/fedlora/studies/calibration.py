@@ -65,20 +65,15 @@ PLAN_FILE = "plan.json"
 
 
 def calibration_settings(gamma: int) -> list[tuple[float, int]]:
-    """The four (q, k) pairs of the calibration runs: {0.3, 0.15} × {γ, ⌈γ/4⌉}.
+    """The four (q, k) pairs of the calibration runs: {0.3, 0.15} × {γ, ⌈γ/4⌉}, the same as
+    the in-run probes (`fedlora.federation.replan.probe_settings`).
 
     With γ < 4 the second k is still distinct from γ (k = 1 for γ in 2..4); γ = 1 has a
     single sketch size and cannot identify D.
     """
-    if gamma < 2:
-        raise ConfigError(
-            f"lora.rank = {gamma} is invalid for method.name = 'proposed': the calibration "
-            "needs two different sketch sizes k (PAPER_NOTES #3), so lora.rank must be >= 2"
-        )
-    k_small = max(1, math.ceil(gamma / 4))
-    if k_small == gamma:
-        k_small = gamma - 1
-    return [(q, k) for k in (gamma, k_small) for q in CALIBRATION_Q]
+    from fedlora.federation.replan import probe_settings
+
+    return probe_settings(gamma)
 
 
 def smoothed_losses(losses: Sequence[float | None], window: int = SMOOTHING_ROUNDS) -> list:
@@ -240,6 +235,12 @@ def prepare_proposed(
     """
     if plan_file(cfg.method):
         return cfg, None
+    if cfg.planner.calibration == "in-run":  # the run's own first rounds are the probes
+        from fedlora.federation.replan import probe_settings
+
+        q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; fedlora.federation.replan sets each
+        n = cfg.data.n_clients
+        return cfg, Plan(q=(q,) * n, k=(k,) * n, calibration_s=0.0)
     plan_path = Path(run_dir) / PLAN_FILE
     if plan_path.exists():
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
@@ -340,6 +341,8 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     saved = json.loads(path.read_text(encoding="utf-8"))
+    if saved.get("calibration", {}).get("mode") == "in-run":
+        return in_run_outcome(saved)
     losses, _ = _read_losses(run_dir / "metrics.jsonl")
     level = float(saved["calibration"]["loss_used"])
     degeneracy = saved.get("degeneracy", {})
@@ -361,4 +364,29 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
             for r, f in zip(saved["calibration"]["runs"], saved.get("fit", []))
         ],
         "calibration_sim_time_s": saved["calibration"]["sim_time_s"],
+    }
+
+
+def in_run_outcome(saved: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's `plan` for an in-run calibrated run: the probes, every fit and whether
+    its plan was adopted, the floors of the last fit and the plan in force at the end."""
+    history = saved.get("history", [])
+    return {
+        "calibration": "in-run",
+        "probe_rounds": saved["calibration"]["probe_rounds"],
+        "calibration_sim_time_s": 0.0,  # the probes are the run's own rounds, on its clock
+        "fits": [
+            {
+                "round": h["round"],
+                "kind": h["kind"],
+                "adopted": h.get("adopted"),
+                "constants": h.get("fit", {}).get("constants"),
+                "floors": h.get("fit", {}).get("floors"),
+                "predicted_gain": h.get("predicted_gain"),
+                "error": h.get("error"),
+            }
+            for h in history
+        ],  # fmt: skip
+        "final_plan": {"q": saved["q"], "k": saved["k"], "source": saved["source"]},
+        "floors": saved.get("floors"),
     }

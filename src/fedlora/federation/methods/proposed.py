@@ -18,9 +18,20 @@ from fedlora.federation.methods.sketched import Sketched
 
 
 class Proposed(Sketched):
-    """Algorithm 1 with the planned per-client (q*, k*) (see the module docstring)."""
+    """Algorithm 1 with the planned per-client (q*, k*) (see the module docstring).
+
+    With in-run calibration (`fedlora.federation.replan`) q and k change between rounds;
+    `replan_state` (plain data: the probes, every round's setting and loss, the fits and
+    plans) is what the checkpoint carries for that."""
 
     name = "proposed"
+    replan_state: dict = {}  # replaced, never mutated in place, by fedlora.federation.replan
+
+    def state_dict(self) -> dict:
+        return {"replan": self.replan_state} if self.replan_state else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.replan_state = state.get("replan") or {}
 
 
 @dataclass(frozen=True)

@@ -243,5 +243,5 @@ class PlanOptions:
             comm_cost=network.comm_cost,
             comp_cost=network.comp_cost,
             rho=network.rho,
-            max_weight=getattr(planner, "max_weight", 0.0),
+            max_weight=planner.max_weight,
         )
