@@ -43,6 +43,7 @@ from fedlora.system.planner.objective import (
 )
 from fedlora.system.planner.problem import (
     A_SUM_TOLERANCE,
+    CALIBRATION_FITS,
     COMM_COSTS,
     COMP_COSTS,
     ESTIMATION_MATRICES,
@@ -62,6 +63,7 @@ from fedlora.system.planner.qstep import QStepResult, p2_q_step, q_step
 from fedlora.system.planner.schema import problem_from_dict
 
 __all__ = [
+    "CALIBRATION_FITS",
     "FLOOR_SHARE",
     "FitResult",
     "constrained_fit",

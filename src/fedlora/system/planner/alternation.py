@@ -20,6 +20,7 @@ import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
 from fedlora.system.planner.estimate import estimate_constants
+from fedlora.system.planner.fit import constrained_fit
 from fedlora.system.planner.kstep import greedy_k, k_floor
 from fedlora.system.planner.objective import expected_rounds, p2_objective, sketched_round_weights
 from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
@@ -43,6 +44,8 @@ class PlanResult:
     m: float = math.nan  # M of the chosen q-step
     start: str = "gamma"  # the k⁰ whose alternation gave this plan (`multi_start`)
     starts: dict[str, float] = field(default_factory=dict)  # P2 reached from each start
+    constants_fit: str = ""  # how A–D were obtained by `plan` ("" = given)
+    floors: dict[str, str] = field(default_factory=dict)  # constants floored by the fit, why
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +61,8 @@ class PlanResult:
             "history": [float(x) for x in self.history],
             "start": self.start,
             "starts": {name: float(v) for name, v in self.starts.items()},
+            **({"constants_fit": self.constants_fit} if self.constants_fit else {}),
+            **({"floors": dict(self.floors)} if self.floors else {}),
         }
 
 
@@ -247,12 +252,30 @@ def multi_start(
 
 
 def plan(problem: PlanProblem, options: PlanOptions | None = None) -> PlanResult:
-    """Algorithm 2: estimate A–D if the problem gives calibration runs, then alternate from
-    several starts and keep the best plan (`multi_start`)."""
+    """Algorithm 2: estimate A–D if the problem gives calibration runs (the SVD of Eq. 21; when
+    it contradicts the model and `options.calibration_fit = "constrained"`, the constrained
+    fit with its floors, `fit.constrained_fit`), then alternate from several starts and keep
+    the best plan (`multi_start`)."""
     options = options or PlanOptions()
     constants = problem.constants
+    how, floors = "", {}
     if constants is None:
-        constants = estimate_constants(
-            problem.calibration, problem.gamma, problem.a, options.estimation_matrix
-        )
-    return multi_start(problem, constants, options)
+        try:
+            constants = estimate_constants(
+                problem.calibration, problem.gamma, problem.a, options.estimation_matrix
+            )
+            how = "svd"
+        except ConfigError as e:
+            if options.calibration_fit != "constrained":
+                raise
+            obs = problem.calibration
+            a2, g2 = problem.a**2, problem.gamma**2
+            y = [float(np.sum(a2 / o.q)) for o in obs]
+            z = [float(np.sum(a2 / o.q * g2 / o.k.astype(float) ** 2)) for o in obs]
+            fit = constrained_fit(
+                [1.0 / o.rounds for o in obs], y, z, floor_share=options.fit_floor_share
+            )
+            constants, floors = fit.constants, fit.floors
+            how = f"constrained (the SVD fit was refused: {e})"
+    result = multi_start(problem, constants, options)
+    return dataclasses.replace(result, constants_fit=how, floors=floors)
