@@ -64,15 +64,8 @@ def probe_schedule(probe_rounds: int) -> list[int]:
 
 
 def active(run: Any) -> bool:
-    """A `proposed` run that calibrates in-run (not one with a given plan file)."""
-    from fedlora.federation.methods.proposed import plan_file
-
-    cfg = run.cfg
-    return (
-        cfg.method.name == "proposed"
-        and cfg.planner.calibration == "in-run"
-        and plan_file(cfg.method) is None
-    )
+    """A `proposed` run whose plan says it calibrates in-run (`Plan.in_run`)."""
+    return bool(getattr(run.method, "in_run", False))
 
 
 def _initial_state(run: Any) -> dict[str, Any]:
@@ -243,8 +236,7 @@ def plan_for(cfg: ExperimentConfig, problem: Any, constants: Any, options: Any, 
     if cfg.planner.optimize == "q":
         k = resolve_k(cfg.method.k, n=n, gamma=gamma, rng=derive_rng(cfg.training.seed, "strategy"))
         return pl.q_step(problem, constants, k, options).q, np.asarray(k), {}
-    q = resolve_q(cfg.method.q, a=a, q_fixed=cfg.method.q_fixed)
-    q = np.maximum(q, a / options.max_weight) if options.max_weight > 0 else q
+    q = resolve_q(cfg.method.q, a=a, q_fixed=cfg.method.q_fixed)  # given: max_weight not applied
     return np.asarray(q), pl.greedy_k(problem, constants, q, options), {}
 
 

@@ -240,7 +240,7 @@ def prepare_proposed(
 
         q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; fedlora.federation.replan sets each
         n = cfg.data.n_clients
-        return cfg, Plan(q=(q,) * n, k=(k,) * n, calibration_s=0.0)
+        return cfg, Plan(q=(q,) * n, k=(k,) * n, calibration_s=0.0, in_run=True)
     plan_path = Path(run_dir) / PLAN_FILE
     if plan_path.exists():
         saved = json.loads(plan_path.read_text(encoding="utf-8"))

@@ -83,7 +83,9 @@ def make_method(
             )
         q = resolve_q(q_spec, a=a, q_fixed=m.q_fixed)
         k = resolve_k(k_spec, n=a.size, gamma=gamma, rng=rng)
-        return Proposed(a=a, q=q, k=k, gamma=gamma)
+        method = Proposed(a=a, q=q, k=k, gamma=gamma)
+        method.in_run = plan is not None and plan.in_run
+        return method
     if m.name == "sketched":
         q = resolve_q(m.q, a=a, q_fixed=m.q_fixed)
         k = resolve_k(m.k, n=a.size, gamma=gamma, rng=rng)

@@ -25,6 +25,7 @@ class Proposed(Sketched):
     plans) is what the checkpoint carries for that."""
 
     name = "proposed"
+    in_run = False  # set by make_method from the Plan: fedlora.federation.replan drives q, k
     replan_state: dict = {}  # replaced, never mutated in place, by fedlora.federation.replan
 
     def state_dict(self) -> dict:
@@ -42,6 +43,7 @@ class Plan:
     q: tuple[float, ...]
     k: tuple[int, ...]
     calibration_s: float = 0.0
+    in_run: bool = False  # q, k are round 1's; the run calibrates itself (federation.replan)
 
 
 def plan_file(method: MethodConfig) -> str | None:
