@@ -96,7 +96,8 @@ def test_in_run_probes_fit_replan_and_bit_identical_resume(tmp_path):
         assert all(x / q <= 1 + 1e-9 for x, q in zip(a, first["plan"]["q"]))  # max_weight = 1
     else:
         assert first["fallback"].startswith("probe")
-    assert summary["plan"]["calibration"] == "in-run" and len(summary["plan"]["fits"]) == 3
+    assert summary["plan"]["calibration_mode"] == "in-run" and len(summary["plan"]["fits"]) == 3
+    assert summary["plan"]["rounds_run"] == 12
     # Execute: the same run stopped after round 9 (between the fit and the first re-plan),
     # then resumed from its checkpoint
     cut = tmp_path / "cut"

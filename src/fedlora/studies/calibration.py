@@ -1,7 +1,7 @@
 """Algorithm 2 on real training: the calibration runs of a `proposed` run, its plan, and
-the run itself with that plan (`run_method`).
-
-Before the first round of a `proposed` run `run_method` calls `prepare_proposed`, which
+the run itself with that plan (`run_method`). In-run (the default) nothing runs first: the
+run calibrates itself (`fedlora.federation.replan`). With `planner.calibration = "separate"`
+`run_method` calls `prepare_proposed` before the first round, which
 
 1. runs four calibration runs of Algorithm 1 (`sketched`) through the engine, with the same
    seed (so the same data partition and client profiles) and every client alike within a run:
@@ -57,7 +57,6 @@ from fedlora.federation.methods.proposed import Plan, plan_file
 from fedlora.federation.rundir import atomic_write, run_dir_lock
 from fedlora.studies.planning import plan_from_calibration, read_clients
 
-CALIBRATION_Q = (0.3, 0.15)
 AUTO_LOSS_FRACTION = 0.5
 SMOOTHING_ROUNDS = 3
 CALIBRATION_EVAL_LIMIT = 8  # calibration runs decide on the training loss; eval is not used
@@ -341,9 +340,9 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     saved = json.loads(path.read_text(encoding="utf-8"))
-    if saved.get("calibration", {}).get("mode") == "in-run":
-        return in_run_outcome(saved)
     losses, _ = _read_losses(run_dir / "metrics.jsonl")
+    if saved.get("calibration", {}).get("mode") == "in-run":
+        return in_run_outcome(saved, rounds_run=len(losses))
     level = float(saved["calibration"]["loss_used"])
     degeneracy = saved.get("degeneracy", {})
     return {
@@ -367,14 +366,18 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
     }
 
 
-def in_run_outcome(saved: dict[str, Any]) -> dict[str, Any]:
-    """summary.json's `plan` for an in-run calibrated run: the probes, every fit and whether
-    its plan was adopted, the floors of the last fit and the plan in force at the end."""
+def in_run_outcome(saved: dict[str, Any], rounds_run: int) -> dict[str, Any]:
+    """summary.json's `plan` of an in-run run: every fit (adopted or not), the last floors and
+    the final plan; no separate `calibration` runs (the probes are the run's own rounds)."""
     history = saved.get("history", [])
-    return {
-        "calibration": "in-run",
+    adopted = [h for h in history if h.get("adopted") and "plan" in h]
+    out = {
+        "calibration_mode": "in-run",
         "probe_rounds": saved["calibration"]["probe_rounds"],
-        "calibration_sim_time_s": 0.0,  # the probes are the run's own rounds, on its clock
+        "calibration_sim_time_s": 0.0,
+        "calibration": [],
+        "observed_rounds": None,
+        "rounds_run": rounds_run,
         "fits": [
             {
                 "round": h["round"],
@@ -390,3 +393,6 @@ def in_run_outcome(saved: dict[str, Any]) -> dict[str, Any]:
         "final_plan": {"q": saved["q"], "k": saved["k"], "source": saved["source"]},
         "floors": saved.get("floors"),
     }
+    if adopted:  # the rounds Theorem 1's fit predicted for the last adopted plan
+        out["predicted_rounds"] = adopted[-1]["plan"]["expected_rounds"]
+    return out
