@@ -112,3 +112,80 @@ def test_in_run_probes_fit_replan_and_bit_identical_resume(tmp_path):
     assert json.loads((cut / "plan.json").read_text()) == plan
     a, b = _adapter(ref), _adapter(cut)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _fake_run(tmp_path, *extra):
+    """What `fedlora.federation.replan` reads from a run, without a model: 10 clients."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fedlora.federation.methods.proposed import Proposed
+
+    cfg = load_config(None, ["method.name=proposed", "data.n_clients=10", "lora.rank=8",
+                             "planner.probe_rounds=2", *extra])  # fmt: skip
+    rng = np.random.default_rng(0)
+    a = np.full(10, 0.1)
+    method = Proposed(a=a, q=np.full(10, 0.3), k=np.full(10, 8), gamma=8)
+    method.in_run = True
+    profiles = SimpleNamespace(tau_full_s=rng.uniform(0.5, 3, 10), t_full=rng.uniform(1e6, 1e7, 10),
+                               snr_db=np.full(10, np.nan))  # fmt: skip
+    return SimpleNamespace(cfg=cfg, fed=SimpleNamespace(a=a), profiles=profiles, method=method,
+                           run_dir=tmp_path)  # fmt: skip
+
+
+def _drive(run, rounds, constants_at):
+    """Rounds whose loss follows Theorem 1's model for the q, k in force (no noise)."""
+    import math
+
+    import numpy as np
+
+    from fedlora.federation import replan
+
+    level, lines = math.log(2.0), []
+    for r in range(rounds):
+        replan.before_round(run, r)
+        q, k = run.method.q, run.method.k
+        A, C, D = constants_at(r)
+        y = float(np.sum(0.01 / q))
+        z = float(np.sum(0.01 / q * 64 / k.astype(float) ** 2))
+        line = {"round": r + 1, "train_loss": math.exp(level)}
+        replan.after_round(run, r, line)
+        lines.append(line)
+        level -= (1.0 - C * y - D * z) / A
+    return lines
+
+
+def test_in_run_fit_is_exact_and_a_consistent_world_keeps_the_plan(tmp_path):
+    run = _fake_run(tmp_path, "planner.replan_every=4")
+    lines = _drive(run, 16, lambda r: (40.0, 0.02, 0.002))
+    first = lines[7]["planner"]
+    assert first["kind"] == "calibration" and first["adopted"] and first["fit"]["floors"] == {}
+    c = first["fit"]["constants"]
+    assert [c["A"], c["C"], c["D"]] == pytest.approx([40.0, 0.02, 0.002], rel=1e-6)
+    # the plan's own rounds confirm the model: the refit is the same, predicted gain ~ 0, kept
+    for r in (11, 15):
+        entry = lines[r]["planner"]
+        assert entry["kind"] == "replan" and not entry["adopted"]
+        assert abs(entry["predicted_gain"]) < 1e-6
+    assert all(x >= 0.1 - 1e-12 for x in run.method.q)  # max_weight = 1: q_n >= a_n
+
+
+def test_replan_adopts_a_plan_only_past_the_margin(tmp_path):
+    # after the probes the world gets noisier (true C 0.02 -> 0.3): the plan's rounds progress
+    # slower than predicted, the refit raises C, and the new plan is adopted when its predicted
+    # gain exceeds the margin (5%), kept when the margin is 99%
+    def world(r):
+        return (40.0, 0.02 if r < 8 else 0.3, 0.002)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run = _fake_run(tmp_path / "a", "planner.replan_every=4")
+    lines = _drive(run, 12, world)
+    entry = lines[11]["planner"]
+    assert entry["fit"]["constants"]["C"] > 0.02 * 1.5
+    assert entry["predicted_gain"] > 0.05 and entry["adopted"]
+    strict = _fake_run(tmp_path / "b", "planner.replan_every=4", "planner.replan_margin=0.99")
+    kept = _drive(strict, 12, world)[11]["planner"]
+    assert kept["predicted_gain"] == pytest.approx(entry["predicted_gain"])
+    assert not kept["adopted"]
