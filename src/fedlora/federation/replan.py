@@ -289,3 +289,35 @@ def _describe(entry: dict[str, Any]) -> str:
         text += f"; predicted gain {entry['predicted_gain']:+.1%} -> "
         text += "adopted" if entry["adopted"] else f"kept (margin {entry['margin']:.0%})"
     return head + text
+
+
+def outcome(saved: dict[str, Any], rounds_run: int) -> dict[str, Any]:
+    """summary.json's `plan` of an in-run run: every fit (adopted or not), the last floors and
+    the final plan; no separate `calibration` runs (the probes are the run's own rounds)."""
+    history = saved.get("history", [])
+    adopted = [h for h in history if h.get("adopted") and "plan" in h]
+    out = {
+        "calibration_mode": "in-run",
+        "probe_rounds": saved["calibration"]["probe_rounds"],
+        "calibration_sim_time_s": 0.0,
+        "calibration": [],
+        "observed_rounds": None,
+        "rounds_run": rounds_run,
+        "fits": [
+            {
+                "round": h["round"],
+                "kind": h["kind"],
+                "adopted": h.get("adopted"),
+                "constants": h.get("fit", {}).get("constants"),
+                "floors": h.get("fit", {}).get("floors"),
+                "predicted_gain": h.get("predicted_gain"),
+                "error": h.get("error"),
+            }
+            for h in history
+        ],  # fmt: skip
+        "final_plan": {"q": saved["q"], "k": saved["k"], "source": saved["source"]},
+        "floors": saved.get("floors"),
+    }
+    if adopted:  # the rounds Theorem 1's fit predicted for the last adopted plan
+        out["predicted_rounds"] = adopted[-1]["plan"]["expected_rounds"]
+    return out

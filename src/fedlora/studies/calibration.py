@@ -238,7 +238,10 @@ def prepare_proposed(
         from fedlora.federation.replan import probe_settings
 
         q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; fedlora.federation.replan sets each
-        n = cfg.data.n_clients
+        n, probes = cfg.data.n_clients, 4 * cfg.planner.probe_rounds
+        if cfg.training.rounds <= probes:
+            log(f"warning: training.rounds = {cfg.training.rounds} <= the {probes} probe rounds "
+                "(planner.probe_rounds x 4): the run ends before it has a plan")  # fmt: skip
         return cfg, Plan(q=(q,) * n, k=(k,) * n, calibration_s=0.0, in_run=True)
     plan_path = Path(run_dir) / PLAN_FILE
     if plan_path.exists():
@@ -342,7 +345,9 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
     saved = json.loads(path.read_text(encoding="utf-8"))
     losses, _ = _read_losses(run_dir / "metrics.jsonl")
     if saved.get("calibration", {}).get("mode") == "in-run":
-        return in_run_outcome(saved, rounds_run=len(losses))
+        from fedlora.federation.replan import outcome
+
+        return outcome(saved, rounds_run=len(losses))
     level = float(saved["calibration"]["loss_used"])
     degeneracy = saved.get("degeneracy", {})
     return {
@@ -364,35 +369,3 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
         ],
         "calibration_sim_time_s": saved["calibration"]["sim_time_s"],
     }
-
-
-def in_run_outcome(saved: dict[str, Any], rounds_run: int) -> dict[str, Any]:
-    """summary.json's `plan` of an in-run run: every fit (adopted or not), the last floors and
-    the final plan; no separate `calibration` runs (the probes are the run's own rounds)."""
-    history = saved.get("history", [])
-    adopted = [h for h in history if h.get("adopted") and "plan" in h]
-    out = {
-        "calibration_mode": "in-run",
-        "probe_rounds": saved["calibration"]["probe_rounds"],
-        "calibration_sim_time_s": 0.0,
-        "calibration": [],
-        "observed_rounds": None,
-        "rounds_run": rounds_run,
-        "fits": [
-            {
-                "round": h["round"],
-                "kind": h["kind"],
-                "adopted": h.get("adopted"),
-                "constants": h.get("fit", {}).get("constants"),
-                "floors": h.get("fit", {}).get("floors"),
-                "predicted_gain": h.get("predicted_gain"),
-                "error": h.get("error"),
-            }
-            for h in history
-        ],  # fmt: skip
-        "final_plan": {"q": saved["q"], "k": saved["k"], "source": saved["source"]},
-        "floors": saved.get("floors"),
-    }
-    if adopted:  # the rounds Theorem 1's fit predicted for the last adopted plan
-        out["predicted_rounds"] = adopted[-1]["plan"]["expected_rounds"]
-    return out
