@@ -255,9 +255,7 @@ class PlannerConfig:
     # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
     # with q from method.q ("k", Figure 3)
     optimize: str = "qk"
-    # `proposed` when the calibration fit contradicts the model (a constant <= 0): "refuse"
-    # (stop with the planner's error) or "nonnegative" (least squares with A, C, D >= 0)
-    # (separate calibration) when the SVD fit contradicts the model: "constrained" (A, C, D >= 0
+    # `proposed` (separate calibration) when the SVD fit contradicts the model: "constrained" (A, C, D >= 0
     # with floors where not identified, `fedlora.system.planner.constrained_fit`), "refuse",
     # or "nonnegative" (least squares with A, C, D >= 0, no floors: issue 21's q -> 0 plans)
     calibration_fit: str = "constrained"
