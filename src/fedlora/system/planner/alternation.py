@@ -141,13 +141,19 @@ def _polish(
     return cache[key]
 
 
+UNIFORM_LEVELS = 64  # the uniform start tries every κ up to this γ, then a geometric grid
+
+
 def uniform_start(problem: PlanProblem, constants: Constants, options: PlanOptions) -> np.ndarray:
     """k⁰ = κ for every client, with κ in 1..γ the level whose exact P2 q-step is lowest
     (γ q-steps). The coordinate descent cannot raise q and lower k together; this start
     lets it begin where both are already traded (issue 21: from k = γ the exact q is small,
     and small q blocks every k decrement)."""
     best, best_k = math.inf, problem.full_rank()
-    for level in range(problem.gamma, 0, -1):
+    levels = range(problem.gamma, 0, -1)
+    if problem.gamma > UNIFORM_LEVELS:  # a large γ: UNIFORM_LEVELS levels, geometric
+        levels = np.unique(np.geomspace(1, problem.gamma, UNIFORM_LEVELS).round().astype(int))
+    for level in levels:
         k = np.full(problem.n, level, dtype=np.int64)
         step = p2_q_step(problem, constants, k, options)
         if step is not None and step.objective < best:

@@ -74,8 +74,14 @@ class QCurve:
         return self.A * m / (self.B - v) if v < self.B else math.inf
 
     def values(self, mus: np.ndarray) -> np.ndarray:
-        """`value` at q(μ) for every μ of `mus` at once (the grid search over M)."""
-        q = np.clip(self.p + self.g * np.asarray(mus, dtype=float)[:, None], self.lower, 1.0)
+        """`value` at q(μ) for every μ of `mus` (the grid search over M), in blocks of about
+        10⁶ numbers so that memory stays bounded at large N."""
+        mus = np.asarray(mus, dtype=float)
+        step = max(1, 1_000_000 // self.w.size)
+        return np.concatenate([self._values(mus[i : i + step]) for i in range(0, mus.size, step)])
+
+    def _values(self, mus: np.ndarray) -> np.ndarray:
+        q = np.clip(self.p + self.g * mus[:, None], self.lower, 1.0)
         d = q - self.p
         ok = np.all(d > 0, axis=1)
         d = np.where(d > 0, d, 1.0)
