@@ -1,4 +1,6 @@
-"""Time the full Algorithm 2 alternation (q-step + greedy k until a fixed point or cycle).
+"""Time the full Algorithm 2 alternation (q-step + greedy k until a fixed point or cycle),
+and compare the exact planner (`multi_start`, what `fedlora plan` and `proposed` use) with the
+paper's own path (k⁰ = γ, grid of step range/200 over M) on P2.
 
     .venv/bin/python bench/planner.py            # exact N = 50..50,000, cvxpy N = 50, 500
     .venv/bin/python bench/planner.py --quick    # exact N = 50, 500; cvxpy N = 50
@@ -17,7 +19,7 @@ import time
 
 import numpy as np
 
-from fedlora.system.planner import Constants, PlanOptions, PlanProblem, alternate
+from fedlora.system.planner import Constants, PlanOptions, PlanProblem, alternate, multi_start
 
 
 def instance(n: int, seed: int = 0) -> PlanProblem:
@@ -33,11 +35,11 @@ def instance(n: int, seed: int = 0) -> PlanProblem:
     )
 
 
-def timed(problem: PlanProblem, options: PlanOptions, repeat: int):
+def timed(problem: PlanProblem, options: PlanOptions, repeat: int, run=alternate):
     best, result = float("inf"), None
     for _ in range(repeat):
         t0 = time.perf_counter()
-        result = alternate(problem, problem.constants, options)
+        result = run(problem, problem.constants, options)
         best = min(best, time.perf_counter() - t0)
     return best, result
 
@@ -54,6 +56,7 @@ def main() -> None:
     rows = [("exact", n, exact, args.repeat) for n in sizes]
     rows += [("cvxpy (Brent on M)", n, cvx, 1) for n in ([50] if args.quick else [50, 500])]
     rows += [("cvxpy (paper grid, ε = range/200)", 50, cvx_grid, 1)]
+    grid_path = dataclasses.replace(exact, m_search="grid", polish=False)
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print(f"{'solver':<36}{'N':>8}{'time':>12}{'P2':>16}{'iterations':>12}  stop")
     reference: dict[int, float] = {}
@@ -69,6 +72,16 @@ def main() -> None:
             f"{name:<36}{n:>8}{seconds * 1e3:>10.1f}ms{res.objective:>16.8g}{res.iterations:>12}"
             f"  {res.stop_reason}{rel}"
         )
+    print("\nexact planner (multi_start) vs the paper's grid path (k0 = γ, grid over M):")
+    print(f"{'N':>8}{'grid path P2':>16}{'k0 = γ P2':>16}{'multi_start P2':>16}{'vs grid':>9}"
+          f"{'time':>10}  start")  # fmt: skip
+    for n in sizes[:3]:
+        problem = instance(n)
+        ref = alternate(problem, problem.constants, grid_path).objective
+        one = alternate(problem, problem.constants, exact).objective
+        seconds, res = timed(problem, exact, 1, run=multi_start)
+        print(f"{n:>8}{ref:>16.8g}{one:>16.8g}{res.objective:>16.8g}{res.objective / ref - 1:>+9.1%}"
+              f"{seconds * 1e3:>8.0f}ms  {res.start}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ the calibration runs, the fit, the plan as a value."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def test_smoothed_losses_trailing_mean_over_non_empty_rounds():
 
 
 def test_calibration_config_is_sketched_with_every_client_alike():
-    cfg = load_config(None, ["data.n_clients=3", "planner.calibration_rounds=7", "training.seed=5",
+    cfg = load_config(None, ["planner.calibration=separate", "data.n_clients=3", "planner.calibration_rounds=7", "training.seed=5",
                              "training.eval_every_s=2.5", "training.time_budget_s=9",
                              "training.target_loss=0.5"])  # fmt: skip
     c = calibration_config(cfg, 0.3, 4)
@@ -100,7 +101,8 @@ def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path, 
     monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
     cfg = load_config(
         None,
-        ["data.n_clients=4", "lora.rank=16", "planner.calibration_rounds=300",
+        ["planner.calibration=separate", "data.n_clients=4", "lora.rank=16",
+         "planner.calibration_rounds=300",
          "method.name=proposed"],
     )  # fmt: skip
     # Execute
@@ -147,10 +149,23 @@ def test_prepare_proposed_fallback_when_a_run_never_reaches_f_s(tmp_path, monkey
     # 1.2) -> all R = 4, the same for every run, which cannot identify A–D.
     calls: list = []
     monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
-    cfg = load_config(None, ["data.n_clients=4", "planner.calibration_rounds=150"])
+    cfg = load_config(
+        None,
+        ["planner.calibration=separate", "data.n_clients=4", "planner.calibration_rounds=150",
+         "planner.calibration_fit=refuse"],
+    )  # fmt: skip
     with pytest.raises(ConfigError, match="calibration"):
         prepare_proposed(cfg, tmp_path, log=lambda m: None)
     assert len(calls) == 4
+    # the default fit (constrained) plans instead, with C and D at their stated floors
+    constrained = cfg.replace(
+        planner=dataclasses.replace(cfg.planner, calibration_fit="constrained")
+    )
+    prepare_proposed(constrained, tmp_path, log=lambda m: None)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert set(plan["floors"]) == {"C", "D"} and plan["constants_fit"].startswith("constrained")
+    a = np.array([0.1, 0.2, 0.3, 0.4])  # the fake clients.csv
+    assert np.all(a / np.array(plan["q"]) <= 1 + 1e-9)  # max_weight = 1: a_n/q_n <= 1
 
 
 def test_calibration_is_continued_when_the_cap_is_raised(tmp_path, monkeypatch):
@@ -159,11 +174,17 @@ def test_calibration_is_continued_when_the_cap_is_raised(tmp_path, monkeypatch):
     # three runs that reached F_s are reused, and the constants come out exact.
     calls: list = []
     monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
-    cfg = load_config(None, ["data.n_clients=4", "planner.calibration_rounds=150"])
+    cfg = load_config(
+        None,
+        ["planner.calibration=separate", "data.n_clients=4", "planner.calibration_rounds=150",
+         "planner.calibration_fit=refuse"],
+    )  # fmt: skip
     with pytest.raises(ConfigError, match="calibration"):
         prepare_proposed(cfg, tmp_path, log=lambda m: None)
     calls.clear()
-    raised = load_config(None, ["data.n_clients=4", "planner.calibration_rounds=300"])
+    raised = load_config(
+        None, ["planner.calibration=separate", "data.n_clients=4", "planner.calibration_rounds=300"]
+    )
     prepare_proposed(raised, tmp_path, log=lambda m: None)
     assert calls == [("resume", 0.15, 4, 300)]
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -180,7 +201,15 @@ def test_calibration_loss_fraction_sets_f_s(tmp_path, monkeypatch):
     # in every run, so all R = 4 -> the fit is refused; plan.json is not written
     calls: list = []
     monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
-    cfg = load_config(None, ["data.n_clients=4", "planner.calibration_loss_fraction=0.7"])
+    cfg = load_config(
+        None,
+        [
+            "planner.calibration=separate",
+            "planner.calibration_fit=refuse",
+            "data.n_clients=4",
+            "planner.calibration_loss_fraction=0.7",
+        ],
+    )
     with pytest.raises(ConfigError, match="calibration"):
         prepare_proposed(cfg, tmp_path, log=lambda m: None)
     for sub in sorted((tmp_path / "calibration").iterdir()):
@@ -223,7 +252,8 @@ def test_calibration_in_budget_or_after_it(tmp_path, monkeypatch, in_budget, bud
     # the fake calibration takes 112 + 120 + 140 + 210 = 582 simulated seconds
     monkeypatch.setattr(engine, "run_experiment", _fake_engine([]))
     cfg = load_config(
-        None, ["data.n_clients=4", "planner.calibration_rounds=300", "training.time_budget_s=10",
+        None, ["planner.calibration=separate", "data.n_clients=4", "planner.calibration_rounds=300",
+               "training.time_budget_s=10",
                f"planner.calibration_in_budget={in_budget}", "method.name=proposed"],
     )  # fmt: skip
     planned, plan = prepare_proposed(cfg, tmp_path, log=lambda m: None)

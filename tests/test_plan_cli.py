@@ -127,3 +127,27 @@ def test_plan_malformed_json_subprocess(tmp_path):
     assert proc.returncode == 2
     assert "problem.json: invalid JSON at line 2 column 15" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_plan_max_weight_and_constrained_calibration_fit(tmp_path, capsys):
+    # Prepare: calibration runs where halving q never cost a round (C = 0 in truth): the SVD
+    # fit gives C <= 0; the constrained fit floors C and names it; --max-weight bounds a/q
+    a = [0.5, 0.3, 0.2]
+    runs = []
+    for q, k in ((1.0, 16), (0.5, 8), (0.8, 4), (0.3, 12)):
+        z = sum(x * x / q for x in a) * 256 / k**2
+        runs.append({"q": [q] * 3, "k": [k] * 3, "rounds": 2.0 / (1.0 - 0.004 * z)})
+    problem = dict(PROBLEM, calibration=runs)
+    del problem["constants"]
+    path = write(tmp_path, problem)
+    # Execute / Assert: refused as before with --calibration-fit refuse
+    assert main(["plan", str(path), "--calibration-fit", "refuse"]) == 2
+    assert "A, B, C, D must be > 0" in capsys.readouterr().err
+    assert main(["plan", str(path), "--max-weight", "1.5", "-o", str(tmp_path / "p.json")]) == 0
+    assert "floored: C (not identified" in capsys.readouterr().out
+    out = json.loads((tmp_path / "p.json").read_text())
+    assert set(out["floors"]) == {"C"} and out["constants_fit"].startswith("constrained")
+    assert out["constants"]["D"] == pytest.approx(0.004, rel=1e-6)
+    assert all(x / q <= 1.5 * (1 + 1e-12) for x, q in zip(a, out["q"]))
+    assert main(["plan", str(path), "--max-weight", "-1"]) == 2
+    assert "options.max_weight = -1" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`fedlora plan PROBLEM.json [--solver exact|cvxpy] [-o PLAN.json]`: Algorithm 2 on a problem
+"""`fedlora plan PROBLEM.json [--solver exact|cvxpy] [--max-weight W] [-o PLAN.json]`: Algorithm 2 on a problem
 file (schema: docs/planner.md); prints the plan as JSON, or writes it and prints a summary."""
 
 from __future__ import annotations
@@ -27,6 +27,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--output", "-o", metavar="PLAN.json", help="write the plan here")
     p.add_argument(
+        "--max-weight",
+        type=float,
+        metavar="W",
+        help="bound every unbiased weight a_n/q_n by W (q_n >= a_n/W; overrides "
+        "options.max_weight; 0 = no bound)",
+    )
+    p.add_argument(
+        "--calibration-fit",
+        choices=("constrained", "refuse"),
+        help="when the calibration's SVD fit contradicts the model: the constrained fit with "
+        "stated floors, or refuse (overrides options.calibration_fit)",
+    )
+    p.add_argument(
         "--normalize-a",
         action="store_true",
         help="rescale the clients' a to sum to 1 instead of refusing them",
@@ -45,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["solver"] = args.solver
     if args.normalize_a:
         overrides["normalize_a"] = True
+    if args.max_weight is not None:
+        overrides["max_weight"] = args.max_weight
+    if args.calibration_fit:
+        overrides["calibration_fit"] = args.calibration_fit
     problem, options = load_problem(args.problem, overrides)
     try:
         with np.errstate(all="ignore"):  # a degenerate result is refused below, not warned of
@@ -70,4 +87,6 @@ def run(args: argparse.Namespace) -> int:
         f"(E[T] = {result.expected_round_time_s:.6g} s x R = {result.expected_rounds:.6g}), "
         f"{result.iterations} iterations ({result.stop_reason}), solver {result.solver} -> {out}"
     )
+    if result.floors:
+        print("floored: " + "; ".join(f"{k} ({v})" for k, v in result.floors.items()))
     return 0

@@ -13,7 +13,7 @@ from fedlora.config.checks import (
     check_number,
     check_vector_or_strategy,
 )
-from fedlora.errors import bad_value
+from fedlora.errors import ConfigError, bad_value
 
 
 @dataclass(frozen=True)
@@ -300,9 +300,22 @@ class PlannerConfig:
     # `proposed` plans q and k ("qk"), only q with k from method.k ("q", Figure 2), or only k
     # with q from method.q ("k", Figure 3)
     optimize: str = "qk"
-    # `proposed` when the calibration fit contradicts the model (a constant <= 0): "refuse"
-    # (stop with the planner's error) or "nonnegative" (least squares with A, C, D >= 0)
-    calibration_fit: str = "refuse"
+    # `proposed` (separate calibration) when the SVD fit contradicts the model: "constrained" (A, C, D >= 0
+    # with floors where not identified, `fedlora.system.planner.constrained_fit`), "refuse",
+    # or "nonnegative" (least squares with A, C, D >= 0, no floors: issue 21's q -> 0 plans)
+    calibration_fit: str = "constrained"
+    # issue 21: "in-run" = the run's first rounds are the probes and the plan follows from
+    # them (fedlora.federation.replan); "separate" = the paper's four calibration runs
+    calibration: str = "in-run"
+    probe_rounds: int = 4  # in-run: rounds per probe setting (4 settings, palindromic order)
+    # a_n/q_n <= max_weight for every planned q (0 = no bound); 1 = no sampled client counts
+    # more than the whole federation
+    max_weight: float = 1.0
+    # share φ of B the variance (sketch) term takes at the data's largest Y (Z): the floor of
+    # C (D) when the data do not identify it
+    fit_floor_share: float = 0.1
+    replan_every: int = 0  # in-run: refit and re-plan every R rounds after the probes; 0 = off
+    replan_margin: float = 0.05  # adopt a new plan only if its predicted time is this much lower
 
     def __post_init__(self) -> None:
         check_choice("planner.solver", self.solver, ("exact", "cvxpy"))
@@ -323,7 +336,23 @@ class PlannerConfig:
             hi_open=True,
         )
         check_choice("planner.optimize", self.optimize, ("qk", "q", "k"))
-        check_choice("planner.calibration_fit", self.calibration_fit, ("refuse", "nonnegative"))
+        check_choice(
+            "planner.calibration_fit",
+            self.calibration_fit,
+            ("constrained", "refuse", "nonnegative"),
+        )
+        check_choice("planner.calibration", self.calibration, ("in-run", "separate"))
+        check_int("planner.probe_rounds", self.probe_rounds, lo=1)
+        check_number("planner.max_weight", self.max_weight, lo=0)
+        check_number("planner.fit_floor_share", self.fit_floor_share, lo=0, hi=1, lo_open=True,
+                     hi_open=True)  # fmt: skip
+        check_int("planner.replan_every", self.replan_every, lo=0)
+        check_number("planner.replan_margin", self.replan_margin, lo=0)
+        if self.replan_every and self.calibration != "in-run":
+            raise ConfigError(
+                f"planner.replan_every = {self.replan_every} needs planner.calibration = "
+                f"'in-run' (got {self.calibration!r}): the refit uses the run's own probe rounds"
+            )
         if not isinstance(self.calibration_in_budget, bool):
             raise bad_value(
                 "planner.calibration_in_budget", self.calibration_in_budget, "true or false"

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.config import ExperimentConfig
+from fedlora.federation import replan
 from fedlora.federation.clock import round_cost
 from fedlora.federation.methods import Plan, RoundPlan
 from fedlora.federation.profiles import write_clients_csv
@@ -169,12 +170,15 @@ def run_rounds(
             if early:
                 stop_reason = early
                 break
+            replan.before_round(run, progress.round)  # in-run calibration: this round's q, k
             plan = plan_next_round(run, progress)
             synchronize(run.device)  # on a GPU, compute_s counts the round's queued work too
             t0 = time.perf_counter()
             line = _one_round(run, trainer, plan, progress)
             synchronize(run.device)
-            record_round(metrics_path, progress, line, time.perf_counter() - t0)
+            compute_s = time.perf_counter() - t0
+            replan.after_round(run, progress.round, line, log)  # fit and plan when due
+            record_round(metrics_path, progress, line, compute_s)
             trainer.report(line)
             if reporter is not None:
                 reporter.update(line, progress)

@@ -1,7 +1,7 @@
 """Algorithm 2 on real training: the calibration runs of a `proposed` run, its plan, and
-the run itself with that plan (`run_method`).
-
-Before the first round of a `proposed` run `run_method` calls `prepare_proposed`, which
+the run itself with that plan (`run_method`). In-run (the default) nothing runs first: the
+run calibrates itself (`fedlora.federation.replan`). With `planner.calibration = "separate"`
+`run_method` calls `prepare_proposed` before the first round, which
 
 1. runs four calibration runs of Algorithm 1 (`sketched`) through the engine, with the same
    seed (so the same data partition and client profiles) and every client alike within a run:
@@ -57,7 +57,6 @@ from fedlora.federation.methods.proposed import Plan, plan_file
 from fedlora.federation.rundir import atomic_write, run_dir_lock
 from fedlora.studies.planning import plan_from_calibration, read_clients
 
-CALIBRATION_Q = (0.3, 0.15)
 AUTO_LOSS_FRACTION = 0.5
 SMOOTHING_ROUNDS = 3
 CALIBRATION_EVAL_LIMIT = 8  # calibration runs decide on the training loss; eval is not used
@@ -65,20 +64,15 @@ PLAN_FILE = "plan.json"
 
 
 def calibration_settings(gamma: int) -> list[tuple[float, int]]:
-    """The four (q, k) pairs of the calibration runs: {0.3, 0.15} × {γ, ⌈γ/4⌉}.
+    """The four (q, k) pairs of the calibration runs: {0.3, 0.15} × {γ, ⌈γ/4⌉}, the same as
+    the in-run probes (`fedlora.federation.replan.probe_settings`).
 
     With γ < 4 the second k is still distinct from γ (k = 1 for γ in 2..4); γ = 1 has a
     single sketch size and cannot identify D.
     """
-    if gamma < 2:
-        raise ConfigError(
-            f"lora.rank = {gamma} is invalid for method.name = 'proposed': the calibration "
-            "needs two different sketch sizes k (PAPER_NOTES #3), so lora.rank must be >= 2"
-        )
-    k_small = max(1, math.ceil(gamma / 4))
-    if k_small == gamma:
-        k_small = gamma - 1
-    return [(q, k) for k in (gamma, k_small) for q in CALIBRATION_Q]
+    from fedlora.federation.replan import probe_settings
+
+    return probe_settings(gamma)
 
 
 def smoothed_losses(losses: Sequence[float | None], window: int = SMOOTHING_ROUNDS) -> list:
@@ -240,6 +234,15 @@ def prepare_proposed(
     """
     if plan_file(cfg.method):
         return cfg, None
+    if cfg.planner.calibration == "in-run":  # the run's own first rounds are the probes
+        from fedlora.federation.replan import probe_settings
+
+        q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; fedlora.federation.replan sets each
+        n, probes = cfg.data.n_clients, 4 * cfg.planner.probe_rounds
+        if cfg.training.rounds <= probes:
+            log(f"warning: training.rounds = {cfg.training.rounds} <= the {probes} probe rounds "
+                "(planner.probe_rounds x 4): the run ends before it has a plan")  # fmt: skip
+        return cfg, Plan(q=(q,) * n, k=(k,) * n, calibration_s=0.0, in_run=True)
     plan_path = Path(run_dir) / PLAN_FILE
     if plan_path.exists():
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
@@ -341,6 +344,10 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
         return None
     saved = json.loads(path.read_text(encoding="utf-8"))
     losses, _ = _read_losses(run_dir / "metrics.jsonl")
+    if saved.get("calibration", {}).get("mode") == "in-run":
+        from fedlora.federation.replan import outcome
+
+        return outcome(saved, rounds_run=len(losses))
     level = float(saved["calibration"]["loss_used"])
     degeneracy = saved.get("degeneracy", {})
     return {

@@ -61,7 +61,8 @@ METHOD_SUITE = tuple(  # the `methods` suite's non-planned methods
 Q_FIXED = ("method.q=fixed", "method.q_fixed=0.2")  # q = 0.2 (Figure 3, and Figure 2's fixed)
 SUITES: dict[str, dict[str, tuple[str, ...]]] = {
     "table1": {
-        "proposed": ("method.name=proposed", "planner.optimize=qk"),
+        # the paper's Algorithm 2: four separate calibration runs (issue 21 adds in-run)
+        "proposed": ("method.name=proposed", "planner.optimize=qk", "planner.calibration=separate"),
         "fslora": ("method.name=fslora",),
         "heterolora": ("method.name=heterolora",),
         "fedstacklora": ("method.name=fedstacklora",),
@@ -71,14 +72,24 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
         "flexlora": ("method.name=flexlora",),
     },
     "sampling": {
-        "proposed-q": ("method.name=proposed", "planner.optimize=q", "method.k=full"),
+        "proposed-q": (
+            "method.name=proposed",
+            "planner.optimize=q",
+            "method.k=full",
+            "planner.calibration=separate",
+        ),  # fmt: skip
         "full": ("method.name=sketched", "method.q=full", "method.k=full"),
         "fixed-0.2": ("method.name=sketched", *Q_FIXED, "method.k=full"),
         "uniform": ("method.name=sketched", "method.q=uniform", "method.k=full"),
         "weighted": ("method.name=sketched", "method.q=weighted", "method.k=full"),
     },
     "ranks": {
-        "proposed-k": ("method.name=proposed", "planner.optimize=k", *Q_FIXED),
+        "proposed-k": (
+            "method.name=proposed",
+            "planner.optimize=k",
+            *Q_FIXED,
+            "planner.calibration=separate",
+        ),  # fmt: skip
         "full": ("method.name=sketched", "method.k=full", *Q_FIXED),
         "normal": ("method.name=sketched", "method.k=normal", *Q_FIXED),
         "uniform": ("method.name=sketched", "method.k=uniform", *Q_FIXED),

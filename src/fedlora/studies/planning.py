@@ -28,15 +28,10 @@ def read_clients(path: Path) -> dict[str, np.ndarray]:
 
 
 def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
-    """t_full for the planner: with Rayleigh fading, the mean-SNR time times the expected
-    factor of fading (`fedlora.system.network.planning_time_factor`; the ergodic rate when there is
-    no outage floor, the exact mean with one); unchanged without fading or channel data."""
-    snr = clients.get("snr_db")
-    if cfg.network.fading != "rayleigh" or snr is None or not np.all(np.isfinite(snr)):
-        return clients["t_full"]
-    from fedlora.system.network import planning_time_factor
+    """t_full for the planner (`fedlora.federation.replan.planning_t_full`)."""
+    from fedlora.federation.replan import planning_t_full as shared
 
-    return clients["t_full"] * planning_time_factor(snr, cfg.network.fading_floor)
+    return shared(cfg, clients)
 
 
 def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray) -> Any:
@@ -88,35 +83,27 @@ def plan_from_calibration(
         t_full=planning_t_full(cfg, clients),
         calibration=tuple(observations),
     )
+    floors: dict[str, str] = {}
     try:
         constants = pl.estimate_constants(observations, gamma, a, options.estimation_matrix)
         fit = "svd"
     except ConfigError as e:
-        if cfg.planner.calibration_fit != "nonnegative":
+        if cfg.planner.calibration_fit == "refuse":
             raise
-        constants = nonnegative_constants(observations, gamma, a)
-        fit = f"nonnegative (the SVD fit was refused: {e})"
-    if cfg.planner.optimize == "qk":
-        result = pl.multi_start(problem, constants, options)
-        q, k = result.q, result.k
-        extra = {
-            "iterations": result.iterations,
-            "stop_reason": result.stop_reason,
-            "start": result.start,
-            "starts": result.starts,
-        }
-    else:
-        from fedlora.federation.methods.strategies import resolve_k, resolve_q
-        from fedlora.system.seeding import derive_rng
+        if cfg.planner.calibration_fit == "nonnegative":
+            constants = nonnegative_constants(observations, gamma, a)
+            fit = f"nonnegative (the SVD fit was refused: {e})"
+        else:  # constrained: A, C, D >= 0 and floors where the runs do not identify C or D
+            yz = np.array([[np.sum(a**2 / o.q),
+                            np.sum(a**2 / o.q * gamma**2 / o.k.astype(float) ** 2)]
+                           for o in observations])  # fmt: skip
+            result = pl.constrained_fit([1.0 / o.rounds for o in observations], yz[:, 0],
+                                        yz[:, 1], floor_share=cfg.planner.fit_floor_share)  # fmt: skip
+            constants, floors = result.constants, result.floors
+            fit = f"constrained (the SVD fit was refused: {e})"
+    from fedlora.federation.replan import plan_for
 
-        if cfg.planner.optimize == "q":  # Figure 2: k from method.k, q planned
-            k = resolve_k(cfg.method.k, n=n, gamma=gamma,
-                          rng=derive_rng(cfg.training.seed, "strategy"))  # fmt: skip
-            q = pl.q_step(problem, constants, k, options).q
-        else:  # Figure 3: q from method.q, k planned
-            q = resolve_q(cfg.method.q, a=a, q_fixed=cfg.method.q_fixed)
-            k = pl.greedy_k(problem, constants, q, options)
-        extra = {}
+    q, k, extra = plan_for(cfg, problem, constants, options, a)
     weights = pl.sketched_round_weights(problem, np.asarray(k), options)
     degeneracy = pl.plan_degeneracy(problem, constants, q, k, options)
     return {
@@ -127,6 +114,7 @@ def plan_from_calibration(
         "optimize": cfg.planner.optimize,
         "constants": constants.to_dict(),
         "constants_fit": fit,
+        "floors": floors,
         "objective": float(pl.p2_objective(problem, constants, q, k, options)),
         "expected_rounds": float(pl.expected_rounds(problem, constants, q, k)),
         "expected_round_time_s": float(np.dot(q, weights)),

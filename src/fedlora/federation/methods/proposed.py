@@ -23,9 +23,21 @@ from fedlora.federation.methods.strategies import resolve_k, resolve_q
 
 @register_method("proposed")
 class Proposed(Sketched):
-    """Algorithm 1 with the planned per-client (q*, k*) (see the module docstring)."""
+    """Algorithm 1 with the planned per-client (q*, k*) (see the module docstring).
+
+    With in-run calibration (`fedlora.federation.replan`) q and k change between rounds;
+    `replan_state` (plain data: the probes, every round's setting and loss, the fits and
+    plans) is what the checkpoint carries for that."""
 
     name = "proposed"
+    in_run = False  # set by make_method from the Plan: fedlora.federation.replan drives q, k
+    replan_state: dict = {}  # replaced, never mutated in place, by fedlora.federation.replan
+
+    def state_dict(self) -> dict:
+        return {"replan": self.replan_state} if self.replan_state else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.replan_state = state.get("replan") or {}
 
     @classmethod
     def from_config(cls, ctx: MethodContext) -> Proposed:
@@ -39,7 +51,9 @@ class Proposed(Sketched):
             )
         q = resolve_q(q_spec, a=ctx.a, q_fixed=m.q_fixed)
         k = resolve_k(k_spec, n=ctx.a.size, gamma=ctx.gamma, rng=ctx.rng)
-        return cls(a=ctx.a, q=q, k=k, gamma=ctx.gamma)
+        method = cls(a=ctx.a, q=q, k=k, gamma=ctx.gamma)
+        method.in_run = plan is not None and plan.in_run
+        return method
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class Plan:
     q: tuple[float, ...]
     k: tuple[int, ...]
     calibration_s: float = 0.0
+    in_run: bool = False  # q, k are round 1's; the run calibrates itself (federation.replan)
 
 
 def plan_file(method: MethodConfig) -> str | None:

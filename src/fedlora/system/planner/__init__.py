@@ -10,6 +10,8 @@ algorithm uses them:
 - `objective`: P2 = R(q, k) · Σ q_n w_n(k) and its pieces (sketched round weights, the
   penalty c_n, the bounds lo_n), and `plan_degeneracy`;
 - `estimate`: A–D from calibration runs (Eq. 21) and `calibration_fit`;
+- `fit`: the constrained fit (A, C, D >= 0, floors where not identified) and the per-round
+  progress rates of one run's own rounds (in-run calibration, re-planning);
 - `qcurve`, `qstep`: the q-step for fixed k (P3 along its exact KKT curve; cvxpy reference);
 - `kstep`: the greedy k-step for fixed q;
 - `alternation`: q-step → k-step to a fixed point or cycle, from several starts; `plan`;
@@ -23,10 +25,13 @@ from fedlora.system.planner.alternation import (
     alternate,
     capability_start,
     check_plan,
+    grid_path_start,
     multi_start,
     plan,
+    uniform_start,
 )
 from fedlora.system.planner.estimate import calibration_fit, estimate_constants
+from fedlora.system.planner.fit import FLOOR_SHARE, FitResult, constrained_fit, progress_rates
 from fedlora.system.planner.kstep import greedy_k
 from fedlora.system.planner.objective import (
     expected_rounds,
@@ -38,6 +43,7 @@ from fedlora.system.planner.objective import (
 )
 from fedlora.system.planner.problem import (
     A_SUM_TOLERANCE,
+    CALIBRATION_FITS,
     COMM_COSTS,
     COMP_COSTS,
     ESTIMATION_MATRICES,
@@ -53,10 +59,15 @@ from fedlora.system.planner.problem import (
     positive_number,
 )
 from fedlora.system.planner.qcurve import STRICT_MARGIN, QCurve, q_curve
-from fedlora.system.planner.qstep import QStepResult, q_step
+from fedlora.system.planner.qstep import QStepResult, p2_q_step, q_step
 from fedlora.system.planner.schema import problem_from_dict
 
 __all__ = [
+    "CALIBRATION_FITS",
+    "FLOOR_SHARE",
+    "FitResult",
+    "constrained_fit",
+    "progress_rates",
     "A_SUM_TOLERANCE",
     "COMM_COSTS",
     "COMP_COSTS",
@@ -82,6 +93,9 @@ __all__ = [
     "expected_rounds",
     "greedy_k",
     "multi_start",
+    "p2_q_step",
+    "uniform_start",
+    "grid_path_start",
     "p2_objective",
     "plan",
     "plan_degeneracy",

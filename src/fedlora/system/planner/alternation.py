@@ -20,10 +20,11 @@ import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
 from fedlora.system.planner.estimate import estimate_constants
+from fedlora.system.planner.fit import constrained_fit
 from fedlora.system.planner.kstep import greedy_k, k_floor
 from fedlora.system.planner.objective import expected_rounds, p2_objective, sketched_round_weights
 from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
-from fedlora.system.planner.qstep import q_step
+from fedlora.system.planner.qstep import QStepResult, p2_q_step, q_step
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class PlanResult:
     m: float = math.nan  # M of the chosen q-step
     start: str = "gamma"  # the k⁰ whose alternation gave this plan (`multi_start`)
     starts: dict[str, float] = field(default_factory=dict)  # P2 reached from each start
+    constants_fit: str = ""  # how A–D were obtained by `plan` ("" = given)
+    floors: dict[str, str] = field(default_factory=dict)  # constants floored by the fit, why
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +61,8 @@ class PlanResult:
             "history": [float(x) for x in self.history],
             "start": self.start,
             "starts": {name: float(v) for name, v in self.starts.items()},
+            **({"constants_fit": self.constants_fit} if self.constants_fit else {}),
+            **({"floors": dict(self.floors)} if self.floors else {}),
         }
 
 
@@ -75,15 +80,23 @@ def alternate(
     best: tuple[float, np.ndarray, np.ndarray, float] | None = None
     stop = "max_iterations"
     iterations = 0
+    polish_cache: dict[bytes, QStepResult | None] = {}
     while iterations < options.max_iterations:
         iterations += 1
         step = q_step(problem, constants, k, options)
         k_new = greedy_k(problem, constants, step.q, options)
         for kk in (k, k_new):  # the iterates (q, k) and (q, k_new)
-            value = p2_objective(problem, constants, step.q, kk, options)
+            value, q_it, m_it = (
+                p2_objective(problem, constants, step.q, kk, options),
+                step.q,
+                step.m,
+            )
+            polished = _polish(problem, constants, kk, options, polish_cache)
+            if polished is not None and polished.objective < value:  # a candidate, not the path
+                value, q_it, m_it = polished.objective, polished.q, polished.m
             history.append(value)
             if best is None or value < best[0]:
-                best = (value, step.q, kk, step.m)
+                best = (value, q_it, kk, m_it)
         if np.array_equal(k_new, k):
             stop = "fixed_point"
             break
@@ -110,6 +123,53 @@ def alternate(
         history=tuple(history),
         m=m,
     )
+
+
+def _polish(
+    problem: PlanProblem,
+    constants: Constants,
+    k: np.ndarray,
+    options: PlanOptions,
+    cache: dict[bytes, QStepResult | None],
+) -> QStepResult | None:
+    """`options.polish`: the exact P2 minimiser over q for k (`p2_q_step`), cached by k."""
+    if not options.polish:
+        return None
+    key = np.asarray(k, dtype=np.int64).tobytes()
+    if key not in cache:
+        cache[key] = p2_q_step(problem, constants, k, options)
+    return cache[key]
+
+
+UNIFORM_LEVELS = 64  # the uniform start tries every κ up to this γ, then a geometric grid
+
+
+def uniform_start(problem: PlanProblem, constants: Constants, options: PlanOptions) -> np.ndarray:
+    """k⁰ = κ for every client, with κ in 1..γ the level whose exact P2 q-step is lowest
+    (γ q-steps). The coordinate descent cannot raise q and lower k together; this start
+    lets it begin where both are already traded (issue 21: from k = γ the exact q is small,
+    and small q blocks every k decrement)."""
+    best, best_k = math.inf, problem.full_rank()
+    levels = range(problem.gamma, 0, -1)
+    if problem.gamma > UNIFORM_LEVELS:  # a large γ: UNIFORM_LEVELS levels, geometric
+        levels = np.unique(np.geomspace(1, problem.gamma, UNIFORM_LEVELS).round().astype(int))
+    for level in levels:
+        k = np.full(problem.n, level, dtype=np.int64)
+        step = p2_q_step(problem, constants, k, options)
+        if step is not None and step.objective < best:
+            best, best_k = step.objective, k
+    return best_k
+
+
+def grid_path_start(problem: PlanProblem, constants: Constants, options: PlanOptions) -> np.ndarray:
+    """The best k of the paper's own path (Algorithm 2 from k = γ with the grid search over M
+    of step range/200, exact fixed-M q): the exact planner starts there too, so with the P2
+    polish it is never worse than the grid path (tested on random instances)."""
+    grid = dataclasses.replace(options, solver="exact", m_search="grid", polish=False)
+    try:
+        return alternate(problem, constants, grid).k
+    except ConfigError:  # no feasible grid point: the start is simply not offered
+        return problem.full_rank()
 
 
 def check_plan(result: PlanResult) -> None:
@@ -165,7 +225,10 @@ def multi_start(
         starts = {
             "gamma": problem.full_rank(),
             "capability": capability_start(problem),
+            "uniform": uniform_start(problem, constants, options),
         }
+        if options.solver == "exact" and options.polish:
+            starts["grid_path"] = grid_path_start(problem, constants, options)
         restart = True
     else:
         restart = False
@@ -195,12 +258,30 @@ def multi_start(
 
 
 def plan(problem: PlanProblem, options: PlanOptions | None = None) -> PlanResult:
-    """Algorithm 2: estimate A–D if the problem gives calibration runs, then alternate from
-    several starts and keep the best plan (`multi_start`)."""
+    """Algorithm 2: estimate A–D if the problem gives calibration runs (the SVD of Eq. 21; when
+    it contradicts the model and `options.calibration_fit = "constrained"`, the constrained
+    fit with its floors, `fit.constrained_fit`), then alternate from several starts and keep
+    the best plan (`multi_start`)."""
     options = options or PlanOptions()
     constants = problem.constants
+    how, floors = "", {}
     if constants is None:
-        constants = estimate_constants(
-            problem.calibration, problem.gamma, problem.a, options.estimation_matrix
-        )
-    return multi_start(problem, constants, options)
+        try:
+            constants = estimate_constants(
+                problem.calibration, problem.gamma, problem.a, options.estimation_matrix
+            )
+            how = "svd"
+        except ConfigError as e:
+            if options.calibration_fit != "constrained":
+                raise
+            obs = problem.calibration
+            a2, g2 = problem.a**2, problem.gamma**2
+            y = [float(np.sum(a2 / o.q)) for o in obs]
+            z = [float(np.sum(a2 / o.q * g2 / o.k.astype(float) ** 2)) for o in obs]
+            fit = constrained_fit(
+                [1.0 / o.rounds for o in obs], y, z, floor_share=options.fit_floor_share
+            )
+            constants, floors = fit.constants, fit.floors
+            how = f"constrained (the SVD fit was refused: {e})"
+    result = multi_start(problem, constants, options)
+    return dataclasses.replace(result, constants_fit=how, floors=floors)

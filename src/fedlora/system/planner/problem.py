@@ -39,6 +39,7 @@ M_SEARCHES = ("exact", "grid")
 M_RANGES = ("feasible", "paper")
 COMM_COSTS = ("quadratic", "linear", "exact")
 COMP_COSTS = ("quadratic", "linear", "affine")
+CALIBRATION_FITS = ("constrained", "refuse")
 
 
 def positive_number(name: str, value: Any, what: str = "must be a finite number > 0") -> float:
@@ -185,6 +186,10 @@ class PlanOptions:
     comp_cost: str = "affine"  # quadratic (paper) | linear | affine
     rho: float = 0.9  # affine compute: share of a step that does not shrink with k
     normalize_a: bool = False  # rescale a to sum to 1 instead of refusing
+    max_weight: float = 0.0  # w_max: q_n >= a_n/w_max (a_n/q_n <= w_max); 0 = none (runs: 1)
+    polish: bool = True  # each iterate's k also scored with the exact P2 minimiser over q
+    calibration_fit: str = "constrained"  # constrained (A, C, D >= 0, floors) | refuse (SVD only)
+    fit_floor_share: float = 0.1  # φ of the floors of C and D where not identified (`fit`)
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -213,6 +218,26 @@ class PlanOptions:
         r = self.rho
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r <= 1.0):
             raise bad_value("options.rho", r, "a number in [0, 1]")
+        mw = self.max_weight
+        if (
+            isinstance(mw, bool)
+            or not isinstance(mw, (int, float))
+            or not (math.isfinite(mw) and mw >= 0)
+        ):
+            raise bad_value(
+                "options.max_weight", mw, "a finite number >= 0 (w_max of a_n/q_n; 0 = no bound)"
+            )
+        if self.calibration_fit not in CALIBRATION_FITS:
+            raise bad_value(
+                "options.calibration_fit",
+                self.calibration_fit,
+                f"allowed: {', '.join(CALIBRATION_FITS)}",
+            )
+        fs = self.fit_floor_share
+        if isinstance(fs, bool) or not isinstance(fs, (int, float)) or not (0.0 < fs < 1.0):
+            raise bad_value("options.fit_floor_share", fs, "a number in (0, 1)")
+        if not isinstance(self.polish, bool):
+            raise bad_value("options.polish", self.polish, "true or false")
         if not isinstance(self.normalize_a, bool):
             raise bad_value("options.normalize_a", self.normalize_a, "true or false")
 
@@ -230,4 +255,6 @@ class PlanOptions:
             comm_cost=network.comm_cost,
             comp_cost=network.comp_cost,
             rho=network.rho,
+            max_weight=planner.max_weight,
+            fit_floor_share=planner.fit_floor_share,
         )

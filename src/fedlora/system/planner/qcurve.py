@@ -73,6 +73,26 @@ class QCurve:
             return m * (self.h0 + v)
         return self.A * m / (self.B - v) if v < self.B else math.inf
 
+    def values(self, mus: np.ndarray) -> np.ndarray:
+        """`value` at q(μ) for every μ of `mus` (the grid search over M), in blocks of about
+        10⁶ numbers so that memory stays bounded at large N."""
+        mus = np.asarray(mus, dtype=float)
+        step = max(1, 1_000_000 // self.w.size)
+        return np.concatenate([self._values(mus[i : i + step]) for i in range(0, mus.size, step)])
+
+    def _values(self, mus: np.ndarray) -> np.ndarray:
+        q = np.clip(self.p + self.g * mus[:, None], self.lower, 1.0)
+        d = q - self.p
+        ok = np.all(d > 0, axis=1)
+        d = np.where(d > 0, d, 1.0)
+        m = q @ self.w
+        v = np.sum(self.kappa / d, axis=1)
+        if self.surrogate == "P3":
+            out = m * (self.h0 + v)
+        else:
+            out = np.where(v < self.B, self.A * m / np.where(v < self.B, self.B - v, 1.0), np.inf)
+        return np.where(ok, out, np.inf)
+
     def _psi(self, wc: Any, vc: Any, gs: Any, mu: Any) -> Any:
         """ψ with a segment's state (Wc, Vc, G): W = Wc + Gμ, V = Vc + G/μ, λ = 1/μ²."""
         if self.surrogate == "P3":
@@ -174,7 +194,7 @@ def q_curve(
     if options.q_lower_bound == "none":
         p = np.zeros(n)
         kappa = a2 * c
-        lower = np.zeros(n)
+        lower = _weight_bound(problem, options, np.zeros(n))
         total = float(kappa.sum())
         if total >= constants.B:
             raise ConfigError(
@@ -189,15 +209,25 @@ def q_curve(
     lower = p.copy()
     if options.q_lower_bound == "paper":
         lower = q_lower_bounds(problem, constants, k, "paper") * (1.0 + STRICT_MARGIN)
+    lower = _weight_bound(problem, options, lower)
     bad = np.flatnonzero(lower >= 1.0)
     if bad.size:
         i = int(bad[0])
         raise ConfigError(
             f"infeasible: client {i} needs q_{i} > {lower[i]:.6g} >= 1 (q_lower_bound = "
             f"{options.q_lower_bound}: a_n = {problem.a[i]:.4g}, k_n = {int(k[i])}, "
-            f"N = {n}); raise B or lower that client's weight a_n"
+            f"N = {n}, max_weight = {options.max_weight:g}); raise B or max_weight or lower "
+            "that client's weight a_n"
         )
     return QCurve(w, p, kappa, lower, "P3", constants)
+
+
+def _weight_bound(problem: PlanProblem, options: PlanOptions, lower: np.ndarray) -> np.ndarray:
+    """lower raised to a_n/w_max where `options.max_weight` = w_max > 0: the unbiased weight
+    a_n/q_n of a sampled client is at most w_max (issue 21)."""
+    if options.max_weight > 0:
+        return np.maximum(lower, problem.a / options.max_weight)
+    return lower
 
 
 def _short(k: np.ndarray) -> str:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.system.planner.objective import q_lower_bounds, sketch_penalty, sketched_round_weights
 from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
-from fedlora.system.planner.qcurve import QCurve, q_curve
+from fedlora.system.planner.qcurve import STRICT_MARGIN, QCurve, q_curve
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def q_step(
     else:
         grid = _grid(m_lo, m_hi, options.grid_eps, open_low)
         mus = curve.mu_for_m(grid)
-        values = np.array([curve.value(curve.q(x)) for x in mus])
+        values = curve.values(mus)
         if not np.isfinite(values).any():
             raise ConfigError(
                 "m_search = grid: no grid point of M is feasible; use a finer grid_eps"
@@ -165,3 +166,32 @@ def _q_step_cvxpy(
         multiplier=math.nan,
         surrogate=curve.surrogate,
     )
+
+
+def p2_q_step(
+    problem: PlanProblem, constants: Constants, k: Sequence[int] | np.ndarray, options: PlanOptions
+) -> QStepResult | None:
+    """The exact minimiser of P2 itself over q for fixed k, inside the same bounds as the
+    q-step (lo_n of `options.q_lower_bound`, made strict by STRICT_MARGIN, and a_n/w_max of
+    `options.max_weight`); None when no q is feasible.
+
+    P2 = A·M/(B − V), V = Σ κ_n/q_n with κ_n = a_n² c_n, M = Σ w_n q_n: the KKT curve of
+    `QCurve` with p = 0 (its "P2" surrogate), clipped to the bounds. P3 >= P2 is only an upper
+    bound, so the P3 q-step can leave P2 on the table; the alternation (`alternate`) keeps the
+    better of the two by P2 (issue 21: the grid path's worse-on-P3 q beat the exact one)."""
+    k = np.asarray(k, dtype=np.int64)
+    a2 = problem.a**2
+    kappa = a2 * sketch_penalty(k, problem.gamma, constants)
+    lower = q_lower_bounds(problem, constants, k, options.q_lower_bound) * (1.0 + STRICT_MARGIN)
+    if options.max_weight > 0:
+        lower = np.maximum(lower, problem.a / options.max_weight)
+    if np.any(lower >= 1.0) or float(kappa.sum()) >= constants.B:
+        return None
+    w = sketched_round_weights(problem, k, options)
+    curve = QCurve(w, np.zeros(problem.n), kappa, lower, "P2", constants)
+    q = curve.q(curve.optimum_mu())
+    value = curve.value(q)
+    if not math.isfinite(value):
+        return None
+    return QStepResult(q=q, m=float(np.dot(w, q)), objective=value, multiplier=math.nan,
+                       surrogate="P2")  # fmt: skip

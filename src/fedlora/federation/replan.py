@@ -1,0 +1,323 @@
+"""In-run calibration and re-planning of a `proposed` run (issue 21; docs/planner.md).
+
+With ``planner.calibration = "in-run"`` the run's own first rounds are Algorithm 2's probes:
+the four settings (q, k) ∈ {0.3, 0.15} × {γ, ⌈γ/4⌉} (the separate calibration's, every client
+alike), applied to the global adapter itself, `planner.probe_rounds` rounds each, in the
+palindromic order 1 2 3 4 4 3 2 1 (half the rounds in each half) so that a loss curve that
+slows down linearly does not favour the early probes. After the last probe round the
+constants are fitted from the run's rounds so far (`fedlora.system.planner.progress_rates`:
+log L_r = α − Σ_j ρ_j·n_j(r); `constrained_fit`: A, C, D >= 0, floors where not identified)
+and the run goes on with the plan for the adapter it has. The probes are ordinary rounds:
+their simulated time is on the run's clock.
+
+With ``planner.replan_every = R`` the fit is redone every R rounds after the probes from every
+round so far (each round's (q, k) is a setting of the fit), the plan is recomputed, and it
+replaces the current one only when its predicted time to target (P2 under the new fit) is
+lower by more than ``planner.replan_margin`` (a share: 0.05 = 5%).
+
+Every fit and plan goes into that round's metrics line (key ``planner``) and into
+plan.json. All state is plain data in the method's checkpoint (`Proposed.replan_state`), so a
+resumed run replays the same fits and plans bit for bit.
+
+The engine calls `before_round` (sets the method's q and k for the round) and `after_round`
+(records the round, fits and plans when due); both do nothing for other runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedlora.config import ExperimentConfig
+from fedlora.errors import ConfigError
+from fedlora.federation.rundir import atomic_write
+
+PROBE_Q = (0.3, 0.15)
+PLAN_FILE = "plan.json"
+
+
+def probe_settings(gamma: int) -> list[tuple[float, int]]:
+    """(q, k) of the four probes: {0.3, 0.15} × {γ, ⌈γ/4⌉} (⌈γ/4⌉ = γ − 1 when equal)."""
+    if gamma < 2:
+        raise ConfigError(
+            f"lora.rank = {gamma} is invalid for method.name = 'proposed': the calibration "
+            "needs two different sketch sizes k (PAPER_NOTES #3), so lora.rank must be >= 2"
+        )
+    k_small = max(1, math.ceil(gamma / 4))
+    if k_small == gamma:
+        k_small = gamma - 1
+    return [(q, k) for k in (gamma, k_small) for q in PROBE_Q]
+
+
+def probe_schedule(probe_rounds: int) -> list[int]:
+    """Setting index of each probe round: blocks 0 1 2 3 3 2 1 0, each setting's rounds split
+    in two halves (the first half rounded up)."""
+    first = (probe_rounds + 1) // 2
+    second = probe_rounds - first
+    order = [j for j in range(4) for _ in range(first)]
+    order += [j for j in reversed(range(4)) for _ in range(second)]
+    return order
+
+
+def active(run: Any) -> bool:
+    """A `proposed` run whose plan says it calibrates in-run (`Plan.in_run`)."""
+    return bool(getattr(run.method, "in_run", False))
+
+
+def _initial_state(run: Any) -> dict[str, Any]:
+    n, gamma = len(run.fed.a), run.cfg.lora.rank
+    settings = [
+        {"q": [q] * n, "k": [k] * n, "source": f"probe {i + 1}"}
+        for i, (q, k) in enumerate(probe_settings(gamma))
+    ]
+    return {
+        "settings": settings,
+        "schedule": probe_schedule(run.cfg.planner.probe_rounds),
+        "of_round": [],  # setting index of every finished round
+        "log_loss": [],  # log of its training loss (None: no participant / no loss)
+        "current": 0,  # the setting in force after the probes
+        "history": [],  # every fit and plan (also in metrics.jsonl)
+    }
+
+
+def state(run: Any) -> dict[str, Any]:
+    """The run's in-run planning state (created on first use; restored from checkpoints)."""
+    if not run.method.replan_state:
+        run.method.replan_state = _initial_state(run)
+    return run.method.replan_state
+
+
+def before_round(run: Any, round_index: int) -> None:
+    """Set the method's q and k for round `round_index` (a probe, or the current plan)."""
+    if not active(run):
+        return
+    st = state(run)
+    sched = st["schedule"]
+    idx = sched[round_index] if round_index < len(sched) else st["current"]
+    setting = st["settings"][idx]
+    run.method.q = np.asarray(setting["q"], dtype=float)
+    run.method.k = np.asarray(setting["k"], dtype=np.int64)
+    st["in_force"] = idx
+
+
+def after_round(run: Any, round_index: int, line: dict[str, Any], log: Any = None) -> None:
+    """Record round `round_index`; fit and plan at the end of the probes and every
+    planner.replan_every rounds after; the fit and plan go into `line["planner"]`."""
+    if not active(run):
+        return
+    st = state(run)
+    loss = line.get("train_loss")
+    st["of_round"].append(int(st["in_force"]))
+    st["log_loss"].append(math.log(loss) if loss is not None and loss > 0 else None)
+    done, n_probe = round_index + 1, len(st["schedule"])
+    every = run.cfg.planner.replan_every
+    if done == n_probe:
+        entry = _refit(run, st, initial=True)
+    elif every and done > n_probe and (done - n_probe) % every == 0:
+        entry = _refit(run, st, initial=False)
+    else:
+        return
+    entry["round"] = done
+    st["history"].append(entry)
+    line["planner"] = entry
+    _write_plan_file(run, st)
+    if log is not None:
+        log(_describe(entry))
+
+
+def _problem_inputs(run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a = np.asarray(run.fed.a, dtype=float)
+    a = a / a.sum()
+    clients = {"t_full": run.profiles.t_full, "snr_db": run.profiles.snr_db}
+    return a, np.asarray(run.profiles.tau_full_s, dtype=float), planning_t_full(run.cfg, clients)
+
+
+def _yz(a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> tuple[float, float]:
+    a2 = a**2
+    return float(np.sum(a2 / q)), float(np.sum(a2 / q * gamma**2 / k.astype(float) ** 2))
+
+
+def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
+    """Fit from every round so far, plan, and adopt the plan (always after the probes; after
+    a re-plan only if its predicted time gain exceeds planner.replan_margin)."""
+    from fedlora.system import planner as pl
+
+    cfg, gamma = run.cfg, run.cfg.lora.rank
+    a, tau, t_full = _problem_inputs(run)
+    settings = [(np.asarray(s["q"], float), np.asarray(s["k"], np.int64)) for s in st["settings"]]
+    rates, counts = pl.progress_rates(st["log_loss"], st["of_round"])
+    yz = np.array([_yz(a, q, k, gamma) for q, k in settings])
+    options = pl.PlanOptions.from_config(cfg.planner, cfg.network)
+    entry: dict[str, Any] = {
+        "kind": "calibration" if initial else "replan",
+        "rates": [None if not math.isfinite(x) else float(x) for x in rates],
+        "rounds_per_setting": [int(c) for c in counts],
+    }
+    try:
+        fit = pl.constrained_fit(
+            rates, yz[:, 0], yz[:, 1], weights=counts, floor_share=cfg.planner.fit_floor_share
+        )
+        problem = pl.PlanProblem(gamma=gamma, f_tot=cfg.network.f_tot_hz, a=a, tau_full_s=tau,
+                                 t_full=t_full, constants=fit.constants)  # fmt: skip
+        q, k, _ = plan_for(cfg, problem, fit.constants, options, a)
+    except ConfigError as e:
+        entry["error"] = str(e)
+        if initial:  # no usable fit: the probe with the least time per unit of progress
+            st["current"] = _best_probe(run, st, rates, a, tau, t_full, options)
+            entry["adopted"] = True
+            entry["setting"] = st["current"]
+            entry["fallback"] = f"probe {st['current'] + 1} (least time per progress)"
+        else:
+            entry["adopted"] = False
+        return entry
+    new = pl.p2_objective(problem, fit.constants, q, k, options)
+    cur_q, cur_k = settings[st["current"]]
+    current = math.inf if initial else pl.p2_objective(problem, fit.constants, cur_q, cur_k,
+                                                       options)  # fmt: skip
+    gain = 1.0 - new / current if math.isfinite(current) and current > 0 else 1.0
+    adopt = initial or gain > cfg.planner.replan_margin
+    entry.update(
+        fit=fit.to_dict(),
+        plan={"q": [float(x) for x in q], "k": [int(x) for x in k], "objective": float(new),
+              "expected_rounds": float(pl.expected_rounds(problem, fit.constants, q, k)),
+              "expected_round_time_s": float(np.dot(q, pl.sketched_round_weights(
+                  problem, np.asarray(k), options)))},
+        current_objective=None if not math.isfinite(current) else float(current),
+        predicted_gain=float(gain),
+        margin=float(cfg.planner.replan_margin),
+        adopted=bool(adopt),
+    )  # fmt: skip
+    if adopt:
+        st["settings"].append({"q": [float(x) for x in q], "k": [int(x) for x in k],
+                               "source": f"plan after round {len(st['of_round'])}"})  # fmt: skip
+        st["current"] = len(st["settings"]) - 1
+        entry["setting"] = st["current"]
+    return entry
+
+
+def _best_probe(run, st, rates, a, tau, t_full, options) -> int:
+    """The probe with the lowest expected round time / progress rate (0 if none progressed)."""
+    from fedlora.system import planner as pl
+
+    problem = pl.PlanProblem(gamma=run.cfg.lora.rank, f_tot=run.cfg.network.f_tot_hz, a=a,
+                             tau_full_s=tau, t_full=t_full,
+                             constants=pl.Constants(1.0, 1.0, 1.0, 1.0))  # fmt: skip
+    best, best_j = math.inf, 0
+    for j in range(4):
+        rho = rates[j] if j < len(rates) else math.nan
+        if not (math.isfinite(rho) and rho > 0):
+            continue
+        s = st["settings"][j]
+        k = np.asarray(s["k"], np.int64)
+        t = float(np.dot(s["q"], pl.sketched_round_weights(problem, k, options)))
+        if t / rho < best:
+            best, best_j = t / rho, j
+    return best_j
+
+
+def plan_for(cfg: ExperimentConfig, problem: Any, constants: Any, options: Any, a: np.ndarray):
+    """(q, k, details) of `planner.optimize`: both (multi-start), q only with k from method.k, or k
+    only with q from method.q (Figures 2 and 3). Shared with the separate calibration."""
+    from fedlora.system import planner as pl
+
+    n, gamma = problem.n, problem.gamma
+    if cfg.planner.optimize == "qk":
+        result = pl.multi_start(problem, constants, options)
+        return result.q, result.k, {"iterations": result.iterations,
+                                    "stop_reason": result.stop_reason,
+                                    "start": result.start, "starts": result.starts}  # fmt: skip
+    from fedlora.federation.methods.strategies import resolve_k, resolve_q
+    from fedlora.system.seeding import derive_rng
+
+    if cfg.planner.optimize == "q":
+        k = resolve_k(cfg.method.k, n=n, gamma=gamma, rng=derive_rng(cfg.training.seed, "strategy"))
+        return pl.q_step(problem, constants, k, options).q, np.asarray(k), {}
+    q = resolve_q(cfg.method.q, a=a, q_fixed=cfg.method.q_fixed)  # given: max_weight not applied
+    return np.asarray(q), pl.greedy_k(problem, constants, q, options), {}
+
+
+def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
+    """t_full for the planner: with Rayleigh fading, the mean-SNR time times the expected
+    factor of fading (`fedlora.system.network.planning_time_factor`; the ergodic rate when there is
+    no outage floor, the exact mean with one); unchanged without fading or channel data."""
+    snr = clients.get("snr_db")
+    if cfg.network.fading != "rayleigh" or snr is None or not np.all(np.isfinite(snr)):
+        return clients["t_full"]
+    from fedlora.system.network import planning_time_factor
+
+    return clients["t_full"] * planning_time_factor(snr, cfg.network.fading_floor)
+
+
+def _write_plan_file(run: Any, st: dict[str, Any]) -> None:
+    """plan.json: the plan in force (q, k: what `fedlora plan` and Flower read) and every fit."""
+    current = st["settings"][st["current"]]
+    last_fit = next((h for h in reversed(st["history"]) if "fit" in h), None)
+    saved = {
+        "q": current["q"],
+        "k": current["k"],
+        "source": current["source"],
+        "calibration": {
+            "mode": "in-run",
+            "probe_rounds": len(st["schedule"]),
+            "sim_time_s": 0.0,
+            "probes": st["settings"][:4],
+        },  # fmt: skip
+        "constants": last_fit["fit"]["constants"] if last_fit else None,
+        "floors": last_fit["fit"]["floors"] if last_fit else None,
+        "history": st["history"],
+    }
+    atomic_write(Path(run.run_dir) / PLAN_FILE, (json.dumps(saved, indent=2) + "\n").encode())
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    head = f"planner ({entry['kind']}, after round {entry['round']}): "
+    if "error" in entry:
+        tail = entry.get("fallback", "plan kept")
+        return head + f"no fit ({entry['error']}); {tail}"
+    c = entry["fit"]["constants"]
+    floors = entry["fit"]["floors"]
+    text = f"A={c['A']:.4g} C={c['C']:.4g} D={c['D']:.4g} (B = 1)"
+    if floors:
+        text += "; floored " + ", ".join(f"{k}: {v}" for k, v in floors.items())
+    p = entry["plan"]
+    text += f"; plan mean q {np.mean(p['q']):.3f}, mean k {np.mean(p['k']):.1f}"
+    if entry["kind"] == "replan":
+        text += f"; predicted gain {entry['predicted_gain']:+.1%} -> "
+        text += "adopted" if entry["adopted"] else f"kept (margin {entry['margin']:.0%})"
+    return head + text
+
+
+def outcome(saved: dict[str, Any], rounds_run: int) -> dict[str, Any]:
+    """summary.json's `plan` of an in-run run: every fit (adopted or not), the last floors and
+    the final plan; no separate `calibration` runs (the probes are the run's own rounds)."""
+    history = saved.get("history", [])
+    adopted = [h for h in history if h.get("adopted") and "plan" in h]
+    out = {
+        "calibration_mode": "in-run",
+        "probe_rounds": saved["calibration"]["probe_rounds"],
+        "calibration_sim_time_s": 0.0,
+        "calibration": [],
+        "observed_rounds": None,
+        "rounds_run": rounds_run,
+        "fits": [
+            {
+                "round": h["round"],
+                "kind": h["kind"],
+                "adopted": h.get("adopted"),
+                "constants": h.get("fit", {}).get("constants"),
+                "floors": h.get("fit", {}).get("floors"),
+                "predicted_gain": h.get("predicted_gain"),
+                "error": h.get("error"),
+            }
+            for h in history
+        ],  # fmt: skip
+        "final_plan": {"q": saved["q"], "k": saved["k"], "source": saved["source"]},
+        "floors": saved.get("floors"),
+    }
+    if adopted:  # the rounds Theorem 1's fit predicted for the last adopted plan
+        out["predicted_rounds"] = adopted[-1]["plan"]["expected_rounds"]
+    return out

@@ -1,0 +1,157 @@
+"""A fit of Theorem 1's constants that cannot fool the planner (issue 21), and the per-round
+progress rates of one run's own rounds (in-run calibration and re-planning).
+
+Model (Theorem 1, PAPER_NOTES #2): a setting (q, k) needs R = A / (B − C·Y − D·Z) rounds to
+reach a fixed level, Y = Σ a²/q, Z = Σ a²/q·γ²/k². With B = 1 each observed rate ρ = 1/R gives
+one linear row A·ρ + C·Y + D·Z = 1.
+
+`constrained_fit(rates, y, z)`
+    Non-negative least squares in (A, C, D) (rows weighted by `weights`, e.g. the rounds
+    behind each rate), then floors where the data do not identify a constant:
+
+    - C (variance of the sampled aggregate): not identified when Y takes a single value in the
+      data or the fit puts C at 0 (smaller q never cost rounds). Floor: C >= φ·B / max Y, i.e.
+      at the least-sampled setting observed the variance term takes a share φ of B
+      (φ = `floor_share`, `planner.fit_floor_share`, 0.1 by default). With the floor, R grows
+      without bound before Y reaches max Y / φ: the planner cannot take q → 0.
+    - D (sketching): the same with Z: not identified when Z/Y takes a single value or D = 0;
+      floor D >= φ·B / max Z.
+    - A: must come out > 0 (else the rates carry no information: a ConfigError).
+
+    Every floor that was applied is named, with the reason, in `FitResult.floors`.
+`progress_rates(log_losses, setting_of_round)`
+    Per-setting progress per round from one run's training losses: least squares of
+    log L_r = α − Σ_j ρ_j·n_j(r), n_j(r) = rounds of setting j before round r (rounds without
+    a loss, e.g. empty rounds, count in n_j but give no equation). ρ_j = 1/R_j with R_j the
+    rounds per unit decrease of log-loss: the rate Theorem 1's R is the inverse of.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedlora.errors import ConfigError
+from fedlora.system.planner.problem import Constants
+
+FLOOR_SHARE = 0.1  # φ: share of B the variance (or sketch) term takes at the data's largest Y (Z)
+_SPREAD = 1e-9  # relative spread below which a column is "one value"
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """The constants the planner uses, the raw fit and the floors applied (see module doc)."""
+
+    constants: Constants
+    raw: dict[str, float]  # A, B, C, D of the non-negative fit before floors (B = 1)
+    floors: dict[str, str] = field(default_factory=dict)  # constant -> why it was floored
+    residual: float = 0.0  # weighted RMS of A·ρ + C·Y + D·Z − 1 over the rows (raw fit)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "constants": self.constants.to_dict(),
+            "raw": dict(self.raw),
+            "floors": dict(self.floors),
+            "residual": float(self.residual),
+        }
+
+    def describe(self) -> str:
+        c = self.constants
+        text = f"A={c.A:.4g} B={c.B:.4g} C={c.C:.4g} D={c.D:.4g}"
+        if self.floors:
+            text += "; floored: " + "; ".join(f"{k} ({v})" for k, v in self.floors.items())
+        return text
+
+
+def constrained_fit(
+    rates: Sequence[float] | np.ndarray,
+    y: Sequence[float] | np.ndarray,
+    z: Sequence[float] | np.ndarray,
+    weights: Sequence[float] | np.ndarray | None = None,
+    floor_share: float = FLOOR_SHARE,
+) -> FitResult:
+    """A, C, D >= 0 with B = 1 from rows A·ρ_i + C·Y_i + D·Z_i = 1, floors where not identified."""
+    from scipy.optimize import nnls
+
+    rho = np.asarray(rates, dtype=float)
+    y, z = np.asarray(y, dtype=float), np.asarray(z, dtype=float)
+    w = np.ones_like(rho) if weights is None else np.asarray(weights, dtype=float)
+    keep = np.isfinite(rho) & (rho > 0) & (w > 0)
+    if keep.sum() < 2:
+        raise ConfigError(
+            f"fit: {int(keep.sum())} setting(s) with a positive progress rate; at least 2 are "
+            "needed (the loss did not fall: raise the probe rounds or the learning rate)"
+        )
+    rho, y, z, w = rho[keep], y[keep], z[keep], w[keep]
+    sw = np.sqrt(w)
+    design = np.column_stack([rho, y, z]) * sw[:, None]
+    x, _ = nnls(design, sw)
+    resid = float(np.sqrt(np.sum((design @ x - sw) ** 2) / np.sum(w)))
+    if not x[0] > 0:
+        raise ConfigError(
+            "fit: A = 0 with A, C, D >= 0 (the progress rates carry no information about the "
+            "rounds); raise the probe rounds"
+        )
+    a_, c_, d_ = (float(v) for v in x)
+    floors: dict[str, str] = {}
+    c_floor = floor_share / float(y.max())
+    d_floor = floor_share / float(z.max())
+    c_why = _unidentified(y, None, c_ / c_floor, "Y = Σa²/q", "smaller q never cost rounds")
+    d_why = _unidentified(
+        z, y, d_ / d_floor, "Z/Y (the sketch sizes)", "smaller k never cost rounds"
+    )
+    if c_why and c_ < c_floor:
+        floors["C"] = c_why + (f"; floor C = {floor_share:g}·B/max Y = {c_floor:.4g}")
+        c_ = c_floor
+    if d_why and d_ < d_floor:
+        floors["D"] = d_why + (f"; floor D = {floor_share:g}·B/max Z = {d_floor:.4g}")
+        d_ = d_floor
+    return FitResult(
+        constants=Constants(A=a_, B=1.0, C=c_, D=d_),
+        raw={"A": float(x[0]), "B": 1.0, "C": float(x[1]), "D": float(x[2])},
+        floors=floors,
+        residual=resid,
+    )
+
+
+def _unidentified(col: np.ndarray, base: np.ndarray | None, relative: float, what: str,
+                  flat: str) -> str:  # fmt: skip
+    """Why a constant is not identified by the data ('' if it is); `relative` = fit/floor."""
+    v = col if base is None else col / base
+    if np.ptp(v) <= _SPREAD * float(np.max(np.abs(v))):
+        return f"not identified: {what} takes one value in the data"
+    if relative <= 1e-6:  # at the bound 0, up to round-off
+        return f"not identified: the fit puts it at 0 ({flat})"
+    return ""
+
+
+def progress_rates(
+    log_losses: Sequence[float | None], setting_of_round: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ρ_j, rounds_j) per setting j = 0..J−1 from one run's rounds (see module doc).
+
+    `log_losses[r]` is log of round r's training loss (None: no loss that round);
+    `setting_of_round[r]` the setting in force in round r. ρ_j is nan when setting j has no
+    round after which a loss was seen."""
+    s = np.asarray(setting_of_round, dtype=np.int64)
+    n_settings = int(s.max()) + 1 if s.size else 0
+    counts = np.zeros(n_settings)
+    rows, target = [], []
+    for r, value in enumerate(log_losses):
+        if value is not None and math.isfinite(value):
+            rows.append(np.concatenate([[1.0], -counts]))
+            target.append(float(value))
+        counts[s[r]] += 1
+    rates = np.full(n_settings, np.nan)
+    if len(rows) < 2:
+        return rates, counts
+    m, t = np.asarray(rows), np.asarray(target)
+    seen = np.any(m[:, 1:] != 0, axis=0)  # settings with a loss observed after them
+    cols = np.concatenate([[0], 1 + np.flatnonzero(seen)])
+    sol, *_ = np.linalg.lstsq(m[:, cols], t, rcond=None)
+    rates[np.flatnonzero(seen)] = sol[1:]
+    return rates, counts
