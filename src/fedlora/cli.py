@@ -12,7 +12,7 @@ from fedlora import __version__
 from fedlora.errors import FedloraError
 
 # Order is the order of `fedlora --help`.
-COMMANDS = ("run", "eval", "plan", "compare", "report", "config", "flower")
+COMMANDS = ("run", "eval", "plan", "compare", "report", "config", "flower", "profiles")
 
 
 def build_parser() -> argparse.ArgumentParser:
