@@ -59,12 +59,19 @@ def test_fit_refuses_a_run_without_measurements(tmp_path: Path, capsys) -> None:
 def test_slowed_node_is_measured_slower(tmp_path: Path, capsys) -> None:
     # Prepare: two nodes, node 0 slowed by 0.4 s per local step (H = 2: +0.8 s a round)
     path = write_config(tmp_path, rounds=2, q='"full"')
+    with path.open("a") as f:  # and the trackers work on Flower's loop too
+        f.write('[output]\ntrackers = ["tensorboard"]\n')
     out = tmp_path / "flower-run"
     slow = [{"step-delay-s": 0.4}, {"step-delay-s": 0.0}]
     with LocalDeployment(2, tmp_path / "deploy", node_config=slow) as dep:
         dep.submit(REPO, {"fedlora-config": str(path), "out-dir": str(out)})
         wait_for_file(out / "summary.json", 900, alive=[dep.superlink], error=out / "error.txt")
     assert [x["round"] for x in read_metrics(out)] == [0, 1, 2]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("sim_time_s")] == [0, 1, 2]
     rows = read_node_times(out)
     assert [(int(r["round"]), int(r["client"])) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert all(r["train_s"] >= 0.8 for r in rows if r["client"] == 0)
