@@ -116,7 +116,7 @@ class MlflowTracker:
         from mlflow.entities import Param
 
         params = [
-            Param(f"{section}.{key}", json.dumps(value) if not isinstance(value, str) else value)
+            Param(f"{section}.{key}", _param_text(value))
             for section, values in cfg.to_dict().items()
             for key, value in values.items()
         ]
@@ -144,6 +144,13 @@ class MlflowTracker:
             if (run_dir / "adapter").is_dir():
                 self.client.log_artifacts(self.run_id, str(run_dir / "adapter"), "adapter")
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _param_text(value: Any) -> str:
+    """A config value as an MLflow parameter: JSON (strings as they are), cut to MLflow's
+    6000-character limit (a long per-client vector; config.toml is an artifact in full)."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 6000 else text[:5997] + "..."
 
 
 def _read_run_file(run_dir: Path) -> dict[str, Any] | None:
