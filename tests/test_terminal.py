@@ -52,3 +52,18 @@ def test_own_warnings_still_show(capsys) -> None:
     assert shown == [str(SRC / "fedlora" / "llm" / "models.py")]
     assert _show_own_warnings(show) is show  # installed once
     assert warnings.showwarning is not show
+
+
+def test_flower_deprecation_notices_are_dropped() -> None:
+    import logging
+
+    from fedlora.commands.terminal import quiet_libraries
+
+    quiet_libraries(verbose=False)
+    quiet_libraries(verbose=False)  # twice: one filter
+    flwr = logging.getLogger("flwr")
+    assert len([f for f in flwr.filters if getattr(f, "fedlora_quiet", False)]) == 1
+    make = flwr.makeRecord
+    notice = make("flwr", logging.WARNING, "x", 1, "DEPRECATED FEATURE: run_simulation", (), None)
+    info = make("flwr", logging.INFO, "x", 1, "[ROUND 1]", (), None)
+    assert not flwr.filter(notice) and flwr.filter(info)

@@ -39,7 +39,19 @@ def quiet_libraries(verbose: bool) -> None:
         hf_logging.disable_progress_bar()
     for name in LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Flower's own progress lines stay; its notices about its deprecated APIs (which fedlora,
+    # not the user, calls) do not
+    flwr = logging.getLogger("flwr")
+    if not any(getattr(f, "fedlora_quiet", False) for f in flwr.filters):
+        flwr.addFilter(_not_deprecation)
     warnings.showwarning = _show_own_warnings(warnings.showwarning)
+
+
+def _not_deprecation(record: logging.LogRecord) -> bool:
+    return "DEPRECATED FEATURE" not in record.getMessage()
+
+
+_not_deprecation.fedlora_quiet = True  # type: ignore[attr-defined]
 
 
 def _show_own_warnings(show):  # noqa: ANN001, ANN202 - warnings.showwarning's signature
