@@ -52,6 +52,8 @@ def test_fit_refuses_a_run_without_measurements(tmp_path: Path, capsys) -> None:
         read_node_times(tmp_path)
     assert main(["profiles", "fit", str(tmp_path), "-o", str(tmp_path / "p.txt")]) == 2
     assert "--output" in capsys.readouterr().err
+    assert main(["profiles", "fit", str(tmp_path / "none"), "-o", str(tmp_path / "p.csv")]) == 2
+    assert "RUN_DIR" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     se_arg = args.spectral_efficiency
     if se_arg is not None and not (math.isfinite(se_arg) and se_arg > 0):
         raise bad_value("--spectral-efficiency", se_arg, "a number of bit/s/Hz > 0")
+    if not (run_dir / "config.toml").is_file():
+        raise bad_value("RUN_DIR", str(run_dir), "a run directory (with config.toml)")
     cfg = load_run_config(run_dir)
     rows = read_node_times(run_dir)
     clients = _clients_csv(run_dir)
