@@ -12,7 +12,7 @@ from fedlora import __version__
 from fedlora.errors import FedloraError
 
 # Order is the order of `fedlora --help`.
-COMMANDS = ("run", "eval", "plan", "compare", "report", "config", "flower")
+COMMANDS = ("run", "eval", "plan", "compare", "report", "config", "flower", "profiles")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Federated LoRA fine-tuning over heterogeneous wireless networks.",
     )
     parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show other libraries' warnings and progress bars"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"fedlora.commands.{name}").register(sub)
@@ -40,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from fedlora.commands.terminal import quiet_libraries
+
+    quiet_libraries(args.verbose)
     try:
         return int(args.func(args) or 0)
     except FedloraError as e:

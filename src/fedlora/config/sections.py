@@ -359,6 +359,9 @@ class PlannerConfig:
             )
 
 
+TRACKERS = ("tensorboard", "mlflow")
+
+
 @dataclass(frozen=True)
 class OutputConfig:
     """Where a run writes: ``<dir>/<name>/``."""
@@ -366,10 +369,17 @@ class OutputConfig:
     dir: str = "runs"
     name: str = ""  # "" = "<method>-seed<seed>"
     progress: bool = True
+    # experiment trackers fed every metrics line (fedlora.federation.tracking; extra `tracking`)
+    trackers: tuple[str, ...] = ()  # of TRACKERS
+    mlflow_uri: str = ""  # "" = $MLFLOW_TRACKING_URI, else sqlite:///<run dir>/mlflow.db
 
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
             raise bad_value("output.dir", self.dir, "a non-empty path")
+        for i, name in enumerate(self.trackers):
+            check_choice(f"output.trackers[{i}]", name, TRACKERS)
+        if len(set(self.trackers)) != len(self.trackers):
+            raise bad_value("output.trackers", list(self.trackers), "each tracker at most once")
 
 
 SCORINGS = ("label", "option", "option_norm")

@@ -67,6 +67,7 @@ from fedlora.federation.scoring import (
     mean_over_tasks,
     write_predictions,  # noqa: F401  (re-exported for older callers)
 )
+from fedlora.federation.tracking import open_trackers
 from fedlora.federation.trainer import (
     SlotTrainer,
     Trained,
@@ -154,8 +155,11 @@ def run_rounds(
         metrics_path.unlink(missing_ok=True)
     progress.clock_start_s = calibration_s or 0.0  # also on resume (older checkpoints lack it)
     write_clients_csv(run_dir, run.fed, run.profiles)
+    next_step = 0 if progress.metrics_lines == 0 else progress.round + 1
+    trackers = open_trackers(cfg, run_dir, resume=resume, next_step=next_step)
     if progress.metrics_lines == 0:  # round 0: the untrained adapter, before any time passes
-        append_metrics(metrics_path, _round_zero(run, trainer, progress, calibration_s))
+        append_metrics(metrics_path, line0 := _round_zero(run, trainer, progress, calibration_s))
+        trackers.log(line0)
         progress.metrics_lines = 1
 
     def checkpoint() -> None:
@@ -180,6 +184,7 @@ def run_rounds(
             replan.after_round(run, progress.round, line, log)  # fit and plan when due
             record_round(metrics_path, progress, line, compute_s)
             trainer.report(line)
+            trackers.log(line)
             if reporter is not None:
                 reporter.update(line, progress)
             if stop is not None and stop(line):
@@ -196,6 +201,8 @@ def run_rounds(
     finally:
         if reporter is not None:
             reporter.close()
+        if sys.exc_info()[0] is not None:
+            trackers.finish(run_dir, failed=True)
     checkpoint()
     run.lora.export_peft(run_dir / "adapter", base_model_name_or_path=cfg.model.name)
     summary = summarize(cfg, progress, stop_reason, wall_start)
@@ -205,6 +212,7 @@ def run_rounds(
     if finish is not None:
         finish(summary)
     atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    trackers.finish(run_dir)
     return summary
 
 

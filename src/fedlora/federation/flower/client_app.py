@@ -25,6 +25,13 @@ and uses only its own part; node_config ``data-dir`` points a device at its loca
 data, and node_config ``device`` (``auto`` | ``cpu`` | ``cuda:N`` | ``mps``; default ``auto``)
 picks the accelerator the node trains on, so one machine with several GPUs can host one
 SuperNode per GPU.
+
+Measured per round (the ``train`` reply's metrics, written by the ServerApp to
+``node_times.csv``; `fedlora profiles fit` turns them into a profile file): ``train-s``, the
+node's local training time of the H steps (the worker's own timing when a worker trains,
+so the transfer to it is not counted), and ``upload-params`` / ``upload-bytes``, the size of
+the adapter it sends back. node_config ``step-delay-s`` adds a sleep per local step (inside
+the measured time) to make a node slower for tests.
 """
 
 from __future__ import annotations
@@ -85,6 +92,21 @@ def worker_address(context: Context) -> str | None:
     return str(address)
 
 
+def step_delay_s(context: Context) -> float:
+    """node_config ``step-delay-s``: seconds of sleep added per local step (a slower device,
+    for testing measured profiles; default 0)."""
+    raw = context.node_config.get("step-delay-s", 0.0)
+    try:
+        delay = float(raw)
+    except (TypeError, ValueError):
+        delay = -1.0
+    if not (delay >= 0 and np.isfinite(delay)):
+        raise ConfigError(
+            f"node_config step-delay-s = {raw!r} is invalid: must be a number of seconds >= 0"
+        )
+    return delay
+
+
 app = ClientApp()
 
 
@@ -124,6 +146,7 @@ def train(message: Message, context: Context) -> Message:
     if "base" in message.content.array_records:  # the server's sum of base merges (FedEx-LoRA)
         base = record_to_adapter(message.content.array_records["base"])
         global_adapter.update({f"{node.BASE_PREFIX}{k}": v for k, v in base.items()})
+    delay_s = step_delay_s(context)
     address = worker_address(context)
     if address:
         from fedlora.federation.flower import worker
@@ -134,14 +157,29 @@ def train(message: Message, context: Context) -> Message:
             "task": {k: (list(v) if isinstance(v, list) else v) for k, v in task.items()},
         }
         reply, adapter = worker.call(address, header, global_adapter)
-        loss = float(reply["loss"])
+        loss, train_s = float(reply["loss"]), float(reply["compute_s"])  # the worker's own
     else:
+        t_train = time.perf_counter()
         adapter, loss = node.train_one(node.client_state(cfg), global_adapter, task)
+        train_s = time.perf_counter() - t_train
+    if delay_s:  # a slower device, for testing the measured profiles
+        time.sleep(delay_s * cfg.training.local_steps)
+        train_s += delay_s * cfg.training.local_steps
+    arrays = {k: np.asarray(v) for k, v in adapter.items()}
     content = RecordDict(
         {
-            "adapter": adapter_to_record({k: np.asarray(v) for k, v in adapter.items()}),
+            "adapter": adapter_to_record(arrays),
             "metrics": MetricRecord(
-                {"train-loss": loss, "compute-s": time.perf_counter() - t0, "client": pid}
+                {
+                    "train-loss": loss,
+                    "compute-s": time.perf_counter() - t0,
+                    "client": pid,
+                    # measured on this node (fedlora profiles fit): local training of the H
+                    # steps alone, and the size of the adapter it sends back
+                    "train-s": train_s,
+                    "upload-params": int(sum(a.size for a in arrays.values())),
+                    "upload-bytes": int(sum(a.nbytes for a in arrays.values())),
+                }
             ),
         }
     )

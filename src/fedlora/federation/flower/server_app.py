@@ -8,7 +8,9 @@ each participant's node gets a ``train`` message (global adapter + task); the re
 matched to tasks by ``reply.metadata.reply_to_message_id``; ``method.aggregate`` combines the
 adapters that came back; `round_cost` advances the simulated clock; metrics.jsonl,
 checkpoints, summary.json and the PEFT adapter are written in the engine's format, with one
-extra key per round: ``dropouts`` (clients sampled whose update did not arrive).
+extra key per round: ``dropouts`` (clients sampled whose update did not arrive). Each node's
+measured training time and upload size per round go to ``node_times.csv``
+(`append_node_times`; `fedlora profiles fit` reads them).
 
 A dropout contributes nothing (X_n = X for that client). With independent sampling this
 biases the aggregate towards reliable clients: E[X^{r+1}] = Σ a_n p_n X_n + (1 − Σ a_n p_n) X
@@ -42,6 +44,7 @@ from fedlora.federation.flower.common import (
     config_from_run_config,
     record_to_adapter,
 )
+from fedlora.federation.flower.measured import NODE_TIMES, append_node_times, measured_row
 from fedlora.federation.methods import RoundPlan
 from fedlora.federation.rundir import (
     atomic_write,
@@ -182,9 +185,11 @@ def train_remote(
     clients: dict[int, int],
     opts: FlowerOptions,
     log: Log = _stderr,
+    measured: list[dict[str, Any]] | None = None,
     base_delta: dict[str, np.ndarray] | None = None,
 ) -> tuple[list[int], list[dict[str, np.ndarray]], list[float], list[int]]:
     """Send each task to its node; returns (task indices received, adapters, losses, dropouts).
+    `measured` (if given) gets one `measured_row` per reply that arrived.
 
     `base_delta`: the run's sum of merges into the frozen base (FedEx-LoRA's residuals), sent
     as the ``base`` ArrayRecord so that every node trains on the server's base."""
@@ -232,7 +237,10 @@ def train_remote(
             continue
         got.append(i)
         states.append(record_to_adapter(reply.content.array_records["adapter"]))
-        losses.append(float(reply.content.metric_records["metrics"]["train-loss"]))
+        metrics = reply.content.metric_records["metrics"]
+        losses.append(float(metrics["train-loss"]))
+        if measured is not None and "train-s" in metrics:
+            measured.append(measured_row(cfg, plan, i, clients[client], metrics))
     dropouts = [t.client for i, t in enumerate(plan.tasks) if i not in set(got)]
     return got, states, losses, dropouts
 
@@ -281,7 +289,9 @@ def _run_server(
 ) -> dict[str, Any]:  # fmt: skip
     run = build_run(cfg, run_dir, log=log)
     clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
-    trainer = FlowerTrainer(grid, cfg, clients, opts, log)
+    if not resume:
+        (run_dir / NODE_TIMES).unlink(missing_ok=True)
+    trainer = FlowerTrainer(grid, cfg, clients, opts, log, run_dir=run_dir)
     trainer.base_delta = lambda: run.base_delta  # the nodes train on the server's base
     return run_rounds(
         run, trainer, resume=resume, log=log, wall_start=wall_start, calibration_s=None
@@ -297,19 +307,23 @@ class FlowerTrainer(Trainer):
 
     def __init__(
         self, grid: Grid, cfg: ExperimentConfig, clients: dict[int, int], opts: FlowerOptions,
-        log: Log,
+        log: Log, run_dir: Path | None = None,
     ) -> None:  # fmt: skip
         self.grid, self.cfg, self.clients, self.opts, self.log = grid, cfg, clients, opts, log
+        self.run_dir = run_dir  # node_times.csv goes there
         self.avail = Availability.empty(cfg.data.n_clients)
         self.total_dropouts = 0
         self.base_delta: Callable[[], dict[str, np.ndarray]] = dict  # set by `_run_server`
 
     def train(self, plan: RoundPlan, global_state: dict[str, np.ndarray]) -> Trained:
         cfg, r = self.cfg, plan.round
+        measured: list[dict[str, Any]] = []
         got, states, losses, dropouts = train_remote(
-            self.grid, cfg, plan, global_state, self.clients, self.opts, self.log,
+            self.grid, cfg, plan, global_state, self.clients, self.opts, self.log, measured,
             base_delta=self.base_delta(),
         )  # fmt: skip
+        if self.run_dir is not None:
+            append_node_times(self.run_dir, measured)
         np.add.at(self.avail.asked, np.array(plan.participants), 1)
         np.add.at(self.avail.answered, [plan.tasks[i].client for i in got], 1)
         if not np.all(np.isfinite(losses)):
