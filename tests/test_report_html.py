@@ -122,3 +122,13 @@ def test_every_figure_renders_in_headless_chromium(tmp_path):
     found = re.search(r'data-figures-rendered="(\d+)/(\d+)"', done.stdout)
     assert found, "the page's load script did not run: " + done.stdout[:500]
     assert (int(found.group(1)), int(found.group(2))) == (n, n) and n >= 4
+
+
+def test_collected_runs_gzipped_predictions_are_read(tmp_path):
+    import gzip
+
+    from fedlora.studies.predictions import read_predictions
+
+    line = {"round": 3, "task": "arc-e", "ids": [1, 2], "correct": [1, 0]}
+    (tmp_path / "predictions.jsonl.gz").write_bytes(gzip.compress(json.dumps(line).encode()))
+    assert read_predictions(tmp_path) == {"arc-e": line}

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedlora.errors import bad_value
+from fedlora.errors import ConfigError, bad_value
 from fedlora.studies.figures import plot_paired
 from fedlora.studies.html import write_html
 from fedlora.studies.report import collect_runs, reclock, write_report
@@ -63,7 +63,12 @@ def report_suite(
     path = _append_powered(
         path, runs, merged, suite, title or suite.get("title", ""), pilot_runs, reference
     )
-    write_html(path)
+    try:
+        write_html(path)
+    except OSError as e:
+        raise ConfigError(
+            f"--out {str(out_dir)!r}: cannot write report.html: {e.strerror or e}"
+        ) from None
     return path
 
 
