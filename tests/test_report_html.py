@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from fedlora.errors import ConfigError
-from fedlora.studies.figures import diverged, fit_ylim, pooled_constant, pyplot
+from fedlora.studies.figures import (
+    diverged,
+    fit_ylim,
+    mean_band,
+    paired_differences,
+    pooled_constant,
+    pyplot,
+)
 from fedlora.studies.html import markdown_to_html
 from fedlora.studies.runs import collect_runs
 from fedlora.studies.suite_report import report_suite
@@ -132,3 +139,21 @@ def test_collected_runs_gzipped_predictions_are_read(tmp_path):
     line = {"round": 3, "task": "arc-e", "ids": [1, 2], "correct": [1, 0]}
     (tmp_path / "predictions.jsonl.gz").write_bytes(gzip.compress(json.dumps(line).encode()))
     assert read_predictions(tmp_path) == {"arc-e": line}
+
+
+def test_paired_differences_by_hand(tmp_path):
+    runs, _ = collect_runs([_suite(tmp_path)])
+    by = {(r.label, r.seed): r for r in runs}
+    a = [by["proposed", s] for s in (1, 2, 3)]
+    b = [by["fslora", s] for s in (1, 2, 3)]
+    grid = [0.0, 5.0, 10.0, 20.0, 25.0]
+    curves, flagged = paired_differences(a, b, "arc-e", "accuracy", grid, 100.0)
+    assert not flagged and len(curves) == 3
+    # step curves: at 10 s 30% − 22%, at 20 s 40% − 24%; past both clocks (20 s): None
+    assert curves[0] == pytest.approx([0.0, 0.0, 8.0, 16.0, None])
+    xs, mean, lo, hi = mean_band(curves, grid)
+    assert xs == [0.0, 5.0, 10.0, 20.0] and mean == pytest.approx([0.0, 0.0, 8.0, 16.0])
+    assert hi == pytest.approx(mean)  # identical seeds: a zero-width interval
+    curves, flagged = paired_differences(a, b, "arc-e", "loss", grid)
+    assert [seed for seed, _ in flagged] == [3] and len(curves) == 2  # 9.0 > 2 × 2.0
+    assert flagged[0][1][3] == pytest.approx(9.0 - 1.8)

@@ -139,6 +139,28 @@ def sampled(run: RunRecord, task: str, metric: str, grid: Sequence[float]) -> li
     ]  # fmt: skip
 
 
+def paired_differences(
+    a: Sequence[RunRecord],
+    b: Sequence[RunRecord],
+    task: str,
+    metric: str,
+    grid: Sequence[float],
+    scale: float = 1.0,
+) -> tuple[list[list[float | None]], list[tuple[int, list[float | None]]]]:
+    """Per seed pair (a[i], b[i]) the difference scale × (a − b) on `grid` (None where either
+    has no value or has ended): (the kept curves, [(seed, curve)] of the pairs where either
+    run diverged)."""
+    curves, flagged = [], []
+    for ra, rb in zip(a, b):
+        da, db = sampled(ra, task, metric, grid), sampled(rb, task, metric, grid)
+        d = [None if u is None or v is None else scale * (u - v) for u, v in zip(da, db)]
+        if diverged(ra, task, metric) or diverged(rb, task, metric):
+            flagged.append((ra.seed, d))
+        else:
+            curves.append(d)
+    return curves, flagged
+
+
 def pick_reference(gs: Sequence[Group], label: str | None) -> Group | None:
     """The group named `label`, else FSLoRA's (`claims.reference_group`), else the first
     group not labelled proposed*."""
@@ -182,20 +204,16 @@ def plot_paired(
         for g in others:
             c = colors[g.label]
             a, b = paired_runs(g, ref)
-            curves, flagged = [], []
-            for ra, rb in zip(a, b):
-                da, db = sampled(ra, task, metric, grid), sampled(rb, task, metric, grid)
-                d = [None if u is None or v is None else scale * (u - v) for u, v in zip(da, db)]
-                if diverged(ra, task, metric) or diverged(rb, task, metric):
-                    flagged.append((ra.seed, d))
-                    continue
-                curves.append(d)
+            curves, flagged = paired_differences(a, b, task, metric, grid, scale)
+            for d in curves:
                 keep = [(x / per, v) for x, v in zip(grid, d) if v is not None]
                 if keep:
                     ax.plot(*zip(*keep), color=c, alpha=0.3, linewidth=0.8)
                 shown += [v for _, v in keep]
             xs, mean, lo, hi = mean_band(curves, grid)
             n = f"n={len(curves)}" + (f" of {len(a)}" if flagged else "")
+            if not xs:  # e.g. proposed's main rounds start after the reference has ended
+                n += f"; never running at the same time as {ref.label}"
             ax.plot([x / per for x in xs], mean, color=c, linewidth=2, label=f"{g.label} ({n})")
             ax.fill_between([x / per for x in xs], lo, hi, color=c, alpha=0.15)
             shown += mean
