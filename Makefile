@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# best effort: headless Chromium for tests/test_report_html.py (root with apt-get only)
+	-if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromium >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+		>/dev/null 2>&1 || echo "chromium not installed: its report test will skip"; fi
 	touch $(STAMP)
 
 install: $(STAMP)

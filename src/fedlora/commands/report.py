@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Read config.toml, metrics.jsonl and summary.json of each RUN_DIR (a suite "
             "directory stands for all its runs and gives its targets from suite.toml) and "
-            "write report.md and accuracy_vs_time.png. Nothing is re-run."
+            "write report.md, report.html (self-contained) and the plots. Nothing is re-run."
         ),
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -39,6 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="add McNemar's paired test between every two runs of the same seed "
         "(from their predictions.jsonl)",
     )
+    p.add_argument(
+        "--reference",
+        metavar="LABEL",
+        help="the method the paired-difference plots subtract, per seed (default: FSLoRA's "
+        "label, else the first method not named proposed*)",
+    )
     p.set_defaults(func=run)
 
 
@@ -59,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         command=format_command(argv) if (argv and cost) else None,
         target_loss=args.target_loss,
         mcnemar=args.mcnemar,
+        reference=args.reference,
     )
     print(f"report: {report}")
     return 0

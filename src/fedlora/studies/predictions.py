@@ -34,12 +34,20 @@ def mcnemar_p(b: int, c: int) -> float:
 
 def read_predictions(run_dir: Path) -> dict[str, dict[str, Any]]:
     """task -> the predictions line of the run's last evaluation of that task ({} if the run
-    wrote none)."""
+    wrote none). A collected run's predictions.jsonl.gz (bench/collect_runs.py) is read when
+    predictions.jsonl is absent."""
     path = Path(run_dir) / PREDICTIONS_FILE
     last: dict[str, dict[str, Any]] = {}
-    if not path.is_file():
+    packed = path.with_name(PREDICTIONS_FILE + ".gz")
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif packed.is_file():
+        import gzip
+
+        path, text = packed, gzip.decompress(packed.read_bytes()).decode("utf-8")
+    else:
         return last
-    for i, raw in enumerate(path.read_text(encoding="utf-8").splitlines()):
+    for i, raw in enumerate(text.splitlines()):
         try:
             line = json.loads(raw)
         except json.JSONDecodeError:

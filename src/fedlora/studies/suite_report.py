@@ -1,5 +1,6 @@
 """A suite's report: report.md and its plot (`fedlora.studies.report`) followed by the
-over-seeds sections and band plots (`fedlora.studies.powered`); rebuilt from the runs'
+over-seeds sections, band plots (`fedlora.studies.powered`) and paired-difference plots
+(`fedlora.studies.figures`), then report.html (`fedlora.studies.html`); rebuilt from the runs'
 metrics files alone (`fedlora report`, and `fedlora compare` after its runs)."""
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedlora.errors import ConfigError, bad_value
+from fedlora.studies.figures import plot_paired
+from fedlora.studies.html import write_html
 from fedlora.studies.report import collect_runs, reclock, write_report
 
 
@@ -22,12 +26,16 @@ def report_suite(
     command: str | None = None,
     target_loss: float | None = None,
     mcnemar: bool = False,
+    reference: str | None = None,
 ) -> Path:
-    """Rebuild report.md and the plot from run or suite directories (metrics files only).
+    """Rebuild report.md, its plots and report.html (the same, self-contained) from run or
+    suite directories (metrics files only). `reference`: the label the paired-difference
+    plots subtract (default FSLoRA's; `fedlora.studies.figures.pick_reference`).
 
     `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.studies.report.reclock`).
     """
     runs, suite = collect_runs(paths)
+    _check_reference(runs, reference)
     note = ""
     if cost_model:
         runs = [reclock(r, *cost_model) if r.lines else r for r in runs]
@@ -52,7 +60,22 @@ def report_suite(
     )
     pilots = [Path(p) / "pilot" for p in paths if (Path(p) / "pilot").is_dir()]
     pilot_runs = collect_runs(pilots)[0] if pilots else []
-    return _append_powered(path, runs, merged, suite, title or suite.get("title", ""), pilot_runs)
+    path = _append_powered(
+        path, runs, merged, suite, title or suite.get("title", ""), pilot_runs, reference
+    )
+    try:
+        write_html(path)
+    except OSError as e:
+        raise ConfigError(
+            f"--out {str(out_dir)!r}: cannot write report.html: {e.strerror or e}"
+        ) from None
+    return path
+
+
+def _check_reference(runs: Sequence[Any], reference: str | None) -> None:
+    labels = list(dict.fromkeys(r.label for r in runs if r.lines))
+    if reference is not None and reference not in labels:
+        raise bad_value("--reference", reference, "one of the runs' labels: " + ", ".join(labels))
 
 
 def _append_powered(
@@ -62,6 +85,7 @@ def _append_powered(
     suite: dict[str, Any],
     title: str,
     pilot_runs: Sequence[Any] = (),
+    reference: str | None = None,
 ) -> Path:
     """The over-seeds sections and band plots (`fedlora.studies.powered`) after report.md;
     with the suite's pilot runs, the eval_loss targets also as decreases from round 0
@@ -87,7 +111,12 @@ def _append_powered(
         drawn = powered.plot_bands(runs, targets, metric, path.parent / name, title=title,
                                    order=suite.get("labels"), target_losses=losses)  # fmt: skip
         if drawn is not None:
-            images.append(f"![{metric} over seeds against simulated minutes]({name})")
+            images.append(f"![{metric} over seeds against simulated time]({name})")
+    for metric, name in (("accuracy", "accuracy_paired.png"), ("loss", "eval_loss_paired.png")):
+        drawn = plot_paired(runs, list(targets), metric, path.parent / name, title=title,
+                            reference=reference, order=suite.get("labels"))  # fmt: skip
+        if drawn is not None:
+            images.append(f"![{metric}: paired difference to the reference method]({name})")
     with open(path, "a", encoding="utf-8") as f:
         f.write(text + "\n" + "\n\n".join(images) + "\n")
     return path
