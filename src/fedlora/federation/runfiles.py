@@ -97,6 +97,13 @@ def truncate_metrics(path: Path, lines: int) -> None:
     atomic_write(path, "".join(line + "\n" for line in kept[:lines]).encode())
 
 
+def _has_lines(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
 def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> None:
     """Make metrics.jsonl agree with the checkpoint a run resumes from.
 
@@ -104,6 +111,14 @@ def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> Non
     to the file since). Without a checkpoint the run starts over (the file is emptied); an
     old checkpoint without lines falls back to `truncate_metrics`."""
     if state is None:
+        finished = (path.parent / "summary.json").exists()
+        if (finished or (path.parent / "checkpoints").is_dir()) and _has_lines(path):
+            raise DataError(
+                f"{str(path.parent)!r}: its checkpoints are gone but {path.name} holds the "
+                f"{'finished ' if finished else ''}run's rounds, which a resume would have to "
+                "discard: restore checkpoints/ from a backup, or start the run again with "
+                "--overwrite (or another --out)"
+            )
         path.unlink(missing_ok=True)
         return
     lines = state.get("metrics")

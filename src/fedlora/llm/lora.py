@@ -314,6 +314,11 @@ class SlotLora:
             base_model_name_or_path=base_model_name_or_path,
         )
         config.save_pretrained(str(out))
+        # PEFT keeps target_modules as a set (hash order): sorted, the file is reproducible
+        cfg_path = out / "adapter_config.json"
+        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
+        saved["target_modules"] = sorted(saved["target_modules"])
+        cfg_path.write_text(json.dumps(saved, indent=2, sort_keys=True), encoding="utf-8")
         tensors = {}
         for n in self.names:
             for part in ("lora_A", "lora_B"):
