@@ -177,6 +177,46 @@ def _link_to_dev_full(rel: str) -> Setup:
     return setup
 
 
+def _rewrite_checkpoint(change: Callable[[dict], None]) -> Setup:
+    """Replace {run}'s checkpoints by its newest one with `change` applied to the state."""
+
+    def setup(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        from fedlora.federation.checkpoints import CHECKPOINT_FORMAT
+        from fedlora.federation.rundir import load_checkpoint
+
+        run = tmp / "run"
+        state = load_checkpoint(run, warn=lambda m: None)
+        change(state)
+        for p in (run / "checkpoints").iterdir():
+            p.unlink()
+        tensors = {f"global/{k}": v.contiguous() for k, v in state.pop("global").items()}
+        state.pop("base_delta", None)
+        meta = {"format": CHECKPOINT_FORMAT, "state": json.dumps(state)}
+        save_file(tensors, str(run / "checkpoints" / f"round-{state['round']:06d}.safetensors"),
+                  metadata=meta)  # fmt: skip
+
+    return setup
+
+
+def _nan_weights(state: dict) -> None:
+    for v in state["global"].values():
+        v.fill_(float("nan"))
+
+
+def _nan_clock(state: dict) -> None:
+    state["progress"]["sim_time_s"] = float("nan")
+
+
+def _no_progress(state: dict) -> None:
+    del state["progress"]
+
+
+def _no_checkpoints(tmp: Path) -> None:
+    shutil.rmtree(tmp / "run" / "checkpoints")
+
+
 def _problem(**change) -> str:
     base = {
         "gamma": 16,
@@ -467,6 +507,67 @@ CASES: list[Case] = [
         ["plan", "{tmp}/p.json", "--output", "/proc/fedlora-x/plan.json"],
         "cannot write",
         _write("p.json", _problem()),
+    ),
+    # issue 24: the run directory, checkpoints and Flower commands
+    Case(
+        "--overwrite a run another process is running",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "is in use by process",
+        _hold_lock,
+        needs_run=True,
+    ),
+    Case(
+        "flower run-local --overwrite a run another process is running",
+        ["flower", "run-local", *TINY, "--out", "{run}", "--overwrite"],
+        "is in use by process",
+        _hold_lock,
+        needs_run=True,
+    ),
+    Case(
+        "--resume a finished run whose checkpoints were deleted",
+        ["run", "--resume", "{run}", "-q"],
+        "its checkpoints are gone",
+        _no_checkpoints,
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose checkpoint is all NaN",
+        ["run", "--resume", "{run}", "-q"],
+        "(round 2) holds a non-finite value in global.",
+        _rewrite_checkpoint(_nan_weights),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose checkpoint's clock is NaN",
+        ["run", "--resume", "{run}", "-q"],
+        "(round 2) holds a non-finite value in progress.sim_time_s",
+        _rewrite_checkpoint(_nan_clock),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose checkpoint has no progress record",
+        ["run", "--resume", "{run}", "-q"],
+        "no usable checkpoint",
+        _rewrite_checkpoint(_no_progress),
+        needs_run=True,
+    ),
+    Case(
+        "flower run-local --timeout-s nan",
+        ["flower", "run-local", *TINY, "--out", "{tmp}/o", "--timeout-s", "nan"],
+        "--timeout-s = nan is invalid: a finite number of seconds > 0",
+        absent=["o"],
+    ),
+    Case(
+        "flower run-local --round-timeout-s -5",
+        ["flower", "run-local", *TINY, "--out", "{tmp}/o", "--round-timeout-s", "-5"],
+        "--round-timeout-s = -5.0 is invalid: a finite number of seconds > 0",
+        absent=["o"],
+    ),
+    Case(
+        "flower run-local with a missing --app-dir",
+        ["flower", "run-local", *TINY, "--out", "{tmp}/o", "--app-dir", "{tmp}/nope"],
+        "--app-dir",
+        absent=["o"],
     ),
 ]
 

@@ -85,7 +85,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_local(args: argparse.Namespace) -> int:
     from fedlora.federation.engine import prepare_run_dir
     from fedlora.federation.flower.common import check_flower_method
-    from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
     check_flower_method(cfg)
@@ -96,8 +95,6 @@ def run_local(args: argparse.Namespace) -> int:
             f"--app-dir = {args.app_dir!r} is invalid: a directory holding the Flower app's "
             "pyproject.toml (default: fedlora's source checkout)"
         )
-    # SIGTERM (kill, `timeout`) unwinds like Ctrl-C: the deployment below stops what it started
-    signal.signal(signal.SIGTERM, _terminated)
     out = Path(args.out).resolve()
     prepare_run_dir(cfg, out, overwrite=args.overwrite)  # refuses an existing run early
     run_config = {
@@ -108,6 +105,20 @@ def run_local(args: argparse.Namespace) -> int:
         "round-timeout-s": float(args.round_timeout_s),
         "availability": args.availability,
     }
+    # SIGTERM (kill, `timeout`) unwinds like Ctrl-C: the deployment below stops what it started
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        _deploy(args, cfg, out, run_config)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print((out / "summary.json").read_text().strip())
+    print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
+    return 0
+
+
+def _deploy(args: argparse.Namespace, cfg, out: Path, run_config: dict) -> None:
+    from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
+
     with tempfile.TemporaryDirectory(prefix="fedlora-flower-") as home:
         with LocalDeployment(
             cfg.data.n_clients,
@@ -120,9 +131,6 @@ def run_local(args: argparse.Namespace) -> int:
             wait_for_file(
                 out / "summary.json", args.timeout_s, alive=[dep.superlink], error=out / "error.txt"
             )
-    print((out / "summary.json").read_text().strip())
-    print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
-    return 0
 
 
 def check_timeout(name: str, value: float) -> None:
