@@ -569,6 +569,77 @@ CASES: list[Case] = [
         "--app-dir",
         absent=["o"],
     ),
+    Case(
+        "lora.rank beyond int64",
+        [*RUN, "--out", "{tmp}/o", "lora.rank=99999999999999999999"],
+        "lora.rank = 99999999999999999999, training.slots = ",
+    ),
+    Case(
+        "lora.rank = 10^9 (more memory than the machine has)",
+        [*RUN, "--out", "{tmp}/o", "lora.rank=1000000000"],
+        "GiB of memory available",
+    ),
+    Case(
+        "lora.rank = 2^31",
+        [*RUN, "--out", "{tmp}/o", "lora.rank=2147483648"],
+        "GiB of memory available",
+    ),
+    Case(
+        "training.slots = 10^9",
+        [*RUN, "--out", "{tmp}/o", "training.slots=1000000000"],
+        "training.slots = 1000000000: the adapter needs",
+    ),
+    Case(
+        "q file holding strings",
+        [*RUN, "--out", "{tmp}/o", 'method.q="{tmp}/q.json"'],
+        'method.q[0] = "a" is invalid: a number',
+        _write("q.json", '["a", "b"]'),
+        absent=["o"],
+    ),
+    Case(
+        "q file holding true",
+        [*RUN, "--out", "{tmp}/o", 'method.q="{tmp}/q.json"'],
+        "method.q[0] = true is invalid: a number",
+        _write("q.json", "[true, 1.0]"),
+        absent=["o"],
+    ),
+    Case(
+        "k file holding true",
+        [*RUN, "--out", "{tmp}/o", 'method.k="{tmp}/k.json"'],
+        "method.k[1] = true is invalid: a number",
+        _write("k.json", "[1, true]"),
+        absent=["o"],
+    ),
+    Case(
+        "duplicate training tasks",
+        [*RUN, "--out", "{tmp}/o", 'data.tasks=["arc-e", "arc-e"]'],
+        "data.tasks = ['arc-e', 'arc-e'] is invalid: each task at most once",
+        absent=["o"],
+    ),
+    Case(
+        "duplicate eval tasks",
+        [*RUN, "--out", "{tmp}/o", 'data.eval_tasks=["arc-e", "arc-e"]'],
+        "data.eval_tasks = ['arc-e', 'arc-e'] is invalid: each task at most once",
+        absent=["o"],
+    ),
+    Case(
+        "output.name escaping output.dir",
+        [*RUN, 'output.dir="{tmp}/runs"', 'output.name="../escape"'],
+        "output.name = '../escape' is invalid: a relative name inside output.dir",
+        absent=["escape", "runs"],
+    ),
+    Case(
+        "absolute output.name",
+        [*RUN, 'output.dir="{tmp}/runs"', 'output.name="{tmp}/abs"'],
+        "is invalid: a relative name inside output.dir",
+        absent=["abs", "runs"],
+    ),
+    Case("--out empty", [*RUN, "--out", ""], "--out = '' is invalid: a directory path"),
+    Case(
+        "flower run-local --out empty",
+        ["flower", "run-local", *TINY, "--out", ""],
+        "--out = '' is invalid: a directory path",
+    ),
 ]
 
 

@@ -88,6 +88,8 @@ def run_local(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
     check_flower_method(cfg)
+    if not args.out.strip():
+        raise ConfigError(f"--out = {args.out!r} is invalid: a directory path")
     check_timeout("--round-timeout-s", args.round_timeout_s)
     check_timeout("--timeout-s", args.timeout_s)
     if not (Path(args.app_dir) / "pyproject.toml").is_file():

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedlora.config import LoraConfig
+from fedlora.config.checks import check_fits_in_memory
 from fedlora.errors import ConfigError, bad_value
 from fedlora.llm.device import autocast_state
 
@@ -339,6 +340,10 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, slots: int, *, seed: int = 0)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise bad_value("training.slots", slots, "an integer >= 1")
     names = find_targets(model, cfg)
+    # A and B per slot and the global copy, fp32 (sizes as Python ints: no int64 overflow)
+    dims = sum(m.in_features + m.out_features for m in map(model.get_submodule, names))
+    need = 4 * (slots + 1) * cfg.rank * dims
+    check_fits_in_memory("the adapter", f"lora.rank = {cfg.rank}, training.slots = {slots}", need)
     for p in model.parameters():
         p.requires_grad_(False)
     return SlotLora(model, names, cfg, slots, seed=seed)
