@@ -217,6 +217,14 @@ def _no_checkpoints(tmp: Path) -> None:
     shutil.rmtree(tmp / "run" / "checkpoints")
 
 
+def _truncate(rel: str) -> Setup:
+    def setup(tmp: Path) -> None:
+        p = tmp / rel
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+    return setup
+
+
 def _problem(**change) -> str:
     base = {
         "gamma": 16,
@@ -240,6 +248,7 @@ _EXTREME_CLIENTS = [
 
 RUN = ["run", *TINY, "--quiet"]
 REPORT_TARGET = ["--target", "arc-e=0.5"]
+EVAL = ["eval", "--task", "arc-e", "--data-dir", DATA, "--limit", "4"]
 
 CASES: list[Case] = [
     # run: where it writes
@@ -639,6 +648,26 @@ CASES: list[Case] = [
         "flower run-local --out empty",
         ["flower", "run-local", *TINY, "--out", ""],
         "--out = '' is invalid: a directory path",
+    ),
+    Case(
+        "eval an adapter on a model it was not trained on",
+        [*EVAL, "--model", "tiny-qwen2", "--adapter", "{run}/adapter"],
+        "was trained on 'tiny-llama', not on --model 'tiny-qwen2'",
+        needs_run=True,
+    ),
+    Case(
+        "eval an adapter with a truncated safetensors file",
+        [*EVAL, "--model", "tiny-llama", "--adapter", "{run}/adapter"],
+        "adapter_model.safetensors is not a readable safetensors file",
+        _truncate("run/adapter/adapter_model.safetensors"),
+        needs_run=True,
+    ),
+    Case(
+        "eval an adapter whose safetensors file is random bytes",
+        [*EVAL, "--model", "tiny-llama", "--adapter", "{run}/adapter"],
+        "adapter_model.safetensors is not a readable safetensors file",
+        _write("run/adapter/adapter_model.safetensors", bytes(range(256)) * 16),
+        needs_run=True,
     ),
 ]
 

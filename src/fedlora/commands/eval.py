@@ -156,6 +156,9 @@ def run_eval(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=True, device=args.device
     )
     if args.adapter is not None:
+        from fedlora.llm.adapters import check_adapter
+
+        check_adapter(args.adapter, model, args.model)  # base model, file and shapes
         model = _apply_adapter(model, args.adapter)
     result = evaluate(
         model, tokenizer, examples, batch_size=args.batch_size, scoring=args.scoring, task=task
