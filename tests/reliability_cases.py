@@ -669,6 +669,18 @@ CASES: list[Case] = [
         _write("run/adapter/adapter_model.safetensors", bytes(range(256)) * 16),
         needs_run=True,
     ),
+    Case(
+        "plan of a PROBLEM.json nested 100,000 deep",
+        ["plan", "{tmp}/p.json"],
+        "JSON nested too deeply",
+        _write("p.json", "[" * 100_000 + "]" * 100_000),
+    ),
+    Case(
+        "plan with a 5,000-digit gamma",
+        ["plan", "{tmp}/p.json"],
+        "invalid JSON number",
+        _write("p.json", '{"gamma": ' + "9" * 5000 + "}"),
+    ),
 ]
 
 

@@ -45,6 +45,10 @@ def _parse_json(path: Path, text: str) -> Any:
         raise ConfigError(
             f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply: at most a few levels") from None
+    except ValueError as e:  # an integer of thousands of digits (Python's conversion limit)
+        raise ConfigError(f"{path}: invalid JSON number: {e}") from None
 
 
 def load_profiles(path: str | Path) -> ClientProfiles:
