@@ -177,6 +177,54 @@ def _link_to_dev_full(rel: str) -> Setup:
     return setup
 
 
+def _rewrite_checkpoint(change: Callable[[dict], None]) -> Setup:
+    """Replace {run}'s checkpoints by its newest one with `change` applied to the state."""
+
+    def setup(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        from fedlora.federation.checkpoints import CHECKPOINT_FORMAT
+        from fedlora.federation.rundir import load_checkpoint
+
+        run = tmp / "run"
+        state = load_checkpoint(run, warn=lambda m: None)
+        change(state)
+        for p in (run / "checkpoints").iterdir():
+            p.unlink()
+        tensors = {f"global/{k}": v.contiguous() for k, v in state.pop("global").items()}
+        state.pop("base_delta", None)
+        meta = {"format": CHECKPOINT_FORMAT, "state": json.dumps(state)}
+        save_file(tensors, str(run / "checkpoints" / f"round-{state['round']:06d}.safetensors"),
+                  metadata=meta)  # fmt: skip
+
+    return setup
+
+
+def _nan_weights(state: dict) -> None:
+    for v in state["global"].values():
+        v.fill_(float("nan"))
+
+
+def _nan_clock(state: dict) -> None:
+    state["progress"]["sim_time_s"] = float("nan")
+
+
+def _no_progress(state: dict) -> None:
+    del state["progress"]
+
+
+def _no_checkpoints(tmp: Path) -> None:
+    shutil.rmtree(tmp / "run" / "checkpoints")
+
+
+def _truncate(rel: str) -> Setup:
+    def setup(tmp: Path) -> None:
+        p = tmp / rel
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+    return setup
+
+
 def _problem(**change) -> str:
     base = {
         "gamma": 16,
@@ -200,6 +248,7 @@ _EXTREME_CLIENTS = [
 
 RUN = ["run", *TINY, "--quiet"]
 REPORT_TARGET = ["--target", "arc-e=0.5"]
+EVAL = ["eval", "--task", "arc-e", "--data-dir", DATA, "--limit", "4"]
 
 CASES: list[Case] = [
     # run: where it writes
@@ -467,6 +516,170 @@ CASES: list[Case] = [
         ["plan", "{tmp}/p.json", "--output", "/proc/fedlora-x/plan.json"],
         "cannot write",
         _write("p.json", _problem()),
+    ),
+    # issue 24: the run directory, checkpoints and Flower commands
+    Case(
+        "--overwrite a run another process is running",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "is in use by process",
+        _hold_lock,
+        needs_run=True,
+    ),
+    Case(
+        "flower run-local --overwrite a run another process is running",
+        ["flower", "run-local", *TINY, "--out", "{run}", "--overwrite"],
+        "is in use by process",
+        _hold_lock,
+        needs_run=True,
+    ),
+    Case(
+        "--resume a finished run whose checkpoints were deleted",
+        ["run", "--resume", "{run}", "-q"],
+        "its checkpoints are gone",
+        _no_checkpoints,
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose checkpoint is all NaN",
+        ["run", "--resume", "{run}", "-q"],
+        "(round 2) holds a non-finite value in global.",
+        _rewrite_checkpoint(_nan_weights),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose checkpoint's clock is NaN",
+        ["run", "--resume", "{run}", "-q"],
+        "(round 2) holds a non-finite value in progress.sim_time_s",
+        _rewrite_checkpoint(_nan_clock),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose checkpoint has no progress record",
+        ["run", "--resume", "{run}", "-q"],
+        "no usable checkpoint",
+        _rewrite_checkpoint(_no_progress),
+        needs_run=True,
+    ),
+    Case(
+        "flower run-local --timeout-s nan",
+        ["flower", "run-local", *TINY, "--out", "{tmp}/o", "--timeout-s", "nan"],
+        "--timeout-s = nan is invalid: a finite number of seconds > 0",
+        absent=["o"],
+    ),
+    Case(
+        "flower run-local --round-timeout-s -5",
+        ["flower", "run-local", *TINY, "--out", "{tmp}/o", "--round-timeout-s", "-5"],
+        "--round-timeout-s = -5.0 is invalid: a finite number of seconds > 0",
+        absent=["o"],
+    ),
+    Case(
+        "flower run-local with a missing --app-dir",
+        ["flower", "run-local", *TINY, "--out", "{tmp}/o", "--app-dir", "{tmp}/nope"],
+        "--app-dir",
+        absent=["o"],
+    ),
+    Case(
+        "lora.rank beyond int64",
+        [*RUN, "--out", "{tmp}/o", "lora.rank=99999999999999999999"],
+        "lora.rank = 99999999999999999999, training.slots = ",
+    ),
+    Case(
+        "lora.rank = 10^9 (more memory than the machine has)",
+        [*RUN, "--out", "{tmp}/o", "lora.rank=1000000000"],
+        "GiB of memory available",
+    ),
+    Case(
+        "lora.rank = 2^31",
+        [*RUN, "--out", "{tmp}/o", "lora.rank=2147483648"],
+        "GiB of memory available",
+    ),
+    Case(
+        "training.slots = 10^9",
+        [*RUN, "--out", "{tmp}/o", "training.slots=1000000000"],
+        "training.slots = 1000000000: the adapter needs",
+    ),
+    Case(
+        "q file holding strings",
+        [*RUN, "--out", "{tmp}/o", 'method.q="{tmp}/q.json"'],
+        'method.q[0] = "a" is invalid: a number',
+        _write("q.json", '["a", "b"]'),
+        absent=["o"],
+    ),
+    Case(
+        "q file holding true",
+        [*RUN, "--out", "{tmp}/o", 'method.q="{tmp}/q.json"'],
+        "method.q[0] = true is invalid: a number",
+        _write("q.json", "[true, 1.0]"),
+        absent=["o"],
+    ),
+    Case(
+        "k file holding true",
+        [*RUN, "--out", "{tmp}/o", 'method.k="{tmp}/k.json"'],
+        "method.k[1] = true is invalid: a number",
+        _write("k.json", "[1, true]"),
+        absent=["o"],
+    ),
+    Case(
+        "duplicate training tasks",
+        [*RUN, "--out", "{tmp}/o", 'data.tasks=["arc-e", "arc-e"]'],
+        "data.tasks = ['arc-e', 'arc-e'] is invalid: each task at most once",
+        absent=["o"],
+    ),
+    Case(
+        "duplicate eval tasks",
+        [*RUN, "--out", "{tmp}/o", 'data.eval_tasks=["arc-e", "arc-e"]'],
+        "data.eval_tasks = ['arc-e', 'arc-e'] is invalid: each task at most once",
+        absent=["o"],
+    ),
+    Case(
+        "output.name escaping output.dir",
+        [*RUN, 'output.dir="{tmp}/runs"', 'output.name="../escape"'],
+        "output.name = '../escape' is invalid: a relative name inside output.dir",
+        absent=["escape", "runs"],
+    ),
+    Case(
+        "absolute output.name",
+        [*RUN, 'output.dir="{tmp}/runs"', 'output.name="{tmp}/abs"'],
+        "is invalid: a relative name inside output.dir",
+        absent=["abs", "runs"],
+    ),
+    Case("--out empty", [*RUN, "--out", ""], "--out = '' is invalid: a directory path"),
+    Case(
+        "flower run-local --out empty",
+        ["flower", "run-local", *TINY, "--out", ""],
+        "--out = '' is invalid: a directory path",
+    ),
+    Case(
+        "eval an adapter on a model it was not trained on",
+        [*EVAL, "--model", "tiny-qwen2", "--adapter", "{run}/adapter"],
+        "was trained on 'tiny-llama', not on --model 'tiny-qwen2'",
+        needs_run=True,
+    ),
+    Case(
+        "eval an adapter with a truncated safetensors file",
+        [*EVAL, "--model", "tiny-llama", "--adapter", "{run}/adapter"],
+        "adapter_model.safetensors is not a readable safetensors file",
+        _truncate("run/adapter/adapter_model.safetensors"),
+        needs_run=True,
+    ),
+    Case(
+        "eval an adapter whose safetensors file is random bytes",
+        [*EVAL, "--model", "tiny-llama", "--adapter", "{run}/adapter"],
+        "adapter_model.safetensors is not a readable safetensors file",
+        _write("run/adapter/adapter_model.safetensors", bytes(range(256)) * 16),
+        needs_run=True,
+    ),
+    Case(
+        "plan of a PROBLEM.json nested 100,000 deep",
+        ["plan", "{tmp}/p.json"],
+        "JSON nested too deeply",
+        _write("p.json", "[" * 100_000 + "]" * 100_000),
+    ),
+    Case(
+        "plan with a 5,000-digit gamma",
+        ["plan", "{tmp}/p.json"],
+        "invalid JSON number",
+        _write("p.json", '{"gamma": ' + "9" * 5000 + "}"),
     ),
 ]
 

@@ -58,6 +58,34 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
 - **Kill at any moment, resume bit-identical.** `tests/test_rundir.py` kills a run at random
   points (also between a file's write and its rename) and checks that the resumed run's
   metrics, adapter and checkpoints equal an uninterrupted run's.
+- **The lock comes before any delete.** `--overwrite` (of `fedlora run`, `flower run-local`
+  and `flower simulate`) takes the run's lock before removing anything, so a live run, or
+  an orphaned Flower ServerApp still training, is never emptied: the command exits 2 naming
+  the process.
+- **A resume never throws a finished run's metrics away.** When a run that had finished
+  has lost its checkpoints, `--resume` refuses (restore them, or `--overwrite`) instead of
+  retraining from round 0.
+- **Checkpoints hold finite numbers.** A checkpoint with NaN or ±inf in a weight or in its
+  clock (`progress.sim_time_s`) is refused naming the round and the field; one without a
+  `progress` record counts as damaged.
+- **Sizes are checked before allocating.** The adapter's size (`lora.rank`,
+  `training.slots`, the target modules' widths, in exact integers) is compared with the
+  memory available (`MemAvailable`) before any tensor is allocated.
+- **An adapter fits its model.** `fedlora eval --adapter` reads the adapter's
+  `base_model_name_or_path` and the shapes in its safetensors header and refuses an adapter
+  trained on another model, or a truncated / foreign weights file, before PEFT loads it.
+- **Adapter files are reproducible.** `adapter_config.json` lists `target_modules` sorted
+  (PEFT keeps them as a set); two exports of the same state in processes with different
+  hash seeds have the same sha256 (`tests/test_reliability_adapter.py`).
+- **Flower commands own their process tree.** `flower run-local` starts a watchdog process
+  that, when run-local dies (SIGKILL included), SIGTERMs and then SIGKILLs every process
+  group it started (workers, SuperLink, SuperNodes) and their descendants (the ServerApp);
+  SIGTERM of run-local (`kill`, `timeout`) unwinds like Ctrl-C. `--timeout-s` and
+  `--round-timeout-s` must be finite and > 0. `tests/test_reliability_flower.py` SIGKILLs a
+  training run-local and checks, by PID, that nothing of its tree is alive 10 s later and
+  that the run's lock is free.
+- **Usage errors are one line.** argparse's errors print `fedlora <command>: error: ...`
+  without the usage block (exit 2); `--help` still shows it.
 
 ## Bad inputs
 

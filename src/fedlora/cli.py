@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from fedlora import __version__
 from fedlora.errors import FedloraError
@@ -15,8 +16,16 @@ from fedlora.errors import FedloraError
 COMMANDS = ("run", "eval", "plan", "compare", "report", "config", "flower", "profiles")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (`fedlora run: error: ...`, exit 2) without
+    the usage block above it; `--help` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fedlora",
         description="Federated LoRA fine-tuning over heterogeneous wireless networks.",
     )

@@ -45,6 +45,10 @@ def _parse_json(path: Path, text: str) -> Any:
         raise ConfigError(
             f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply: at most a few levels") from None
+    except ValueError as e:  # an integer of thousands of digits (Python's conversion limit)
+        raise ConfigError(f"{path}: invalid JSON number: {e}") from None
 
 
 def load_profiles(path: str | Path) -> ClientProfiles:
@@ -67,7 +71,7 @@ def load_profiles(path: str | Path) -> ClientProfiles:
 def read_vector(path: str | Path, column: str) -> list[Any]:
     """The per-client values of `method.<column>` from a JSON file (a list, or an object
     with key `column`) or a CSV file (a column named `column`). JSON values are returned
-    as given (the caller checks them); CSV values are floats."""
+    as given once they are numbers (the caller checks their range); CSV values are floats."""
     p = Path(path)
     text = _read_text(p, f"method.{column}")
     if p.suffix.lower() == ".json":
@@ -78,6 +82,11 @@ def read_vector(path: str | Path, column: str) -> list[Any]:
             data = data[column]
         if not isinstance(data, list):
             raise ConfigError(f"{p}: expected a list of numbers for {column}")
+        for i, v in enumerate(data):  # true is no number here (JSON's bool is Python's int)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(
+                    f"{p}: method.{column}[{i}] = {json.dumps(v)} is invalid: a number"
+                )
         return data
     rows = list(csv.DictReader(text.splitlines()))
     if not rows or column not in rows[0]:

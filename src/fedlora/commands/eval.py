@@ -170,6 +170,9 @@ def run_eval(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     fmt = resolve_eval_format(args.format, n_params, [task])
     if args.adapter is not None:
+        from fedlora.llm.adapters import check_adapter
+
+        check_adapter(args.adapter, model, args.model)  # base model, file and shapes
         model = _apply_adapter(model, args.adapter)
     result = evaluate(
         model,

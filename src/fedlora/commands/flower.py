@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from fedlora.commands.arguments import add_experiment_arguments
 from fedlora.config import load_config
+from fedlora.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -82,10 +85,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_local(args: argparse.Namespace) -> int:
     from fedlora.federation.engine import prepare_run_dir
     from fedlora.federation.flower.common import check_flower_method
-    from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
     check_flower_method(cfg)
+    if not args.out.strip():
+        raise ConfigError(f"--out = {args.out!r} is invalid: a directory path")
+    check_timeout("--round-timeout-s", args.round_timeout_s)
+    check_timeout("--timeout-s", args.timeout_s)
+    if not (Path(args.app_dir) / "pyproject.toml").is_file():
+        raise ConfigError(
+            f"--app-dir = {args.app_dir!r} is invalid: a directory holding the Flower app's "
+            "pyproject.toml (default: fedlora's source checkout)"
+        )
     out = Path(args.out).resolve()
     prepare_run_dir(cfg, out, overwrite=args.overwrite)  # refuses an existing run early
     run_config = {
@@ -96,6 +107,20 @@ def run_local(args: argparse.Namespace) -> int:
         "round-timeout-s": float(args.round_timeout_s),
         "availability": args.availability,
     }
+    # SIGTERM (kill, `timeout`) unwinds like Ctrl-C: the deployment below stops what it started
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        _deploy(args, cfg, out, run_config)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print((out / "summary.json").read_text().strip())
+    print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
+    return 0
+
+
+def _deploy(args: argparse.Namespace, cfg, out: Path, run_config: dict) -> None:
+    from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
+
     with tempfile.TemporaryDirectory(prefix="fedlora-flower-") as home:
         with LocalDeployment(
             cfg.data.n_clients,
@@ -108,9 +133,16 @@ def run_local(args: argparse.Namespace) -> int:
             wait_for_file(
                 out / "summary.json", args.timeout_s, alive=[dep.superlink], error=out / "error.txt"
             )
-    print((out / "summary.json").read_text().strip())
-    print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
-    return 0
+
+
+def check_timeout(name: str, value: float) -> None:
+    """A timeout in seconds: finite and > 0."""
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} = {value!r} is invalid: a finite number of seconds > 0")
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.data_dir:
         overrides.append(f"data.data_dir={toml_string(args.data_dir)}")
+    if args.out is not None and not args.out.strip():
+        raise ConfigError(f"--out = {args.out!r} is invalid: a directory path")
     if args.resume:
         run_dir = Path(args.resume)
         if args.out and Path(args.out).resolve() != run_dir.resolve():

@@ -8,10 +8,11 @@ present on this machine is `fedlora.llm.device.resolve_device`'s question.
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
-from fedlora.errors import bad_value
+from fedlora.errors import ConfigError, bad_value
 
 DEVICE_FORMS = "auto, cpu, cuda, cuda:N, mps"
 DEVICE_SPEC_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -76,3 +77,29 @@ def check_device_spec(field: str, value: Any) -> None:
     """Syntax only (no torch import): one of auto, cpu, cuda, cuda:N, mps."""
     if not isinstance(value, str) or not DEVICE_SPEC_RE.match(value):
         raise bad_value(field, value, f"allowed: {DEVICE_FORMS}")
+
+
+def available_memory_bytes() -> int:
+    """Memory this machine can still give (``MemAvailable`` of /proc/meminfo; elsewhere the
+    physical memory)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_fits_in_memory(
+    what: str, fields: str, need_bytes: int, available_bytes: int | None = None
+) -> None:
+    """Refuse, before allocating, `need_bytes` (exact Python int: no overflow) that exceed
+    the available memory; `fields` names the config values behind the size."""
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    if need_bytes > available:
+        raise ConfigError(
+            f"{fields}: {what} needs {need_bytes / 2**30:.3g} GiB, more than the "
+            f"{available / 2**30:.3g} GiB of memory available; choose smaller values"
+        )

@@ -99,6 +99,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.tasks and not self.task_files:
             raise bad_value("data.tasks", self.tasks, "at least one task or task file")
+        for name in ("tasks", "eval_tasks"):
+            value = getattr(self, name)
+            if len(set(value)) != len(value):
+                raise bad_value(f"data.{name}", list(value), "each task at most once")
         check_int("data.eval_limit", self.eval_limit, lo=0)
         check_int("data.train_limit", self.train_limit, lo=0)
         check_int("data.max_seq_len", self.max_seq_len, lo=16)
@@ -380,6 +384,9 @@ class OutputConfig:
             check_choice(f"output.trackers[{i}]", name, TRACKERS)
         if len(set(self.trackers)) != len(self.trackers):
             raise bad_value("output.trackers", list(self.trackers), "each tracker at most once")
+        name = self.name if isinstance(self.name, str) else "/"
+        if name.startswith("/") or ".." in name.replace("\\", "/").split("/"):
+            raise bad_value("output.name", self.name, "a relative name inside output.dir")
 
 
 SCORINGS = ("label", "option", "option_norm")

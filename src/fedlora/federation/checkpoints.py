@@ -11,6 +11,7 @@ the previous one.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,30 @@ def _load_pickle(path: Path) -> dict[str, Any]:
     return state
 
 
+def non_finite(value: Any, where: str = "") -> str:
+    """The first field of a checkpoint state holding NaN or ±inf ('' when none): tensors,
+    arrays and numbers, recursively (metrics lines are JSON text and are not looked into)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k != "metrics" and (bad := non_finite(v, f"{where}.{k}" if where else str(k))):
+                return bad
+        return ""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            if bad := non_finite(v, f"{where}[{i}]"):
+                return bad
+        return ""
+    if isinstance(value, float):
+        return "" if math.isfinite(value) else where
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        return "" if np.isfinite(value).all() else where
+    if hasattr(value, "is_floating_point") and value.is_floating_point():
+        import torch
+
+        return "" if bool(torch.isfinite(value).all()) else where
+    return ""
+
+
 def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
     """The newest readable checkpoint; a damaged one is named and skipped.
 
@@ -133,7 +158,8 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
                 state = _load_pickle(path)
             if not isinstance(state, dict) or "round" not in state or "global" not in state:
                 raise ValueError("missing fields")
-            return state
+            if not isinstance(state.get("progress"), dict):
+                raise ValueError("no 'progress' record")
         except pickle.UnpicklingError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             warn(
@@ -141,8 +167,18 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
                 f"never holds and loading them could run code ({first[:200]}); "
                 "trying the previous one"
             )
+            continue
         except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
             warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
+            continue
+        bad = non_finite(state)
+        if bad:
+            raise DataError(
+                f"checkpoint {str(path)!r} (round {state['round']}) holds a non-finite value "
+                f"in {bad}: the run diverged or the file was altered; resume from an earlier "
+                "round's checkpoint (remove this one) or start a new run"
+            )
+        return state
     if paths:
         raise DataError(
             f"no usable checkpoint in {str(Path(run_dir) / 'checkpoints')!r} "

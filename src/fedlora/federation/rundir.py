@@ -268,11 +268,13 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
             from fedlora.federation.preflight import check_inputs
 
             check_inputs(cfg)
-        for p in _entries(run_dir):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
+        with run_dir_lock(run_dir):  # a live run (a Flower ServerApp too) is never emptied
+            check_run_dir(run_dir, overwrite=overwrite)
+            for p in _entries(run_dir):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
     make_run_dir(run_dir)
     atomic_write(run_dir / "config.toml", text.encode())
 

@@ -97,13 +97,30 @@ def truncate_metrics(path: Path, lines: int) -> None:
     atomic_write(path, "".join(line + "\n" for line in kept[:lines]).encode())
 
 
+def _has_lines(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
 def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> None:
     """Make metrics.jsonl agree with the checkpoint a run resumes from.
 
     A checkpoint holds its metrics lines: they are written back exactly (whatever happened
-    to the file since). Without a checkpoint the run starts over (the file is emptied); an
-    old checkpoint without lines falls back to `truncate_metrics`."""
+    to the file since). Without a checkpoint the run starts over (the file is emptied),
+    unless the run had finished (its checkpoints were deleted: refused, the metrics kept);
+    an old checkpoint without lines falls back to `truncate_metrics`."""
     if state is None:
+        # a finished run without checkpoints: they were deleted (a run killed before its
+        # first checkpoint has no summary and starts over, as it would have anyway)
+        if (path.parent / "summary.json").exists() and _has_lines(path):
+            raise DataError(
+                f"{str(path.parent)!r}: its checkpoints are gone but {path.name} holds the "
+                "finished run's rounds, which a resume would have to discard: restore "
+                "checkpoints/ from a backup, or start the run again with --overwrite "
+                "(or another --out)"
+            )
         path.unlink(missing_ok=True)
         return
     lines = state.get("metrics")

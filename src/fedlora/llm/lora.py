@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedlora.config import LoraConfig
+from fedlora.config.checks import check_fits_in_memory
 from fedlora.errors import ConfigError, bad_value
 from fedlora.llm.device import autocast_state
 
@@ -366,6 +367,11 @@ class SlotLora:
             use_rslora=self.cfg.rslora,
         )
         config.save_pretrained(str(out))
+        # PEFT keeps target_modules as a set (hash order): sorted, the file is reproducible
+        cfg_path = out / "adapter_config.json"
+        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
+        saved["target_modules"] = sorted(saved["target_modules"])
+        cfg_path.write_text(json.dumps(saved, indent=2, sort_keys=True), encoding="utf-8")
         tensors = {}
         for n in self.names:
             for part in ("lora_A", "lora_B"):
@@ -388,6 +394,10 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, slots: int, *, seed: int = 0)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise bad_value("training.slots", slots, "an integer >= 1")
     names = find_targets(model, cfg)
+    # A and B per slot and the global copy, fp32 (sizes as Python ints: no int64 overflow)
+    dims = sum(m.in_features + m.out_features for m in map(model.get_submodule, names))
+    need = 4 * (slots + 1) * cfg.rank * dims
+    check_fits_in_memory("the adapter", f"lora.rank = {cfg.rank}, training.slots = {slots}", need)
     for p in model.parameters():
         p.requires_grad_(False)
     return SlotLora(model, names, cfg, slots, seed=seed)

@@ -9,6 +9,7 @@ whatever they started (found through /proc, because Flower detaches some of its 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -74,6 +75,34 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     _signal_pids([p for p in below if Path(f"/proc/{p}").exists()], signal.SIGKILL)
 
 
+def _tree(pids: Sequence[int]) -> list[int]:
+    return [*pids, *(d for pid in pids for d in descendants(pid))]
+
+
+def watchdog(argv: Sequence[str] | None = None, poll_s: float = 0.2) -> None:
+    """`python -c '...watchdog()' PARENT_PID PIDS_FILE`: wait until PARENT_PID is gone (this
+    process is re-parented), then SIGTERM each process group listed in PIDS_FILE and every
+    descendant, and SIGKILL what is left 3 s later. Exits at once when SIGTERMed itself."""
+    parent, pids_file = (argv or sys.argv[1:])[:2]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent cleans up itself
+    while os.getppid() == int(parent):
+        time.sleep(poll_s)
+    pids = [int(x) for x in Path(pids_file).read_text(encoding="utf-8").split()]
+    tree = _tree(pids)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGTERM)
+    _signal_pids(tree, signal.SIGTERM)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in tree):
+        time.sleep(0.1)
+    tree = [*tree, *_tree(pids)]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    _signal_pids(tree, signal.SIGKILL)
+
+
 def _bin(name: str) -> str:
     """A console script of the running interpreter's environment."""
     path = Path(sys.executable).parent / name
@@ -118,6 +147,7 @@ class LocalDeployment:
         self.superlink: subprocess.Popen | None = None
         self.supernodes: list[subprocess.Popen] = []
         self.workers: list[subprocess.Popen] = []
+        self.watchdog: subprocess.Popen | None = None
         self.worker_addresses: list[str] = []
         self.port = 0
         # Flower starts its own helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by
@@ -138,14 +168,29 @@ class LocalDeployment:
     def _popen(self, args: list[str], log_name: str) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / log_name, "wb")  # noqa: SIM115 - closed with the process
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
+        with open(self.home / "pids", "a", encoding="utf-8") as f:  # for the watchdog
+            f.write(f"{proc.pid}\n")
+        return proc
+
+    def _start_watchdog(self) -> None:
+        """A process that outlives this one by a moment: when this process dies (SIGKILL
+        included) it stops every process group this deployment started, and what they
+        started, so nothing keeps running or holds the run's lock."""
+        (self.home / "pids").touch()
+        code = "from fedlora.federation.flower.deploy import watchdog; watchdog()"
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-c", code, str(os.getpid()), str(self.home / "pids")],
+            env=self.env, start_new_session=True, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
 
     def start(self) -> LocalDeployment:
         """Start the workers (they import torch meanwhile), the SuperLink, the SuperNodes
         (partition-id = 0..n-1), then wait until every worker answers."""
         (self.home / "flwr-home").mkdir(parents=True, exist_ok=True)
+        self._start_watchdog()
         try:
             self._start()
         except BaseException:
@@ -274,6 +319,8 @@ class LocalDeployment:
             _stop(proc)
         if self.superlink is not None:
             _stop(self.superlink)
+        if self.watchdog is not None:
+            _stop(self.watchdog)
 
     def __enter__(self) -> LocalDeployment:
         return self.start()

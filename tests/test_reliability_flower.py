@@ -1,0 +1,94 @@
+"""Issue 24: `fedlora flower run-local` owns its process tree and checks its timeouts.
+
+The slow test SIGKILLs run-local mid-training (tiny model, two clients) and checks, by PID,
+that no process of its tree (workers, SuperLink, SuperNodes, the ServerApp) is alive 10 s
+later and that the run directory's lock is free."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedlora.cli import main
+from fedlora.federation.flower.deploy import descendants
+from flower_cases import DATA, REPO, needs_data, write_config
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie runs nothing
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--timeout-s", "nan"),
+        ("--timeout-s", "inf"),
+        ("--timeout-s", "0"),
+        ("--round-timeout-s", "-5"),
+        ("--round-timeout-s", "nan"),
+    ],
+)
+def test_timeouts_must_be_finite_and_positive(option, value, tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    rc = main(["flower", "run-local", "--out", str(out), option, value, "model.name=tiny-llama"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip().count("\n") == 0 and "usage:" not in err
+    assert f"{option} = {float(value)!r} is invalid: a finite number of seconds > 0" in err
+    assert not out.exists()
+
+
+def test_missing_app_dir_is_one_line(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    rc = main(["flower", "run-local", "--out", str(out), "--app-dir", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--app-dir" in err and "pyproject.toml" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.slow
+@needs_data
+def test_sigkill_of_run_local_leaves_nothing_running(tmp_path: Path) -> None:
+    # Prepare: a run long enough to be mid-training when killed
+    cfg = write_config(tmp_path, rounds=200, q="[1.0, 1.0]")
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FEDLORA_DATA": DATA}
+    cmd = [sys.executable, "-m", "fedlora.cli", "flower", "run-local", "--config", str(cfg)]
+    cmd += ["--out", str(out), "--timeout-s", "600"]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists():  # the ServerApp is training
+            assert proc.poll() is None, "run-local exited early"
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.5)
+        tree = descendants(proc.pid)
+        assert len(tree) >= 5  # watchdog, 2 workers, SuperLink, 2 SuperNodes (+ ServerApp...)
+        # Execute: SIGKILL the parent only
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # Assert: nothing of its tree runs, and the run directory is free again
+        assert [p for p in tree if _alive(p)] == []
+        with open(out / ".lock", "a+") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
