@@ -28,6 +28,7 @@ from fedlora.config.experiment import (
     config_from_dict,
     diff_configs,
 )
+from fedlora.config.planner_section import PlannerConfig
 from fedlora.config.sections import (
     EVAL_FORMATS,
     K_STRATEGIES,
@@ -45,7 +46,6 @@ from fedlora.config.sections import (
     ModelConfig,
     NetworkConfig,
     OutputConfig,
-    PlannerConfig,
     TrainingConfig,
 )
 from fedlora.config.toml_io import (

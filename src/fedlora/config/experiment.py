@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from fedlora.config.planner_section import PlannerConfig
 from fedlora.config.sections import (
     DataConfig,
     EvaluationConfig,
@@ -17,7 +18,6 @@ from fedlora.config.sections import (
     ModelConfig,
     NetworkConfig,
     OutputConfig,
-    PlannerConfig,
     TrainingConfig,
 )
 from fedlora.errors import ConfigError, bad_value, suggest_key

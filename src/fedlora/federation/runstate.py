@@ -118,7 +118,7 @@ def device_slots_per_pass(run: Run, log=print) -> int:
     import torch
 
     from fedlora.llm.device import activation_bytes_per_slot, slots_for_memory
-    from fedlora.llm.lora import layer_index
+    from fedlora.llm.lora_targets import layer_index
 
     free_bytes, _ = torch.cuda.mem_get_info(run.device)
     n_layers = int(run.model.config.num_hidden_layers)

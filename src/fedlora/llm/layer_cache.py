@@ -23,7 +23,8 @@ import torch
 
 from fedlora.errors import ConfigError, bad_value
 from fedlora.llm.device import autocast_state
-from fedlora.llm.lora import SlotLora, layer_index
+from fedlora.llm.lora import SlotLora
+from fedlora.llm.lora_targets import layer_index
 
 __all__ = ["decoder_and_head", "cacheable_layers", "check_cache_options", "LayerCache"]
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +39,9 @@ from fedlora.config import LoraConfig
 from fedlora.config.checks import check_fits_in_memory
 from fedlora.errors import ConfigError, bad_value
 from fedlora.llm.device import autocast_state
+from fedlora.llm.lora_targets import find_targets
 
-__all__ = ["SlotLoraLayer", "SlotLora", "inject_lora", "find_targets"]
-
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+__all__ = ["SlotLoraLayer", "SlotLora", "inject_lora"]
 
 
 class SlotLoraLayer(nn.Module):
@@ -89,44 +87,6 @@ class SlotLoraLayer(nn.Module):
 
     def hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return output + self.delta(args[0]).to(output.dtype)
-
-
-def find_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Module paths of the linear layers that get LoRA (PEFT-style suffix match).
-
-    A target name matches a module whose path equals it or ends with ``"." + name``.
-    ``cfg.layers = K`` keeps only modules in the top K decoder layers.
-    """
-    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    targets = set(cfg.target_modules)
-    names = [n for n in linear if any(n == t or n.endswith("." + t) for t in targets)]
-    if not names:
-        existing = sorted({n.rsplit(".", 1)[-1] for n in linear})
-        raise bad_value(
-            "lora.target_modules",
-            list(cfg.target_modules),
-            f"matches no linear module; the model has: {', '.join(existing)}",
-        )
-    if cfg.layers != "all":
-        n_layers = _num_layers(model, names)
-        lowest = n_layers - int(cfg.layers)
-        if lowest < 0:
-            raise bad_value("lora.layers", cfg.layers, f"at most the {n_layers} model layers")
-        names = [n for n in names if (i := layer_index(n)) is not None and i >= lowest]
-    return names
-
-
-def layer_index(name: str) -> int | None:
-    m = _LAYER_INDEX.search("." + name + ".")
-    return int(m.group(1)) if m else None
-
-
-def _num_layers(model: nn.Module, names: list[str]) -> int:
-    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    if isinstance(n, int):
-        return n
-    idx = [i for i in map(layer_index, names) if i is not None]
-    return max(idx) + 1 if idx else 0
 
 
 class SlotLora:
