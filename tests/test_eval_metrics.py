@@ -255,7 +255,15 @@ TINY = [
 def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None:
     from fedlora.federation.engine import describe, prepare_run_dir, run_experiment
 
-    cfg = load_config(None, [*TINY, "evaluation.scoring=option_norm", "data.response=option"])
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "evaluation.format=llm-adapters",
+            "evaluation.scoring=option_norm",
+            "data.response=option",
+        ],
+    )
     run_dir = tmp_path / "run"
     prepare_run_dir(cfg, run_dir)
     summary = run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)
@@ -266,6 +274,8 @@ def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None
         assert line["eval_loss"] == pytest.approx(np.mean(list(line["eval_losses"].values())))
         assert line["eval_n"] == {"arc-e": 10, "boolq": 10}
         assert line["eval_chance"]["boolq"] == 0.5 and line["eval_scoring"] == "option_norm"
+        assert line["eval_format"] == "llm-adapters" and line["eval_acc_norm"]["boolq"] is None
+        assert line["eval_mc_chance"]["boolq"] == pytest.approx(math.log(2))
         for task, (lo, hi) in line["eval_ci95"].items():
             assert lo <= line["eval"][task] <= hi
     preds = [json.loads(x) for x in (run_dir / "predictions.jsonl").read_text().splitlines()]

@@ -34,10 +34,12 @@ def test_tokenize_masks_prompt_and_keeps_response_when_truncating() -> None:
     ts = tokenize_examples([ex], CharTok(), max_len=1000)
     assert ts.input_ids[0].tolist() == prompt + response
     assert ts.labels[0].tolist() == [IGNORE_INDEX] * len(prompt) + response
+    assert ts.cut == 0
     # too long: the prompt loses tokens on its LEFT, keeps BOS; the response stays whole
     max_len = len(response) + 6
     ts = tokenize_examples([ex], CharTok(), max_len=max_len)
     assert ts.input_ids[0].tolist() == [1] + prompt[-5:] + response
+    assert tokenize_examples([ex, ex], CharTok(), max_len=max_len).cut == 2  # counted
     assert ts.labels[0].tolist() == [IGNORE_INDEX] * 6 + response
     # the response alone too long: only its first max_len tokens, no prompt
     ts = tokenize_examples([ex], CharTok(), max_len=4)

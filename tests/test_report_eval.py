@@ -102,7 +102,7 @@ def test_report_sections_plots_and_cli(tmp_path: Path, capsys) -> None:
     text = path.read_text()
     assert (out / "accuracy_vs_time.png").is_file() and (out / "eval_loss_vs_time.png").is_file()
     assert "## Last evaluation against the baselines" in text
-    assert "| a | 0 | arc-e | 1 | 50.0% [40.0, 60.0] | 40.0% | 25.0% | 1.2000 | 10 |" in text
+    assert "| a | 0 | arc-e | 1 | 50.0% [40.0, 60.0] | 40.0% | 25.0% | - | 1.2000 | 10 |" in text
     assert "## Time to eval_loss <= 1.25 (s)" in text
     assert "| a | 10.0 | 1.2000 |" in text
     assert "| b | >= 20.0 (1/1 not reached) | 1.3000 |" in text
@@ -123,3 +123,16 @@ def test_report_sections_plots_and_cli(tmp_path: Path, capsys) -> None:
     code = main(["report", str(a), "--target", "arc-e=0.5", "--target-loss", "-1"])
     assert code == 2
     assert "--target-loss = -1.0 is invalid: an eval_loss > 0" in capsys.readouterr().err
+
+
+def test_baseline_table_shows_mc_loss_with_its_interval(tmp_path: Path) -> None:
+    d = make_run(tmp_path, "a-seed0", [(0.0, 0.3, 1.5), (10.0, 0.5, 1.2)])
+    lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    lines[-1].update(
+        eval_mc_losses={"arc-e": 1.25},
+        eval_mc_loss_ci95={"arc-e": [1.2, 1.3]},
+        eval_mc_chance={"arc-e": 1.3862943611198906},
+    )
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = write_report([load_run(d)], {"arc-e": 0.5}, tmp_path / "out").read_text()
+    assert "| 1.2500 [1.2000, 1.3000] (1.386) | 1.2000 | 10 |" in text

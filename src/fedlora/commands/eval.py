@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from fedlora.config import SCORINGS
+from fedlora.config import EVAL_FORMATS, SCORINGS
 from fedlora.errors import ConfigError, bad_value
 
 
@@ -59,6 +59,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "character (lm-evaluation-harness acc_norm)",
     )
     p.add_argument(
+        "--format",
+        default="auto",
+        metavar="auto|harness|llm-adapters",
+        help="harness: lm-evaluation-harness's zero-shot format (acc, acc_norm); llm-adapters: "
+        "the LLM-Adapters prompt scored by --scoring; auto (default): harness below 3B "
+        "parameters for the tasks lm-eval defines (evaluation.format, docs/data.md)",
+    )
+    p.add_argument(
         "--dtype",
         default="fp32",
         metavar="fp32|bf16|auto",
@@ -101,6 +109,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise bad_value("--threads", args.threads, "must be >= 0 (0 = torch's default)")
     if args.scoring not in SCORINGS:
         raise bad_value("--scoring", args.scoring, f"allowed: {', '.join(SCORINGS)}")
+    if args.format not in EVAL_FORMATS:
+        raise bad_value("--format", args.format, f"allowed: {', '.join(EVAL_FORMATS)}")
     if args.dtype not in ("fp32", "bf16", "auto"):
         raise bad_value("--dtype", args.dtype, "allowed: fp32, bf16, auto")
     if args.adapter is not None:
@@ -155,10 +165,20 @@ def run_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(
         args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=True, device=args.device
     )
+    from fedlora.llm.harness import resolve_eval_format
+
+    n_params = sum(p.numel() for p in model.parameters())
+    fmt = resolve_eval_format(args.format, n_params, [task])
     if args.adapter is not None:
         model = _apply_adapter(model, args.adapter)
     result = evaluate(
-        model, tokenizer, examples, batch_size=args.batch_size, scoring=args.scoring, task=task
+        model,
+        tokenizer,
+        examples,
+        batch_size=args.batch_size,
+        scoring=args.scoring,
+        task=task,
+        fmt=fmt,
     )
     if args.json:
         print(
@@ -174,7 +194,13 @@ def run_eval(args: argparse.Namespace) -> int:
                     "task": result.task,
                     "model": args.model,
                     "adapter": args.adapter,
-                    "scoring": args.scoring,
+                    "scoring": result.scoring,
+                    "format": fmt,
+                    "acc_norm": result.acc_norm if fmt == "harness" else None,
+                    "acc_norm_ci95": list(result.acc_norm_ci95) if fmt == "harness" else None,
+                    "mc_loss": result.mc_loss,
+                    "mc_loss_ci95": list(result.mc_loss_ci95),
+                    "mc_chance": result.mc_chance,
                     "dtype": args.dtype,
                     "device": args.device,
                     "seed": args.seed,
@@ -185,11 +211,17 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         lo, hi = result.ci95
         adapter = f" + {args.adapter}" if args.adapter else ""
+        norm = ""
+        if fmt == "harness":
+            nlo, nhi = result.acc_norm_ci95
+            norm = f"acc_norm {result.acc_norm:.4f} (95% CI {nlo:.4f}-{nhi:.4f}), "
+        mlo, mhi = result.mc_loss_ci95
         print(
-            f"{result.task}: accuracy {result.accuracy:.4f} (95% CI {lo:.4f}-{hi:.4f}), "
+            f"{result.task}: accuracy {result.accuracy:.4f} (95% CI {lo:.4f}-{hi:.4f}), {norm}"
             f"n = {result.n}, {result.seconds:.1f} s; most-frequent label "
-            f"{result.majority:.4f}, chance {result.chance:.4f}; eval_loss {result.loss:.4f} "
-            f"[{args.model}{adapter}, {args.dtype} on {args.device}, scoring {args.scoring}, "
-            f"threads {torch.get_num_threads()}]"
+            f"{result.majority:.4f}, chance {result.chance:.4f}; mc_loss {result.mc_loss:.4f} "
+            f"(95% CI {mlo:.4f}-{mhi:.4f}, chance {result.mc_chance:.4f}); eval_loss "
+            f"{result.loss:.4f} [{args.model}{adapter}, {args.dtype} on {args.device}, format "
+            f"{fmt}, scoring {result.scoring}, threads {torch.get_num_threads()}]"
         )
     return 0

@@ -29,6 +29,7 @@ from fedlora.config.experiment import (
     diff_configs,
 )
 from fedlora.config.sections import (
+    EVAL_FORMATS,
     K_STRATEGIES,
     METHODS,
     Q_STRATEGIES,
@@ -57,6 +58,7 @@ from fedlora.config.toml_io import (
 )
 
 __all__ = [
+    "EVAL_FORMATS",
     "DEVICE_FORMS",
     "K_STRATEGIES",
     "METHODS",

@@ -164,6 +164,7 @@ class TrainingConfig:
     seed: int = 0
     target_accuracy: float = 0.0  # stop when reached; 0 = off
     target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
+    target_mc_loss: float = 0.0  # stop when the mean mc_loss is <= this; 0 = off
     time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
     # also evaluate at the first round whose clock passes each multiple of this; 0 = off
     eval_every_s: float = 0.0
@@ -187,6 +188,7 @@ class TrainingConfig:
         check_int("training.seed", self.seed, lo=0)
         check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
         check_number("training.target_loss", self.target_loss, lo=0)
+        check_number("training.target_mc_loss", self.target_mc_loss, lo=0)
         check_number("training.time_budget_s", self.time_budget_s, lo=0)
         check_number("training.eval_every_s", self.eval_every_s, lo=0)
         check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
@@ -299,6 +301,8 @@ class OutputConfig:
 
 
 SCORINGS = ("label", "option", "option_norm")
+# evaluation.format: auto = harness below HARNESS_MAX_PARAMS parameters, else llm-adapters
+EVAL_FORMATS = ("auto", "harness", "llm-adapters")
 
 
 @dataclass(frozen=True)
@@ -308,6 +312,10 @@ class EvaluationConfig:
     # label: log-likelihood of the answer label (the paper's protocol for large models);
     # option: of the option text; option_norm: of the option text per character (acc_norm)
     scoring: str = "option_norm"
+    # harness: lm-evaluation-harness's zero-shot contexts and continuations (acc primary,
+    # acc_norm beside it), and training in the same format; llm-adapters: the paper's
+    # LLM-Adapters prompt with `scoring`; auto: harness for models below 3B parameters
+    format: str = "auto"
     batch_size: int = 16  # questions (with all their candidates) per forward pass
     predictions: bool = True  # write every question's prediction to predictions.jsonl
     # with lora.layers = K: memory bound (MB) of the eval set's frozen-layer cache; 0 = off
@@ -315,6 +323,7 @@ class EvaluationConfig:
 
     def __post_init__(self) -> None:
         check_choice("evaluation.scoring", self.scoring, SCORINGS)
+        check_choice("evaluation.format", self.format, EVAL_FORMATS)
         check_int("evaluation.batch_size", self.batch_size, lo=1)
         check_number("evaluation.cache_mb", self.cache_mb, lo=0)
         if not isinstance(self.predictions, bool):

@@ -37,10 +37,9 @@ from fedlora.federation.progress import (
     Progress,
     Reporter,
     describe,  # noqa: F401  (re-exported: `fedlora run` and older callers)
+    end_reason,
     stop_before_round,
     summarize,
-    target_loss_reached,
-    target_reached,
 )
 from fedlora.federation.rundir import (
     append_metrics,
@@ -185,10 +184,7 @@ def run_rounds(
             if progress.round % cfg.training.checkpoint_every == 0:
                 checkpoint()
         else:
-            if target_reached(cfg, progress):
-                stop_reason = "target_accuracy"
-            elif target_loss_reached(cfg, progress):
-                stop_reason = "target_loss"
+            stop_reason = end_reason(cfg, progress)
     except TrainingDiverged as e:
         raise TrainingDiverged(
             f"{e}. The run stopped; its last good checkpoint is kept in {run_dir / 'checkpoints'}"

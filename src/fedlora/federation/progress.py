@@ -31,6 +31,11 @@ class Progress:
     last_eval_loss: float | None = None
     best_eval_loss: float | None = None
     time_to_target_loss_s: float | None = None
+    initial_mc_loss: float | None = None  # mean over tasks of mc_loss (issue 20)
+    last_mc_loss: float | None = None
+    best_mc_loss: float | None = None
+    time_to_target_mc_loss_s: float | None = None
+    train_lengths: dict[str, Any] | None = None  # harness: training tokens p50/p99, dropped
     initial_eval: dict[str, Any] | None = None  # per task: accuracy, ci95, n, majority, ...
     last_eval: dict[str, Any] | None = None
     # where training's clock started: a calibration's simulated time (0 without one); the
@@ -61,6 +66,7 @@ class Reporter:
             "clock": f"{progress.sim_time_s:.0f}s",
             "loss": "-" if line["train_loss"] is None else f"{line['train_loss']:.3f}",
             "acc": "-" if acc is None else f"{acc:.3f}",
+            "mc_loss": "-" if progress.last_mc_loss is None else f"{progress.last_mc_loss:.3f}",
         }
         if self.bar is not None:
             self.bar.set_postfix(text, refresh=False)
@@ -83,6 +89,8 @@ def stop_before_round(cfg: ExperimentConfig, progress: Progress) -> str | None:
         return "target_accuracy"
     if target_loss_reached(cfg, progress):
         return "target_loss"
+    if target_mc_loss_reached(cfg, progress):
+        return "target_mc_loss"
     budget = cfg.training.time_budget_s
     if budget and progress.sim_time_s >= budget:
         return "time_budget"
@@ -99,6 +107,24 @@ def target_loss_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
     return (
         bool(target) and progress.last_eval_loss is not None and progress.last_eval_loss <= target
     )
+
+
+def target_mc_loss_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
+    target = cfg.training.target_mc_loss
+    return bool(target) and progress.last_mc_loss is not None and progress.last_mc_loss <= target
+
+
+def end_reason(cfg: ExperimentConfig, progress: Progress) -> str:
+    """The stop reason of a run that used all its rounds: a target its last evaluation
+    reached, else max_rounds."""
+    for reason, reached in (
+        ("target_accuracy", target_reached),
+        ("target_loss", target_loss_reached),
+        ("target_mc_loss", target_mc_loss_reached),
+    ):
+        if reached(cfg, progress):
+            return reason
+    return "max_rounds"
 
 
 def summarize(
@@ -123,6 +149,12 @@ def summarize(
         "best_eval_loss": progress.best_eval_loss,
         "target_loss": cfg.training.target_loss or None,
         "time_to_target_loss_s": progress.time_to_target_loss_s,
+        "initial_mc_loss": progress.initial_mc_loss,
+        "final_mc_loss": progress.last_mc_loss,
+        "best_mc_loss": progress.best_mc_loss,
+        "target_mc_loss": cfg.training.target_mc_loss or None,
+        "time_to_target_mc_loss_s": progress.time_to_target_mc_loss_s,
+        "train_lengths": progress.train_lengths,
         "initial_eval": progress.initial_eval,
         "final_eval": progress.last_eval,
         "wall_s": time.perf_counter() - wall_start,
@@ -154,28 +186,58 @@ def describe(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def describe_eval(summary: dict[str, Any]) -> list[str]:
-    """Per eval task: accuracy before -> after with 95% Wilson intervals beside the
-    most-frequent-label and chance scores; eval_loss before -> after (and its target)."""
+def _known(x: Any) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
 
-    def acc(d: dict[str, Any]) -> str:
-        lo, hi = d["ci95"]
-        return f"{100 * d['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+def describe_eval(summary: dict[str, Any]) -> list[str]:
+    """Per eval task: accuracy (and acc_norm in the harness format) before -> after with 95%
+    Wilson intervals beside the most-frequent-label and chance scores; mc_loss before ->
+    after with its interval and chance; eval_loss before -> after; the targets."""
+
+    def acc(d: dict[str, Any], key: str = "accuracy", ci: str = "ci95") -> str:
+        lo, hi = d[ci]
+        return f"{100 * d[key]:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+    def mc(d: dict[str, Any]) -> str:
+        lo, hi = d["mc_loss_ci95"]
+        return f"{d['mc_loss']:.4f} [{lo:.4f}, {hi:.4f}]"
+
+    def norm(d: dict[str, Any]) -> str:
+        return acc(d, "acc_norm", "acc_norm_ci95")
+
+    def loss(d: dict[str, Any]) -> str:
+        return f"{d['loss']:.4f}"
+
+    def change(b: dict[str, Any] | None, d: dict[str, Any], show: Any, key: str = "loss") -> str:
+        return f"{show(b)} -> {show(d)}" if b and _known(b.get(key)) else show(d)
 
     before, after = summary.get("initial_eval") or {}, summary.get("final_eval") or {}
     lines = []
+    if summary.get("train_lengths"):
+        t = summary["train_lengths"]
+        lines.append(
+            f"training examples (harness format): {t['n'] - t['dropped']} of {t['n']} "
+            f"(dropped {t['dropped']} > {t['max_len']} tokens); tokens p99 {t['p99']:.0f}"
+        )
     for task, d in after.items():
         b = before.get(task)
-        loss_before = f"{b['loss']:.4f} -> " if b else ""
-        lines.append(
-            f"{task} (n = {d['n']}): accuracy {acc(b) + ' -> ' if b else ''}{acc(d)}; "
-            f"most-frequent label {100 * d['majority']:.1f}%, chance {100 * d['chance']:.1f}%; "
-            f"eval_loss {loss_before}{d['loss']:.4f}"
+        fmt = d.get("format", "llm-adapters")
+        text = (
+            f"{task} (n = {d['n']}) in the {fmt} format: accuracy {change(b, d, acc, 'accuracy')}"
         )
-    if summary.get("target_loss"):
-        ttl = summary.get("time_to_target_loss_s")
-        lines.append(
-            f"time to eval_loss <= {summary['target_loss']:g}: "
-            + ("not reached" if ttl is None else f"{ttl:.1f} s")
-        )
+        if _known(d.get("acc_norm")):
+            text += f"; acc_norm {change(b, d, norm, 'acc_norm')}"
+        text += f"; most-frequent label {100 * d['majority']:.1f}%, chance {100 * d['chance']:.1f}%"
+        if _known(d.get("mc_loss")):
+            text += f"; mc_loss {change(b, d, mc, 'mc_loss')} (chance {d['mc_chance']:.4f})"
+        text += f"; eval_loss {change(b, d, loss)}"
+        lines.append(text)
+    for key, name in (("loss", "eval_loss"), ("mc_loss", "mc_loss")):
+        if summary.get(f"target_{key}"):
+            ttl = summary.get(f"time_to_target_{key}_s")
+            lines.append(
+                f"time to {name} <= {summary[f'target_{key}']:g}: "
+                + ("not reached" if ttl is None else f"{ttl:.1f} s")
+            )
     return lines

@@ -285,6 +285,7 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
 LEGACY_DEFAULTS = {
     ("data", "response"): "label",
     ("evaluation", "scoring"): "label",
+    ("evaluation", "format"): "llm-adapters",  # issue 20
     ("training", "sketch_step"): "paper",
 }
 

@@ -4,7 +4,7 @@ partitioned data, the client profiles and the method; built once from the config
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +58,28 @@ def load_trainable(
         progress=progress,
         device=cfg.model.device,
     )
+    # evaluation.format = auto: harness below 3B parameters (fedlora.llm.harness)
+    from fedlora.llm.harness import resolve_eval_format
+
+    n_params = sum(p.numel() for p in model.parameters())
+    tasks = [
+        *cfg.data.tasks,
+        *cfg.data.eval_tasks,
+        *(Path(f).parent.name for f in cfg.data.task_files),
+    ]
+    fmt = resolve_eval_format(cfg.evaluation.format, n_params, tasks)
+    cfg = cfg.replace(evaluation=replace(cfg.evaluation, format=fmt))
     lora = inject_lora(model, cfg.lora, slots=slots, seed=derive_seed(cfg.training.seed, "init"))
-    fed = build_federated_data(cfg.data, tokenizer, seed=cfg.training.seed)
+    fed = build_federated_data(cfg.data, tokenizer, seed=cfg.training.seed, fmt=fmt)
+    if log is not None:
+        log(f"evaluation.format: {fmt} ({n_params / 1e6:.0f}M parameters)")
+        if fed.lengths is not None:
+            log(fed.lengths.describe())
+        elif fed.train.cut:
+            log(
+                f"training examples (llm-adapters format): {fed.train.cut} of {len(fed.train)} "
+                f"prompts cut from the left to data.max_seq_len = {cfg.data.max_seq_len} tokens"
+            )
     return cfg, model, tokenizer, lora, fed
 
 

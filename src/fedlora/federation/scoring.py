@@ -1,9 +1,11 @@
-"""Evaluation of the global adapter during a run: accuracy and loss per eval task, the
-metrics-line fields they give, and the per-question predictions file."""
+"""Evaluation of the global adapter during a run: accuracy, eval_loss and mc_loss per eval
+task (in the run's evaluation.format), the metrics-line fields they give, and the
+per-question predictions file."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
             scoring=ecfg.scoring,
             task=task,
             cache=cache,
+            fmt=run.fed.fmt,  # the format the run trains in (evaluation.format, resolved)
         )
         for task, examples in run.fed.eval_sets.items()
     }
@@ -63,6 +66,8 @@ def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) 
             "pred": r.predictions,
             "correct": [int(c) for c in r.correct],
             "nll": [round(x, 6) for x in r.nll],
+            "mc_loss": [round(x, 6) for x in r.mc],
+            "format": r.fmt,
         }
         kept.append(json.dumps(line))
     atomic_write(path, "".join(line + "\n" for line in kept).encode())
@@ -81,6 +86,16 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
     target = run.cfg.training.target_loss
     if target and loss <= target and progress.time_to_target_loss_s is None:
         progress.time_to_target_loss_s = progress.sim_time_s
+    mc = mean_over_tasks({t: r.mc_loss for t, r in results.items()})
+    if progress.initial_mc_loss is None:
+        progress.initial_mc_loss = mc
+        lengths = getattr(run.fed, "lengths", None)
+        progress.train_lengths = None if lengths is None else dict(lengths.__dict__)
+    progress.last_mc_loss = mc
+    progress.best_mc_loss = mc if progress.best_mc_loss is None else min(progress.best_mc_loss, mc)
+    target = run.cfg.training.target_mc_loss
+    if target and mc <= target and progress.time_to_target_mc_loss_s is None:
+        progress.time_to_target_mc_loss_s = progress.sim_time_s
     details = {
         t: {
             "accuracy": r.accuracy,
@@ -90,6 +105,12 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
             "chance": r.chance,
             "loss": r.loss,
             "loss_ci95": list(r.loss_ci95),
+            "acc_norm": _or_none(r.acc_norm),  # None in the llm-adapters format
+            "acc_norm_ci95": [_or_none(x) for x in r.acc_norm_ci95],
+            "mc_loss": r.mc_loss,
+            "mc_loss_ci95": list(r.mc_loss_ci95),
+            "mc_chance": r.mc_chance,
+            "format": r.fmt,
         }
         for t, r in results.items()
     }
@@ -105,8 +126,19 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
         "eval_n": {t: r.n for t, r in results.items()},
         "eval_majority": {t: r.majority for t, r in results.items()},
         "eval_chance": {t: r.chance for t, r in results.items()},
-        "eval_scoring": run.cfg.evaluation.scoring,
+        "eval_scoring": next(iter(results.values())).scoring,  # acc with harness
+        "eval_format": run.fed.fmt,
+        "eval_acc_norm": {t: _or_none(r.acc_norm) for t, r in results.items()},
+        "eval_mc_loss": mc,
+        "eval_mc_losses": {t: r.mc_loss for t, r in results.items()},
+        "eval_mc_loss_ci95": {t: list(r.mc_loss_ci95) for t, r in results.items()},
+        "eval_mc_chance": {t: r.mc_chance for t, r in results.items()},
     }
+
+
+def _or_none(x: float) -> float | None:
+    """NaN (a metric the format does not define) as JSON null."""
+    return None if math.isnan(x) else x
 
 
 def mean_over_tasks(values: dict[str, float]) -> float:

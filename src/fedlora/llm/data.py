@@ -154,6 +154,8 @@ class FederatedData:
     client_indices: list[np.ndarray]
     a: np.ndarray  # a_n = |D_n| / |D|
     eval_sets: dict[str, list[Example]]
+    fmt: str = "llm-adapters"  # the training (and evaluation) format: harness | llm-adapters
+    lengths: Any = None  # harness: its `LengthReport` (p50/p99 tokens, examples dropped)
 
 
 def partition_keys(examples: Sequence[Example], key: str) -> list[str]:
@@ -178,10 +180,31 @@ def load_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
     }
 
 
-def build_federated_data(cfg: DataConfig, tokenizer: Any, seed: int) -> FederatedData:
-    """Training mix -> tokens -> Dirichlet partition over `cfg.n_clients`; plus eval sets."""
+def build_federated_data(
+    cfg: DataConfig, tokenizer: Any, seed: int, fmt: str = "llm-adapters"
+) -> FederatedData:
+    """Training mix -> tokens -> Dirichlet partition over `cfg.n_clients`; plus eval sets.
+
+    `fmt` (evaluation.format, resolved): ``llm-adapters`` trains on the LLM-Adapters prompt
+    and `cfg.response` (prompts cut from the left to `cfg.max_seq_len`); ``harness`` on the
+    task's lm-eval context and correct continuation, dropping (never cutting) examples
+    longer than `cfg.max_seq_len` (`fedlora.llm.harness.tokenize_harness`)."""
     examples = training_mix(cfg, seed)
-    train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
+    lengths = None
+    if fmt == "harness":
+        from fedlora.llm.harness import tokenize_harness
+
+        train, kept, lengths = tokenize_harness(examples, tokenizer, cfg.max_seq_len)
+        examples = [examples[i] for i in kept]
+        if not examples:
+            raise DataError(
+                f"data.max_seq_len = {cfg.max_seq_len}: every training example is longer "
+                f"({lengths.describe()})"
+            )
+    elif fmt == "llm-adapters":
+        train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
+    else:
+        raise DataError(f"evaluation.format = {fmt!r} is invalid: allowed: harness, llm-adapters")
     clients = dirichlet_partition(
         partition_keys(examples, cfg.partition_key),
         cfg.n_clients,
@@ -190,7 +213,13 @@ def build_federated_data(cfg: DataConfig, tokenizer: Any, seed: int) -> Federate
         stream_rng(seed, "partition"),
     )
     return FederatedData(
-        train, examples, clients, client_weights(clients), load_eval_sets(cfg, seed)
+        train,
+        examples,
+        clients,
+        client_weights(clients),
+        load_eval_sets(cfg, seed),
+        fmt=fmt,
+        lengths=lengths,
     )
 
 

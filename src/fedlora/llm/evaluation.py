@@ -10,6 +10,15 @@ yes/no tasks score the label words themselves). ``scoring="option_norm"`` divide
 summed log-probability by the option text's length in characters (lm-evaluation-harness's
 ``acc_norm``), so long options are not penalised for their length.
 
+``evaluation.format = "harness"`` (`evaluate(fmt="harness")`) scores lm-evaluation-harness's
+zero-shot requests instead (`fedlora.llm.harness`): ``accuracy`` is lm-eval's ``acc`` (the
+primary metric: the first metric of every lm-eval task, and the only one of social_iqa,
+winogrande and boolq), ``acc_norm`` is reported beside it.
+
+``mc_loss`` (both formats): per question, −log softmax over the options' arg-max scores of the
+correct option's, averaged over the questions (chance: the mean of ln n_options); it falls only
+as the correct option gains on the others.
+
 ``eval_loss`` (the low-noise metric a small model can move): per question, the mean negative
 log-likelihood of the correct candidate's *discriminative* tokens (its scored tokens after the
 token prefix all candidates share: ``1`` of `` answer1``, all of an option's text), averaged
@@ -36,6 +45,14 @@ import numpy as np
 
 from fedlora.config import SCORINGS
 from fedlora.errors import DataError
+from fedlora.llm.harness import (
+    HarnessRequest,
+    acc_norm_pred,
+    acc_pred,
+    encode_pair,
+    harness_request,
+    mc_loss,
+)
 from fedlora.llm.prompts import encode_continuation, encode_prompt, format_prompt, parse_options
 from fedlora.llm.scoring import Item, token_logprobs
 from fedlora.llm.tasks import RESPONSE_PREFIX, Example
@@ -59,6 +76,13 @@ class EvalResult:
     predictions: list[int] = field(default_factory=list)  # index of the predicted label
     correct: list[bool] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)  # per question, mean over its tokens
+    fmt: str = "llm-adapters"  # evaluation.format: harness | llm-adapters
+    acc_norm: float = math.nan  # harness: lm-eval's acc_norm (accuracy is its acc)
+    acc_norm_ci95: tuple[float, float] = (math.nan, math.nan)
+    mc_loss: float = math.nan  # mean −log softmax(option scores)[correct]
+    mc_loss_ci95: tuple[float, float] = (math.nan, math.nan)  # normal interval over questions
+    mc_chance: float = math.nan  # mc_loss of equal scores: mean ln(n_options)
+    mc: list[float] = field(default_factory=list)  # per question
 
 
 def question_id(ex: Example) -> str:
@@ -210,6 +234,35 @@ def candidate_logprobs(
     return [candidate_scores(ex, t, scoring) for ex, t in zip(examples, lps)]
 
 
+def mean_interval(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
+    """The mean of per-question values and its normal 95% interval (nan for one question)."""
+    n = len(values)
+    mean = float(np.mean(values))
+    half = Z95 * float(np.std(values, ddof=1)) / math.sqrt(n) if n > 1 else math.nan
+    return mean, (mean - half, mean + half)
+
+
+def harness_items(
+    requests: Sequence[HarnessRequest], tokenizer: Any
+) -> tuple[list[Item], list[list[tuple[int, int]]]]:
+    """Scoring items of lm-eval requests (tokens as lm-eval's `encode_pair`): one item per
+    question whose options share the context, one per option otherwise (winogrande); and per
+    question, per option, its (item, candidate) position."""
+    items: list[Item] = []
+    where: list[list[tuple[int, int]]] = []
+    for req in requests:
+        pairs = [encode_pair(tokenizer, c, t) for c, t in req.pairs]
+        if req.shared_context:
+            items.append((pairs[0][0], [cont for _, cont in pairs]))
+            where.append([(len(items) - 1, j) for j in range(len(pairs))])
+        else:
+            where.append([])
+            for ctx, cont in pairs:
+                items.append((ctx, [cont]))
+                where[-1].append((len(items) - 1, 0))
+    return items, where
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
@@ -219,28 +272,52 @@ def evaluate(
     scoring: str = "label",
     task: str = "",
     cache: Any = None,
+    fmt: str = "llm-adapters",
 ) -> EvalResult:
-    """Accuracy of the arg-max label (ties -> first) with its 95% Wilson interval, eval_loss,
-    the majority-label and chance scores, and the per-question predictions. `cache`: see
-    `eval_cache_for` (same results, later evaluations of the same questions faster)."""
+    """Accuracy of the arg-max option (ties -> first) with its 95% Wilson interval, eval_loss,
+    mc_loss, the majority-label and chance scores, and the per-question predictions. `fmt`:
+    ``llm-adapters`` (the LLM-Adapters prompt, `scoring`) or ``harness`` (lm-eval's requests;
+    accuracy = acc, acc_norm beside it; `scoring` unused). `cache`: see `eval_cache_for`
+    (same results, later evaluations of the same questions faster)."""
     if not examples:
         raise DataError(f"task {task!r}: no examples to evaluate")
     _check_args(scoring, batch_size)
+    if fmt not in ("llm-adapters", "harness"):
+        raise DataError(f"evaluation.format = {fmt!r} is invalid: allowed: harness, llm-adapters")
     t0 = time.perf_counter()
-    items = scoring_items(examples, tokenizer, scoring)
+    requests = [harness_request(ex) for ex in examples] if fmt == "harness" else []
+    if fmt == "harness":
+        items, where = harness_items(requests, tokenizer)
+    else:
+        items = scoring_items(examples, tokenizer, scoring)
+        where = [[(q, j) for j in range(len(ex.labels))] for q, ex in enumerate(examples)]
     lps = token_logprobs(
         model, tokenizer, items, batch_size=batch_size, share_prompt=True, cache=cache
     )
-    preds, correct, nll = [], [], []
-    for ex, (_, tails), tok_lps in zip(examples, items, lps):
-        pred = int(np.argmax(candidate_scores(ex, tok_lps, scoring)))
+    preds, correct, nll, mc, norm_correct = [], [], [], [], []
+    for q, ex in enumerate(examples):
+        tok_lps = [lps[i][j] for i, j in where[q]]  # per option
+        if fmt == "harness":
+            req = requests[q]
+            gold = req.gold
+            scores = np.array([float(np.sum(t)) for t in tok_lps])
+            pred = acc_pred(scores)
+            norm_correct.append(acc_norm_pred(scores, req.choices) == gold)
+            tails = [items[i][1][j] for i, j in where[q]]
+            start = discriminative_start(tails) if req.shared_context else 0
+        else:
+            gold = ex.labels.index(ex.answer)
+            scores = candidate_scores(ex, tok_lps, scoring)
+            pred = int(np.argmax(scores))
+            start = discriminative_start(items[q][1])
         preds.append(pred)
-        correct.append(ex.labels[pred] == ex.answer)
-        gold = ex.labels.index(ex.answer)
-        nll.append(-float(np.mean(tok_lps[gold][discriminative_start(tails) :])))
+        correct.append(pred == gold)
+        mc.append(mc_loss(scores, gold))
+        nll.append(-float(np.mean(tok_lps[gold][start:])))
     n = len(examples)
-    loss = float(np.mean(nll))
-    half = Z95 * float(np.std(nll, ddof=1)) / math.sqrt(n) if n > 1 else math.nan
+    loss, loss_ci = mean_interval(nll)
+    mc_mean, mc_ci = mean_interval(mc)
+    acc_norm = sum(norm_correct) / n if norm_correct else math.nan
     return EvalResult(
         task=task or examples[0].task,
         accuracy=sum(correct) / n,
@@ -248,12 +325,21 @@ def evaluate(
         ci95=wilson_interval(sum(correct), n),
         seconds=time.perf_counter() - t0,
         loss=loss,
-        loss_ci95=(loss - half, loss + half),
+        loss_ci95=loss_ci,
         majority=majority_score(examples),
         chance=chance_score(examples),
-        scoring=scoring,
+        scoring="acc" if fmt == "harness" else scoring,
         ids=[question_id(ex) for ex in examples],
         predictions=preds,
         correct=correct,
         nll=nll,
+        fmt=fmt,
+        acc_norm=acc_norm,
+        acc_norm_ci95=(
+            wilson_interval(sum(norm_correct), n) if norm_correct else (math.nan, math.nan)
+        ),
+        mc_loss=mc_mean,
+        mc_loss_ci95=mc_ci,
+        mc_chance=float(np.mean([math.log(len(w)) for w in where])),
+        mc=mc,
     )

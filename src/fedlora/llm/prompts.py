@@ -69,6 +69,7 @@ class TokenizedSet:
 
     input_ids: list[np.ndarray]
     labels: list[np.ndarray]
+    cut: int = 0  # examples whose prompt lost tokens to max_len (LLM-Adapters format)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -135,13 +136,14 @@ def tokenize_examples(
         raise DataError(f"max_len = {max_len!r} is invalid: must be >= 2")
     eos = getattr(tokenizer, "eos_token_id", None)
     bos = getattr(tokenizer, "bos_token_id", None)
-    ids_out, labels_out = [], []
+    ids_out, labels_out, cut = [], [], 0
     for ex in examples:
         prompt = encode_prompt(tokenizer, format_prompt(ex))
         target = _encode(tokenizer, response_text(ex, response), False)
         target = (target + ([eos] if eos is not None else []))[:max_len]
         room = max_len - len(target)
         if len(prompt) > room:
+            cut += 1
             if room == 0:
                 prompt = []
             elif bos is not None and prompt[0] == bos:
@@ -153,7 +155,7 @@ def tokenize_examples(
         labels[: len(prompt)] = IGNORE_INDEX
         ids_out.append(ids)
         labels_out.append(labels)
-    return TokenizedSet(ids_out, labels_out)
+    return TokenizedSet(ids_out, labels_out, cut)
 
 
 def collate(ts: TokenizedSet, idx: Sequence[int], pad_id: int) -> dict[str, torch.Tensor]:

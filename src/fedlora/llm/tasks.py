@@ -250,8 +250,13 @@ def convert_hub_record(task: str, rec: dict[str, Any]) -> Example:
         )
         opts = [rec["option1"], rec["option2"]]
         return _mc_example(task, head, opts, int(rec["answer"]) - 1, "option")
-    if task == "hellaswag":
-        head = f"Please choose the correct ending to complete the given sentence: {rec['ctx']}"
+    if task == "hellaswag":  # LLM-Adapters: "{activity_label}: {ctx}"; ctx_b capitalised as
+        ctx = rec["ctx"]  # lm-eval does, so that the harness format reads its exact context
+        if "ctx_a" in rec and "ctx_b" in rec:
+            ctx = f"{rec['ctx_a']} {rec['ctx_b'].capitalize()}".strip()
+        if rec.get("activity_label"):
+            ctx = f"{rec['activity_label']}: {ctx}"
+        head = f"Please choose the correct ending to complete the given sentence: {ctx}"
         return _mc_example(task, head, rec["endings"], int(rec["label"]), "ending")
     check_task(task)
     raise DataError(f"task {task!r} has no hub converter")  # pragma: no cover

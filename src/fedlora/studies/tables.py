@@ -160,12 +160,20 @@ def baseline_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
             for task, acc in line["eval"].items():
                 lo, hi = line["eval_ci95"][task]
                 loss = (line.get("eval_losses") or {}).get(task)
+                mc = (line.get("eval_mc_losses") or {}).get(task)
+                mc_text = "-"
+                if mc is not None and not math.isnan(mc):
+                    mlo, mhi = line["eval_mc_loss_ci95"][task]
+                    mc_text = (
+                        f"{mc:.4f} [{mlo:.4f}, {mhi:.4f}] ({line['eval_mc_chance'][task]:.3f})"
+                    )
                 rows.append(
                     f"| {label} | {r.seed} | {task} | {line.get('round', '-')} | "
                     f"{100 * acc:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] | "
                     f"{100 * line['eval_majority'][task]:.1f}% | "
                     f"{100 * line['eval_chance'][task]:.1f}% | "
-                    f"{'-' if loss is None else f'{loss:.4f}'} | {line['eval_n'][task]} |"
+                    f"{mc_text} | {'-' if loss is None else f'{loss:.4f}'} | "
+                    f"{line['eval_n'][task]} |"
                 )
     if not rows:
         return []
@@ -175,11 +183,13 @@ def baseline_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
         "",
         "Accuracy with its 95% Wilson interval beside the score of always answering the most "
         "frequent label of the same questions and chance: an accuracy shows learning only "
-        "when its interval lies above both.",
+        "when its interval lies above both. mc_loss: −log softmax over the options' scores of "
+        "the correct one, with its 95% interval and (chance, ln n_options); it falls only as "
+        "the correct option gains on the others.",
         "",
         "| method | seed | task | round | accuracy [95%] | most-frequent label | chance | "
-        "eval_loss | n |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "mc_loss [95%] (chance) | eval_loss | n |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

@@ -1,0 +1,309 @@
+"""lm-evaluation-harness's zero-shot task definitions, rebuilt from LLM-Adapters records.
+
+lm-evaluation-harness (0.4.x) scores a multiple-choice question as a set of
+(context, continuation) requests: the summed log-likelihood of each continuation's tokens
+after its context. For every task fedlora reads, this module gives the same strings:
+
+    task (fedlora / lm-eval)        context                         continuations
+    arc-e, arc-c / arc_easy, ...    "Question: {question}\\nAnswer:"  " {option}"
+    obqa / openbookqa               "{question_stem}"                " {option}"
+    piqa / piqa                     "Question: {goal}\\nAnswer:"      " {solution}"
+    siqa / social_iqa               "Q: {context} {question}\\nA:"    " {answer}"
+    hellaswag / hellaswag           preprocess("{label}: {ctx}")     " " + preprocess(ending)
+    winogrande / winogrande         sentence[:blank] + option        " " + sentence after blank
+    boolq / boolq                   "Question: {question}?\\nAnswer:" " no", " yes"
+
+(target_delimiter " "; no few-shot examples, no description, no BOS.) Winogrande is
+"partial scoring": the context varies per option and the continuation is the shared tail.
+LLM-Adapters' BoolQ records carry no passage, so fedlora's BoolQ context is lm-eval's
+template without its ``{passage}\\n`` line (docs/data.md lists each field's source).
+
+The metrics are lm-eval's: ``acc`` is the arg-max of the summed log-likelihoods (ties: the
+first), ``acc_norm`` the arg-max of the log-likelihood divided by the length in characters of
+lm-eval's *choice* string (the option text without the leading delimiter; for winogrande the
+per-option context). ``mc_loss`` is −log softmax over the options' scores of the gold one
+(chance: ln n_options).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedlora.errors import DataError
+from fedlora.llm.prompts import IGNORE_INDEX, TokenizedSet, parse_options
+from fedlora.llm.tasks import TASK_FOLDERS, Example
+
+TARGET_DELIMITER = " "  # lm-eval's default target_delimiter
+# evaluation.format = "auto": harness below this many parameters (a small model answers the
+# cloze form near its published score, the LLM-Adapters prompt near chance), else llm-adapters
+HARNESS_MAX_PARAMS = 3_000_000_000
+
+# fedlora task -> lm-eval task name
+HARNESS_TASKS: dict[str, str] = {
+    "arc-e": "arc_easy",
+    "arc-c": "arc_challenge",
+    "obqa": "openbookqa",
+    "piqa": "piqa",
+    "siqa": "social_iqa",
+    "winogrande": "winogrande",
+    "hellaswag": "hellaswag",
+    "boolq": "boolq",
+}
+_FOLDER_TASKS = {folder: task for task, folder in TASK_FOLDERS.items()}
+
+# the lead-in LLM-Adapters writes before the question, per task
+_LEAD_INS: dict[str, str] = {
+    "arc-e": "Please choose the correct answer to the question:",
+    "arc-c": "Please choose the correct answer to the question:",
+    "obqa": "Please choose the correct answer to the question:",
+    "siqa": "Please choose the correct answer to the question:",
+    "piqa": "Please choose the correct solution to the question:",
+    "winogrande": (
+        "Please choose the correct answer to fill in the blank to complete the given sentence:"
+    ),
+    "hellaswag": "Please choose the correct ending to complete the given sentence:",
+    "boolq": "Please answer the following question with true or false, question:",
+}
+
+
+@dataclass(frozen=True)
+class HarnessRequest:
+    """One question as lm-eval's loglikelihood requests: option i is scored as the
+    continuation ``continuations[i]`` after ``contexts[i]``. ``choices[i]`` is lm-eval's
+    choice string (its length in characters normalises ``acc_norm``); ``gold`` indexes them."""
+
+    task: str  # the lm-eval task name
+    contexts: tuple[str, ...]
+    continuations: tuple[str, ...]
+    choices: tuple[str, ...]
+    gold: int
+
+    def __post_init__(self) -> None:
+        n = len(self.choices)
+        if n < 2 or len(self.contexts) != n or len(self.continuations) != n:
+            raise DataError(
+                f"{self.task}: a request needs >= 2 options with one context and continuation "
+                f"each, got {len(self.contexts)} contexts, {len(self.continuations)} "
+                f"continuations, {n} choices"
+            )
+        if not 0 <= self.gold < n:
+            raise DataError(f"{self.task}: gold = {self.gold} is not in 0..{n - 1}")
+
+    @property
+    def shared_context(self) -> bool:
+        """Whether every option has the same context (all tasks but winogrande)."""
+        return len(set(self.contexts)) == 1
+
+    @property
+    def context(self) -> str:
+        """The context all options share (raises for winogrande's per-option contexts)."""
+        if not self.shared_context:
+            raise ValueError(f"{self.task}: the options have different contexts")
+        return self.contexts[0]
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        """(context, continuation) per option: lm-eval's loglikelihood requests."""
+        return list(zip(self.contexts, self.continuations))
+
+
+def harness_task(task: str) -> str:
+    """The lm-eval task name of a fedlora task (or of its LLM-Adapters folder name)."""
+    key = _FOLDER_TASKS.get(task, task)
+    if key not in HARNESS_TASKS:
+        raise DataError(
+            f"task {task!r} has no lm-evaluation-harness definition: evaluation.format = "
+            f"'harness' supports {', '.join(HARNESS_TASKS)}; use evaluation.format = "
+            "'llm-adapters' for other task files"
+        )
+    return key
+
+
+def _question(ex: Example, task: str) -> str:
+    """The text between LLM-Adapters' lead-in and the first option marker / answer format."""
+    text = ex.instruction
+    lead = _LEAD_INS[task]
+    if not text.startswith(lead):
+        raise DataError(
+            f"task {ex.task!r}: instruction {text!r:.100} does not start with the LLM-Adapters "
+            f"lead-in {lead!r}"
+        )
+    stops = [m.start() for m in (re.search(r"\n?\s*Answer format:", text, re.IGNORECASE),) if m]
+    for label in ex.labels if task != "boolq" else ():
+        m = re.search(rf"(?<![A-Za-z0-9]){re.escape(label)}\s*:", text, re.IGNORECASE)
+        if m is not None:
+            stops.append(m.start())
+    question = text[len(lead) : min(stops, default=len(text))].strip()
+    if not question:
+        raise DataError(f"task {ex.task!r}: empty question in {text!r:.100}")
+    return question
+
+
+def hellaswag_preprocess(text: str) -> str:
+    """lm-eval's hellaswag text cleaning (WikiHow's bracket artifacts, double spaces)."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def _shared(task: str, context: str, choices: Sequence[str], gold: int) -> HarnessRequest:
+    conts = tuple(TARGET_DELIMITER + c for c in choices)
+    return HarnessRequest(task, (context,) * len(choices), conts, tuple(choices), gold)
+
+
+def harness_request(ex: Example) -> HarnessRequest:
+    """lm-eval's zero-shot requests for the question of `ex` (see the module docstring)."""
+    task = harness_task(ex.task)
+    name = HARNESS_TASKS[task]
+    question = _question(ex, task)
+    if task == "boolq":
+        if ex.answer not in ("true", "false"):
+            raise DataError(f"task {ex.task!r}: answer {ex.answer!r} is not true/false")
+        q = question[:-1] if question.endswith("?") else question  # LLM-Adapters added "?"
+        return _shared(name, f"Question: {q}?\nAnswer:", ("no", "yes"), int(ex.answer == "true"))
+    options = parse_options(ex)
+    gold = ex.labels.index(ex.answer)
+    if task in ("arc-e", "arc-c", "piqa"):
+        return _shared(name, f"Question: {question}\nAnswer:", options, gold)
+    if task == "obqa":
+        return _shared(name, question, options, gold)
+    if task == "siqa":  # LLM-Adapters joined "{context} {question}" with one space
+        return _shared(name, f"Q: {question}\nA:", options, gold)
+    if task == "hellaswag":
+        return _shared(
+            name,
+            hellaswag_preprocess(question),
+            [hellaswag_preprocess(o) for o in options],
+            gold,
+        )
+    # winogrande: partial scoring, the blank filled by each option, the rest scored
+    blank = question.find("_")
+    if blank < 0:
+        raise DataError(f"task {ex.task!r}: no '_' blank in sentence {question!r:.100}")
+    contexts = tuple(question[:blank] + o for o in options)
+    tail = TARGET_DELIMITER + question[blank + 1 :].strip()
+    return HarnessRequest(name, contexts, (tail,) * len(options), contexts, gold)
+
+
+def harness_training_text(ex: Example) -> tuple[str, str]:
+    """(context, continuation) of the correct option: what a harness-format training example
+    reads (the loss on the continuation and EOS)."""
+    req = harness_request(ex)
+    return req.contexts[req.gold], req.continuations[req.gold]
+
+
+def resolve_eval_format(fmt: str, n_params: int, tasks: Sequence[str] = ()) -> str:
+    """evaluation.format made concrete: ``auto`` is ``harness`` for a model of fewer than
+    `HARNESS_MAX_PARAMS` parameters whose `tasks` (training and eval) all have an lm-eval
+    definition, else ``llm-adapters`` (the paper's protocol)."""
+    if fmt == "auto":
+        known = all(_FOLDER_TASKS.get(t, t) in HARNESS_TASKS for t in tasks)
+        return "harness" if n_params < HARNESS_MAX_PARAMS and known else "llm-adapters"
+    if fmt not in ("harness", "llm-adapters"):
+        raise DataError(
+            f"evaluation.format = {fmt!r} is invalid: allowed: auto, harness, llm-adapters"
+        )
+    return fmt
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text)["input_ids"])  # the tokenizer's own special tokens, as lm-eval
+
+
+def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's tokens of one request (HFLM ``_encode_pair``): trailing spaces of the context
+    move to the continuation; the context's tokens alone, then the tokens of the whole string
+    after as many tokens as the context has."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    ctx = _ids(tokenizer, context)
+    return ctx, _ids(tokenizer, context + continuation)[len(ctx) :]
+
+
+@dataclass(frozen=True)
+class LengthReport:
+    """Token lengths of the harness-format training examples (context + continuation + EOS)
+    and how many were dropped for exceeding ``data.max_seq_len`` (none is ever cut)."""
+
+    n: int
+    dropped: int
+    max_len: int
+    p50: float
+    p99: float
+    longest: int
+
+    def describe(self) -> str:
+        return (
+            f"training examples (harness format): {self.n - self.dropped} of {self.n} kept, "
+            f"{self.dropped} dropped (longer than data.max_seq_len = {self.max_len} tokens; "
+            f"none is cut); tokens p50 {self.p50:.0f}, p99 {self.p99:.0f}, max {self.longest}"
+        )
+
+
+def tokenize_harness(
+    examples: Sequence[Example], tokenizer: Any, max_len: int
+) -> tuple[TokenizedSet, list[int], LengthReport]:
+    """Training in the format evaluated in: the task's context and the correct continuation
+    (lm-eval's tokens, `encode_pair`) and EOS; loss on the continuation and EOS only.
+    An example longer than `max_len` is dropped, never cut. Returns the tokenized set, the
+    indices in `examples` it kept, and the length report."""
+    if max_len < 2:
+        raise DataError(f"max_len = {max_len!r} is invalid: must be >= 2")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids_out, labels_out, kept, lengths = [], [], [], []
+    for i, ex in enumerate(examples):
+        ctx, cont = encode_pair(tokenizer, *harness_training_text(ex))
+        target = cont + ([eos] if eos is not None else [])
+        lengths.append(len(ctx) + len(target))
+        if lengths[-1] > max_len:
+            continue
+        ids = np.asarray(ctx + target, dtype=np.int64)
+        labels = ids.copy()
+        labels[: len(ctx)] = IGNORE_INDEX
+        ids_out.append(ids)
+        labels_out.append(labels)
+        kept.append(i)
+    lens = np.asarray(lengths or [0], dtype=np.float64)
+    report = LengthReport(
+        n=len(examples),
+        dropped=len(examples) - len(kept),
+        max_len=max_len,
+        p50=float(np.percentile(lens, 50)),
+        p99=float(np.percentile(lens, 99)),
+        longest=int(lens.max()),
+    )
+    return TokenizedSet(ids_out, labels_out), kept, report
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def acc_pred(logliks: Sequence[float]) -> int:
+    """lm-eval's ``acc`` prediction: the arg-max of the summed log-likelihoods (ties: first)."""
+    return int(np.argmax(np.asarray(logliks, dtype=np.float64)))
+
+
+def acc_norm_pred(logliks: Sequence[float], choices: Sequence[str]) -> int:
+    """lm-eval's ``acc_norm`` prediction: arg-max of loglik / len(choice) in characters."""
+    lens = np.array([float(len(c)) for c in choices])
+    if len(lens) != len(logliks) or np.any(lens == 0):
+        raise DataError(f"acc_norm needs one non-empty choice per option, got {list(choices)!r}")
+    return int(np.argmax(np.asarray(logliks, dtype=np.float64) / lens))
+
+
+def mc_loss(scores: Sequence[float], gold: int) -> float:
+    """−log softmax(scores)[gold]: the loss that falls only as the gold option gains on the
+    others (ln n for equal scores)."""
+    s = np.asarray(scores, dtype=np.float64)
+    m = float(np.max(s))
+    return float(m + math.log(float(np.sum(np.exp(s - m)))) - s[gold])
