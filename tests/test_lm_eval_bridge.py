@@ -92,3 +92,54 @@ def test_lm_eval_agrees_with_fedlora(tmp_path) -> None:
         assert r.accuracy == pytest.approx(np.mean([theirs[q].acc for q in sub]))
         if task in ("arc-e", "obqa"):
             assert r.acc_norm == pytest.approx(np.mean([theirs[q].acc_norm for q in sub]))
+
+
+def _arc_file(tmp_path, folder: str = "ARC-Easy"):
+    import json
+
+    def rec(q: str, options: list[str], answer: int) -> dict[str, str]:
+        labels = [f"answer{i + 1}" for i in range(len(options))]
+        opts = " ".join(f"Answer{i + 1}: {o}" for i, o in enumerate(options))
+        return {
+            "instruction": f"Please choose the correct answer to the question: {q}\n\n{opts}"
+            f"\n\nAnswer format: {'/'.join(labels)}",
+            "input": "",
+            "output": f"the correct answer is {labels[answer]}",
+            "answer": labels[answer],
+        }
+
+    recs = [
+        rec(f"What colour is thing {i}?", ["red", "green", "deep blue"], i % 3) for i in range(6)
+    ]
+    path = tmp_path / folder / "test.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(recs))
+    return path
+
+
+def test_cli_harness_runs_lm_eval(capsys, tmp_path) -> None:
+    import json
+
+    from fedlora.cli import main
+
+    path = str(_arc_file(tmp_path))
+    base = ["eval", "--model", "tiny-llama", "--task-file", path, "--batch-size", "4", "--json"]
+    assert main([*base, "--harness"]) == 0
+    theirs = json.loads(capsys.readouterr().out)
+    assert main([*base, "--format", "harness"]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert (theirs["evaluator"], theirs["lm_eval_task"], theirs["n"]) == ("lm-eval", "arc_easy", 6)
+    assert theirs["accuracy"] == ours["accuracy"]
+    assert theirs["acc_norm"] == ours["acc_norm"]
+
+
+def test_cli_harness_bad_input_exits_2(capsys, tmp_path) -> None:
+    from fedlora.cli import main
+
+    path = str(_arc_file(tmp_path))
+    argv = ["eval", "--model", "tiny-llama", "--task-file", path, "--harness"]
+    assert main([*argv, "--format", "llm-adapters"]) == 2
+    assert "--format" in capsys.readouterr().err
+    other = str(_arc_file(tmp_path, "mytask"))
+    assert main(["eval", "--model", "tiny-llama", "--task-file", other, "--harness"]) == 2
+    assert "no lm-evaluation-harness definition" in capsys.readouterr().err
