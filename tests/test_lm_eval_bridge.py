@@ -143,3 +143,26 @@ def test_cli_harness_bad_input_exits_2(capsys, tmp_path) -> None:
     other = str(_arc_file(tmp_path, "mytask"))
     assert main(["eval", "--model", "tiny-llama", "--task-file", other, "--harness"]) == 2
     assert "no lm-evaluation-harness definition" in capsys.readouterr().err
+
+
+def test_lm_eval_on_a_peft_adapter_agrees(tmp_path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from fedlora.llm.harness import harness_request
+    from fedlora.llm.lm_eval_bridge import run_lm_eval
+    from fedlora.llm.models import load_model
+    from fedlora.llm.scoring import pair_logliks
+
+    base, tok = load_model("tiny-llama", dtype="fp32", progress=False)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model = get_peft_model(base, cfg)
+    examples = _records()[:4]
+    theirs = run_lm_eval(model, tok, examples, tmp_path / "tasks", batch_size=4)
+    for q, ex in enumerate(examples):
+        ours = pair_logliks(model, tok, harness_request(ex).pairs, batch_size=4)
+        np.testing.assert_allclose(ours, theirs[q].logliks, atol=1e-4, rtol=0)
+    plain, _ = load_model("tiny-llama", dtype="fp32", progress=False)
+    no_adapter = pair_logliks(plain, tok, harness_request(examples[0]).pairs)
+    assert np.max(np.abs(no_adapter - np.array(theirs[0].logliks))) > 1e-3  # it was applied
