@@ -1,4 +1,21 @@
-"""Evaluation inside a run: today's path against the frozen-layer eval cache, side by side.
+"""Evaluation inside a run, side by side in one process (``--mode pairs``, the default, or
+``--mode cache``).
+
+``--mode pairs``: lm-evaluation-harness's requests (evaluation.format = "harness") for the same
+questions, scored three ways by `fedlora.llm.scoring.pair_logliks`:
+
+- per-option    : one (context, continuation) request per forward, as a plain cloze scorer
+                  (and lm-eval's own loop, one request at a time) does
+- per-option b. : the same full sequences, `--batch-size` questions' requests per forward
+- shared        : each question's context once with a KV cache, then only the continuations,
+                  `--batch-size` questions per forward (what `evaluate` runs)
+
+prints questions/s of each and the speed-up (target >= 3x over per-option), and checks the
+scores are the same (max |diff| of the summed log-likelihoods, acc predictions that differ).
+
+    .venv/bin/python bench/eval.py --threads 2 --n 200
+
+``--mode cache``: today's path against the frozen-layer eval cache.
 
 With LoRA on the top K of L decoder layers, the lower L-K layers of the fixed eval set cannot
 change during a run. Runs, in one process, on the same questions and the same adapter:
@@ -33,9 +50,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", default="pairs", choices=("pairs", "cache"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="arc-e")
-    ap.add_argument("--n", type=int, default=100, help="eval questions (seeded subset)")
+    ap.add_argument("--n", type=int, default=200, help="eval questions (seeded subset)")
     ap.add_argument("--k", type=int, default=8, help="LoRA on the top K layers")
     ap.add_argument("--scoring", default="label", choices=("label", "option", "option_norm"))
     ap.add_argument("--batch-size", type=int, default=16)
@@ -55,6 +73,8 @@ def main() -> None:
         load_task(args.task, resolve_data_dir(""), "test"), args.n, stream_rng(0, "eval", args.task)
     )
     model, tok = load_model(args.model, dtype="fp32", progress=False)
+    if args.mode == "pairs":
+        return bench_pairs(model, tok, examples, args)
     n_layers = model.config.num_hidden_layers
     lora = inject_lora(model, LoraConfig(rank=16, layers=args.k), slots=1, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -112,6 +132,55 @@ def main() -> None:
     print(
         f"predictions that differ: {worst_pred}; max |eval_loss diff| per question: "
         f"{worst_nll:.2e}; cache: {cache.stats()}"
+    )
+
+
+def bench_pairs(model, tok, examples, args) -> None:
+    """--mode pairs: per-option, per-option batched and shared-context scoring of lm-eval's
+    requests on the same questions."""
+    from fedlora.llm.harness import acc_pred, harness_request
+    from fedlora.llm.scoring import pair_logliks
+
+    reqs = [harness_request(ex) for ex in examples]
+    pairs = [p for r in reqs for p in r.pairs]
+    print(
+        f"{args.model}, {args.task}, n = {len(reqs)} questions ({len(pairs)} requests), harness "
+        f"format, batch {args.batch_size}, threads {torch.get_num_threads()}, load "
+        f"{os.getloadavg()[0]:.2f}"
+    )
+    paths = {
+        "per-option": {"batch_size": 1, "share_prompt": False},
+        "per-option batched": {"batch_size": args.batch_size, "share_prompt": False},
+        "shared": {"batch_size": args.batch_size, "share_prompt": True},
+    }
+    times, scores = {}, {}
+    for name, kw in paths.items():
+        t0 = time.perf_counter()
+        scores[name] = pair_logliks(model, tok, pairs, **kw)
+        times[name] = time.perf_counter() - t0
+
+    def preds(lls: np.ndarray) -> list[int]:
+        out, k = [], 0
+        for r in reqs:
+            out.append(acc_pred(lls[k : k + len(r.pairs)]))
+            k += len(r.pairs)
+        return out
+
+    ref = scores["per-option"]
+    acc = np.mean([p == r.gold for p, r in zip(preds(ref), reqs)])
+    print("| path | seconds | questions/s | speed-up | max abs diff (nats) | acc differs |")
+    print("|---|---|---|---|---|---|")
+    for name in paths:
+        diff = float(np.max(np.abs(scores[name] - ref)))
+        differ = sum(a != b for a, b in zip(preds(scores[name]), preds(ref)))
+        print(
+            f"| {name} | {times[name]:.1f} | {len(reqs) / times[name]:.2f} | "
+            f"{times['per-option'] / times[name]:.2f}x | {diff:.1e} | {differ} |"
+        )
+    ratio = times["per-option"] / times["shared"]
+    print(
+        f"acc {acc:.4f}; shared vs per-option: {ratio:.2f}x (target >= 3x: "
+        f"{'met' if ratio >= 3 else 'NOT met'}); load now {os.getloadavg()[0]:.2f}"
     )
 
 

@@ -94,6 +94,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="where converted models are kept (default: ~/.cache/fedlora)",
     )
+    p.add_argument(
+        "--harness",
+        action="store_true",
+        help="run lm-evaluation-harness's own evaluator (its HFLM and task definitions, fed "
+        "the local records offline) instead of fedlora's scorer: the field's exact numbers; "
+        "needs pip install 'fedlora[harness]' (docs/data.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_eval)
 
@@ -118,6 +125,16 @@ def _check_args(args: argparse.Namespace) -> None:
         if not (path / "adapter_config.json").is_file():
             what = "has no adapter_config.json" if path.is_dir() else "does not exist"
             raise bad_value("--adapter", args.adapter, f"a PEFT adapter directory; this one {what}")
+    if args.harness and args.format == "llm-adapters":
+        raise bad_value("--format", args.format, "--harness runs lm-eval's format: auto or harness")
+    if args.harness:
+        from fedlora.llm.lm_eval_bridge import lm_eval_available
+
+        if not lm_eval_available():
+            raise ConfigError(
+                "--harness needs lm-evaluation-harness: pip install 'fedlora[harness]' "
+                "(lm-eval>=0.4,<0.5)"
+            )
 
 
 def _apply_adapter(model, adapter: str):
@@ -169,11 +186,18 @@ def run_eval(args: argparse.Namespace) -> int:
 
     n_params = sum(p.numel() for p in model.parameters())
     fmt = resolve_eval_format(args.format, n_params, [task])
+    if args.harness:
+        fmt = "harness"
+        from fedlora.llm.harness import harness_task
+
+        harness_task(task)  # a task lm-eval does not define: a clear error before the run
     if args.adapter is not None:
         from fedlora.llm.adapters import check_adapter
 
         check_adapter(args.adapter, model, args.model)  # base model, file and shapes
         model = _apply_adapter(model, args.adapter)
+    if args.harness:
+        return _run_lm_eval(args, model, tokenizer, examples, task)
     result = evaluate(
         model,
         tokenizer,
@@ -227,4 +251,58 @@ def run_eval(args: argparse.Namespace) -> int:
             f"{result.loss:.4f} [{args.model}{adapter}, {args.dtype} on {args.device}, format "
             f"{fmt}, scoring {result.scoring}, threads {torch.get_num_threads()}]"
         )
+    return 0
+
+
+def _run_lm_eval(args: argparse.Namespace, model, tokenizer, examples, task: str) -> int:
+    """`fedlora eval --harness`: lm-eval's `simple_evaluate` on the records (offline)."""
+    import tempfile
+    import time
+
+    import numpy as np
+
+    from fedlora.llm.evaluation import wilson_interval
+    from fedlora.llm.lm_eval_bridge import run_lm_eval
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fedlora-lm-eval-") as work:
+        res = run_lm_eval(model, tokenizer, examples, work, batch_size=args.batch_size)
+    seconds = time.perf_counter() - t0
+    qs = [res[i] for i in range(len(examples))]
+    n, acc = len(qs), int(sum(q.acc for q in qs))
+    norms = [q.acc_norm for q in qs if not np.isnan(q.acc_norm)]
+    acc_norm = sum(norms) / n if len(norms) == n else None
+    out = {
+        "accuracy": acc / n,
+        "n": n,
+        "ci95": list(wilson_interval(acc, n)),
+        "acc_norm": acc_norm,
+        "acc_norm_ci95": list(wilson_interval(int(sum(norms)), n))
+        if acc_norm is not None
+        else None,
+        "task": task,
+        "lm_eval_task": qs[0].task,
+        "model": args.model,
+        "adapter": args.adapter,
+        "format": "harness",
+        "evaluator": "lm-eval",
+        "dtype": args.dtype,
+        "device": args.device,
+        "seed": args.seed,
+        "seconds": round(seconds, 3),
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    lo, hi = out["ci95"]
+    norm = ""
+    if acc_norm is not None:
+        nlo, nhi = out["acc_norm_ci95"]
+        norm = f"acc_norm {acc_norm:.4f} (95% CI {nlo:.4f}-{nhi:.4f}), "
+    adapter = f" + {args.adapter}" if args.adapter else ""
+    print(
+        f"{task} (lm-eval {qs[0].task}): acc {acc / n:.4f} (95% CI {lo:.4f}-{hi:.4f}), {norm}"
+        f"n = {n}, {seconds:.1f} s [lm-evaluation-harness's evaluator, {args.model}{adapter}, "
+        f"{args.dtype} on {args.device}]"
+    )
     return 0

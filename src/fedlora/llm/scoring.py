@@ -12,6 +12,11 @@ one-sequence-at-a-time reference; log-softmax in fp32, so bf16 models score the 
   sequences, one per candidate, the LM head only on the last K+1 positions;
 - `_score_packed` (with an evaluation `LayerCache`): one packed row per question, the frozen
   layers below the first LoRA layer from the cache.
+
+`pair_logliks` scores lm-evaluation-harness's requests, (context, continuation) string pairs,
+with these kernels: pairs with the same context become one item (one context pass, then only
+the continuations), batched across questions; a winogrande option (its own context, the shared
+tail) is an item of one candidate.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Item", "token_logprobs"]
+__all__ = ["Item", "pair_items", "pair_logliks", "token_logprobs"]
 
 # (context ids, each candidate's scored tail ids)
 Item = tuple[list[int], list[list[int]]]
@@ -229,3 +234,49 @@ def token_logprobs(
     finally:
         model.train(was_training)
     return out
+
+
+def pair_items(
+    tokenizer: Any, pairs: Sequence[tuple[str, str]]
+) -> tuple[list[Item], list[tuple[int, int]]]:
+    """Scoring items of (context, continuation) pairs, tokenized as lm-eval does
+    (`fedlora.llm.harness.encode_pair`): pairs with the same context share one item; and per
+    pair its (item, candidate) position."""
+    from fedlora.llm.harness import encode_pair
+
+    items: list[Item] = []
+    where: list[tuple[int, int]] = []
+    by_context: dict[str, int] = {}
+    for context, continuation in pairs:
+        ctx, cont = encode_pair(tokenizer, context, continuation)
+        i = by_context.setdefault(context, len(items))
+        if i == len(items):
+            items.append((ctx, []))
+        items[i][1].append(cont)
+        where.append((i, len(items[i][1]) - 1))
+    return items, where
+
+
+def pair_logliks(
+    model: Any,
+    tokenizer: Any,
+    pairs: Sequence[tuple[str, str]],
+    *,
+    batch_size: int = 16,
+    share_prompt: bool = True,
+    cache: Any = None,
+) -> np.ndarray:
+    """lm-eval's ``loglikelihood`` of each (context, continuation) pair: the summed
+    log-probability of the continuation's tokens after the context's (float64, pair order).
+    `share_prompt=False` with `batch_size=1` is the one-request-at-a-time reference."""
+    if share_prompt or cache is not None:
+        items, where = pair_items(tokenizer, pairs)
+    else:  # every pair its own sequence
+        from fedlora.llm.harness import encode_pair
+
+        items = [(c, [t]) for c, t in (encode_pair(tokenizer, *p) for p in pairs)]
+        where = [(i, 0) for i in range(len(pairs))]
+    lps = token_logprobs(
+        model, tokenizer, items, batch_size=batch_size, share_prompt=share_prompt, cache=cache
+    )
+    return np.array([float(np.sum(lps[i][j])) for i, j in where], dtype=np.float64)
