@@ -12,7 +12,8 @@ import pytest
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.studies.experiments import SUITES, load_suite, pilot_targets, with_pilot_targets
+from fedlora.studies.experiments import load_suite, pilot_targets, with_pilot_targets
+from fedlora.studies.suites import SUITES
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")

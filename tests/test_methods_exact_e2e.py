@@ -17,7 +17,7 @@ from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.federation.checkpoints import checkpoint_paths
 from fedlora.federation.engine import prepare_run_dir, run_experiment
-from fedlora.studies.experiments import METHOD_SUITE
+from fedlora.studies.suites import METHOD_SUITE
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from fedlora.studies import claims, powered, seeds
-from fedlora.studies.experiments import report_suite
 from fedlora.studies.plots import band
 from fedlora.studies.predictions import pooled_mcnemar
 from fedlora.studies.runs import load_run
+from fedlora.studies.suite_report import report_suite
 from powered_cases import T975_2, write_run
 
 # ----------------------------------------------------------------------------- claims, report

@@ -11,9 +11,9 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.errors import ConfigError, DataError
-from fedlora.studies.experiments import report_suite
 from fedlora.studies.report import render_markdown, write_report
 from fedlora.studies.runs import collect_runs, load_run, read_metrics, time_to_target
+from fedlora.studies.suite_report import report_suite
 from fedlora.studies.tables import speedup, summarize
 
 

@@ -8,7 +8,7 @@ from fedlora.commands.arguments import add_target_argument, parse_targets, shell
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from fedlora.studies.experiments import SUITES
+    from fedlora.studies.suites import SUITES
 
     p = sub.add_parser(
         "compare",
@@ -43,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fedlora.studies.experiments import format_command, load_suite, pilot_targets, run_suite
+    from fedlora.studies.experiments import load_suite, pilot_targets, run_suite
+    from fedlora.studies.suite_report import format_command
 
     overrides = list(args.overrides)
     if args.data_dir:

@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fedlora.errors import ConfigError
-    from fedlora.studies.experiments import format_command, report_suite
+    from fedlora.studies.suite_report import format_command, report_suite
 
     if (args.comm_cost is None) != (args.comp_cost is None):
         raise ConfigError("--comm-cost and --comp-cost go together (re-clocking needs both)")

@@ -49,66 +49,9 @@ from fedlora.config import (
 from fedlora.errors import ConfigError, FedloraError, bad_value
 from fedlora.federation.methods import check_method_config
 from fedlora.studies.report import SUITE_FILE, collect_runs
+from fedlora.studies.suite_report import report_suite
+from fedlora.studies.suites import SUITES, TITLES
 
-# report_suite and format_command live in suite_report; re-exported for their callers
-from fedlora.studies.suite_report import format_command, report_suite  # noqa: F401
-
-# label -> overrides applied on top of the suite file's config
-EXACT = "network.comm_cost=exact"
-METHOD_SUITE = tuple(  # the `methods` suite's non-planned methods
-    "fedavg fslora heterolora flexlora fedstacklora ffalora fedsalora fedexlora rolora fedsb".split()
-)
-Q_FIXED = ("method.q=fixed", "method.q_fixed=0.2")  # q = 0.2 (Figure 3, and Figure 2's fixed)
-SUITES: dict[str, dict[str, tuple[str, ...]]] = {
-    "table1": {
-        # the paper's Algorithm 2: four separate calibration runs (issue 21 adds in-run)
-        "proposed": ("method.name=proposed", "planner.optimize=qk", "planner.calibration=separate"),
-        "fslora": ("method.name=fslora",),
-        "heterolora": ("method.name=heterolora",),
-        "fedstacklora": ("method.name=fedstacklora",),
-        # the same training with the downlink free (the paper's clock): FedStackLoRA's
-        # stacked download grows with the participants, so it is reported both ways
-        "fedstacklora-free-downlink": ("method.name=fedstacklora", "network.downlink_rate_bps=0"),
-        "flexlora": ("method.name=flexlora",),
-    },
-    "sampling": {
-        "proposed-q": (
-            "method.name=proposed",
-            "planner.optimize=q",
-            "method.k=full",
-            "planner.calibration=separate",
-        ),  # fmt: skip
-        "full": ("method.name=sketched", "method.q=full", "method.k=full"),
-        "fixed-0.2": ("method.name=sketched", *Q_FIXED, "method.k=full"),
-        "uniform": ("method.name=sketched", "method.q=uniform", "method.k=full"),
-        "weighted": ("method.name=sketched", "method.q=weighted", "method.k=full"),
-    },
-    "ranks": {
-        "proposed-k": (
-            "method.name=proposed",
-            "planner.optimize=k",
-            *Q_FIXED,
-            "planner.calibration=separate",
-        ),  # fmt: skip
-        "full": ("method.name=sketched", "method.k=full", *Q_FIXED),
-        "normal": ("method.name=sketched", "method.k=normal", *Q_FIXED),
-        "uniform": ("method.name=sketched", "method.k=uniform", *Q_FIXED),
-    },
-    # every federated method on one setting (issue 22): the paper's, its baselines and the
-    # aggregation rules published after FSLoRA (docs/methods.md)
-    # (on the exact clock: their savings are in the bits they send, and the rank-based cost
-    # models charge every full-rank method the full adapter's time)
-    "methods": {
-        "proposed": ("method.name=proposed", "planner.optimize=qk", EXACT),
-        **{name: (f"method.name={name}", EXACT) for name in METHOD_SUITE},
-    },
-}
-TITLES = {
-    "table1": "Table I: time to target accuracy",
-    "sampling": "Figure 2: sampling probabilities q (k = γ)",
-    "ranks": "Figure 3: sketch sizes k (q = 0.2)",
-    "methods": "Every method: time to target accuracy",
-}
 SUITE_KEYS = (
     "targets",
     "seeds",
