@@ -142,3 +142,16 @@ def test_run_written_before_the_marker_resumes_and_overwrites(finished, tmp_path
     rc, err = _main(*RUN, "--out", str(run), "--overwrite")
     assert rc == 0, err
     assert json.loads((run / MARKER_NAME).read_text())["format"] == 1
+
+
+def test_manifest_lists_every_plot_and_report_fedlora_writes():
+    # `fedlora report` writes into the first run directory by default: each of its outputs
+    # must be in the manifest, or a later --overwrite of that run would refuse
+    import re
+
+    src = Path(__file__).parents[1] / "src" / "fedlora" / "studies"
+    names = set()
+    for path in src.glob("*.py"):
+        names |= set(re.findall(r"[\"']([\w.-]+\.(?:png|md|html))[\"']", path.read_text()))
+    assert {"report.md", "accuracy_bands.png", "eval_loss_paired.png"} <= names
+    assert names <= set(MANIFEST["files"]), names - set(MANIFEST["files"])
