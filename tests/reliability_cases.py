@@ -568,6 +568,16 @@ CASES: list[Case] = [
         _config_show_plus_user_files,
     ),
     Case(
+        "--overwrite a user directory holding a config.toml and their own metrics.jsonl",
+        [*RUN, "--out", "{tmp}/P", "--overwrite"],
+        "not a fedlora run directory",
+        _chain(
+            _config_show_plus_user_files,
+            _write("P/metrics.jsonl", '{"epoch": 1, "loss": 0.5}\n'),
+            _write("P/checkpoints/model.pt", "weights\n"),
+        ),
+    ),
+    Case(
         "--overwrite a run holding the user's evaluation_scripts/ folder",
         [*RUN, "--out", "{run}", "--overwrite"],
         "evaluation_scripts/",

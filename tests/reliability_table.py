@@ -48,11 +48,13 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
   foreign files beside a new run, so that a new run's directory holds only that run. A
   damaged marker is refused too. The lock file is kept; the marker gets a new run id.
 - **Runs written before the marker.** A directory without the marker but with a fedlora
-  `config.toml` and fedlora's `metrics.jsonl`, `summary.json` or `checkpoints/` is a run of
-  an older fedlora: `--resume` continues it as before, and `--overwrite` treats today's
-  manifest as its manifest (the same rules: only its names are deleted, anything else is
-  refused) and writes the marker. Such a directory holding only its `config.toml` (a legacy
-  run that never started) is refused: delete it yourself or choose another `--out`.
+  `config.toml` and a record of fedlora's (a `checkpoints/round-*` file, a `metrics.jsonl`
+  whose first line is a fedlora round, or a fedlora `summary.json`; a user's files of those
+  names are not enough) is a run of an older fedlora: `--resume` continues it as before,
+  and `--overwrite` treats today's manifest as its manifest (the same rules: only its names
+  are deleted, anything else is refused) and writes the marker. Such a directory holding
+  only its `config.toml` (a legacy run that never started) is refused: delete it yourself or
+  choose another `--out`.
 - **`--resume DIR` keeps the run's config.** Overrides and `--config` apply on top of the
   saved config, so a refusal names only what was changed; `--force` accepts the changes and
   writes the merged config, except for what the checkpoints depend on (`model.name`,

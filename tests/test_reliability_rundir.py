@@ -155,3 +155,25 @@ def test_manifest_lists_every_plot_and_report_fedlora_writes():
         names |= set(re.findall(r"[\"']([\w.-]+\.(?:png|md|html))[\"']", path.read_text()))
     assert {"report.md", "accuracy_bands.png", "eval_loss_paired.png"} <= names
     assert names <= set(MANIFEST["files"]), names - set(MANIFEST["files"])
+
+
+@needs_data
+def test_legacy_evidence_is_fedlora_records_not_names(finished, tmp_path):
+    from fedlora.federation.runmarker import has_legacy_evidence
+
+    assert has_legacy_evidence(finished)
+    for rel, text in (
+        ("metrics.jsonl", '{"epoch": 1, "loss": 0.5}\n'),
+        ("summary.json", '{"accuracy": 0.9}\n'),
+        ("checkpoints/model.pt", "weights\n"),
+    ):
+        d = tmp_path / rel.replace("/", "_")
+        (d / rel).parent.mkdir(parents=True)
+        (d / rel).write_text(text)
+        assert not has_legacy_evidence(d), rel
+    for rel in ("metrics.jsonl", "summary.json", "checkpoints"):
+        d = tmp_path / f"fedlora_{rel}"
+        d.mkdir()
+        src = finished / rel
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, d / rel)
+        assert has_legacy_evidence(d), rel

@@ -69,7 +69,6 @@ MANIFEST: dict[str, Any] = {
 }
 # A run that failed before its first round leaves only these (and the marker): reused silently.
 NEVER_STARTED = ("config.toml", "clients.csv", "error.txt")
-LEGACY_EVIDENCE = ("metrics.jsonl", "summary.json", "checkpoints")
 
 
 def new_marker() -> dict[str, Any]:
@@ -156,6 +155,26 @@ def is_never_started(run_dir: Path, names: list[str]) -> bool:
     )
 
 
+def _first_json(path: Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.readline(1 << 20).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def has_legacy_evidence(run_dir: Path) -> bool:
-    """A run of a fedlora older than the marker recorded something here."""
-    return any((run_dir / n).exists() for n in LEGACY_EVIDENCE)
+    """A run of a fedlora older than the marker recorded something here: a checkpoint, a
+    metrics.jsonl whose first line is a fedlora round, or a fedlora summary.json (a user's
+    files of the same names are not enough)."""
+    ckpt = run_dir / "checkpoints"
+    if ckpt.is_dir() and not ckpt.is_symlink() and any(ckpt.glob("round-*")):
+        return True
+    line = _first_json(run_dir / "metrics.jsonl")
+    if isinstance(line, dict) and {"round", "sim_time_s"} <= set(line):
+        return True
+    try:
+        summary = json.loads((run_dir / "summary.json").read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and {"rounds", "stop_reason"} <= set(summary)
