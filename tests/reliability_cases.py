@@ -92,6 +92,29 @@ def _run_plus_notes(tmp: Path) -> None:
     (tmp / "run" / "notes.txt").write_text("my notes\n")
 
 
+def _config_show_plus_user_files(tmp: Path) -> None:
+    """Issue 24, case 2: `fedlora config show > P/config.toml` next to the user's own
+    profiles file, a draft and an error log (no marker: fedlora never ran there)."""
+    from fedlora.config import dump_toml, load_config
+
+    (tmp / "P").mkdir()
+    (tmp / "P" / "config.toml").write_text(dump_toml(load_config(None, TINY)))
+    (tmp / "P" / "clients.csv").write_text("client,bandwidth_hz\n0,1e6\n1,2e6\n")
+    (tmp / "P" / "chapter3.tmp").write_text("draft\n")
+    (tmp / "P" / "error.txt").write_text("my notes on an error\n")
+
+
+def _run_plus(rel: str) -> Setup:
+    """{run} plus a user's file at `rel` whose name merely looks like fedlora's."""
+
+    def setup(tmp: Path) -> None:
+        p = tmp / "run" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("mine\n")
+
+    return setup
+
+
 def _old_format_checkpoint(tmp: Path, *, metrics: bytes | None) -> None:
     """Turn {run}'s newest checkpoint into a pre-safetensors round-*.pt without metrics
     lines, and replace metrics.jsonl with `metrics`."""
@@ -530,6 +553,77 @@ CASES: list[Case] = [
         ["flower", "run-local", *TINY, "--out", "{run}", "--overwrite"],
         "is in use by process",
         _hold_lock,
+        needs_run=True,
+    ),
+    Case(
+        "a user directory holding a config.toml from fedlora config show, without --overwrite",
+        [*RUN, "--out", "{tmp}/P"],
+        "not a fedlora run directory",
+        _config_show_plus_user_files,
+    ),
+    Case(
+        "--overwrite a user directory holding a config.toml from fedlora config show",
+        [*RUN, "--out", "{tmp}/P", "--overwrite"],
+        "not a fedlora run directory",
+        _config_show_plus_user_files,
+    ),
+    Case(
+        "--overwrite a user directory holding a config.toml and their own metrics.jsonl",
+        [*RUN, "--out", "{tmp}/P", "--overwrite"],
+        "not a fedlora run directory",
+        _chain(
+            _config_show_plus_user_files,
+            _write("P/metrics.jsonl", '{"epoch": 1, "loss": 0.5}\n'),
+            _write("P/checkpoints/model.pt", "weights\n"),
+        ),
+    ),
+    Case(
+        "--overwrite a run holding the user's evaluation_scripts/ folder",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "evaluation_scripts/",
+        _run_plus("evaluation_scripts/score.py"),
+        needs_run=True,
+    ),
+    Case(
+        "--overwrite a run holding the user's predictions_v2.csv",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "predictions_v2.csv",
+        _run_plus("predictions_v2.csv"),
+        needs_run=True,
+    ),
+    Case(
+        "--overwrite a run holding the user's chapter3.tmp",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "chapter3.tmp",
+        _run_plus("chapter3.tmp"),
+        needs_run=True,
+    ),
+    Case(
+        "--overwrite a run with the user's file in checkpoints/",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "checkpoints/notes.txt",
+        _run_plus("checkpoints/notes.txt"),
+        needs_run=True,
+    ),
+    Case(
+        "--overwrite a run with the user's file in adapter/",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "adapter/my_eval.py",
+        _run_plus("adapter/my_eval.py"),
+        needs_run=True,
+    ),
+    Case(
+        "--overwrite a run whose marker is damaged",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        ".fedlora-run.json is damaged",
+        _write("run/.fedlora-run.json", "{not json"),
+        needs_run=True,
+    ),
+    Case(
+        "flower run-local --overwrite a run holding the user's evaluation_scripts/",
+        ["flower", "run-local", *TINY, "--out", "{run}", "--overwrite"],
+        "evaluation_scripts/",
+        _run_plus("evaluation_scripts/score.py"),
         needs_run=True,
     ),
     Case(

@@ -29,11 +29,32 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
 
 ## What the run directory guarantees
 
-- **Nothing is lost.** `--overwrite` replaces only a directory that is recognisably a fedlora
-  run (a `config.toml` written by fedlora and only files fedlora writes) and only after the
-  new run's inputs passed every check; anything else is refused, naming the foreign files.
-  A directory left by a run that failed before its first round (only its `config.toml`) is
-  reused without `--overwrite`.
+- **A run directory is reused only when it is provably fedlora's.** fedlora writes
+  `.fedlora-run.json` when it creates a run directory: a run id, the fedlora version and the
+  manifest of what fedlora writes there (`fedlora.federation.runmarker.MANIFEST`: the run's
+  files, `checkpoints/`, `adapter/`, `calibration/`, `tensorboard/`, `mlflow-artifacts/`
+  with the names fedlora puts in them, `fedlora report`'s report.md, report.html and plots,
+  and each name's `.tmp`). A directory without the marker that holds anything is refused
+  (exit 2, naming what it holds), with or without `--overwrite`, even when it holds a
+  `config.toml` from `fedlora config show`: fedlora never empties it. A directory whose
+  marker and only `config.toml`, `clients.csv`, `error.txt` remain (a run that failed
+  before its first round) is reused without `--overwrite`.
+- **`--overwrite` deletes only the manifest's entries.** It replaces a run only after the
+  new run's inputs passed every check and the lock is held, and only when everything in the
+  directory is in the marker's manifest; a folder counts as fedlora's only when all of its
+  entries do. Anything else (a user's `evaluation_scripts/`, `predictions_v2.csv`,
+  `chapter3.tmp`, a file inside `checkpoints/` or `adapter/`) makes it refuse with exit 2,
+  naming every such entry, and nothing is deleted: we chose to refuse rather than leave the
+  foreign files beside a new run, so that a new run's directory holds only that run. A
+  damaged marker is refused too. The lock file is kept; the marker gets a new run id.
+- **Runs written before the marker.** A directory without the marker but with a fedlora
+  `config.toml` and a record of fedlora's (a `checkpoints/round-*` file, a `metrics.jsonl`
+  whose first line is a fedlora round, or a fedlora `summary.json`; a user's files of those
+  names are not enough) is a run of an older fedlora: `--resume` continues it as before,
+  and `--overwrite` treats today's manifest as its manifest (the same rules: only its names
+  are deleted, anything else is refused) and writes the marker. Such a directory holding
+  only its `config.toml` (a legacy run that never started) is refused: delete it yourself or
+  choose another `--out`.
 - **`--resume DIR` keeps the run's config.** Overrides and `--config` apply on top of the
   saved config, so a refusal names only what was changed; `--force` accepts the changes and
   writes the merged config, except for what the checkpoints depend on (`model.name`,

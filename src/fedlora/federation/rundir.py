@@ -3,9 +3,11 @@
 A run directory is what a user trusts with hours of compute, so every operation here either
 completes or leaves the directory as it was:
 
-- `prepare_run_dir` replaces an existing directory only with `overwrite`, only when it is
-  recognisably a fedlora run (a full config.toml and nothing fedlora does not write), and
-  only after the caller validated the new run's inputs (`fedlora.federation.preflight`).
+- `prepare_run_dir` writes the marker ``.fedlora-run.json`` (`fedlora.federation.runmarker`:
+  run id, version, the manifest of what fedlora writes there) and replaces an existing
+  directory only with `overwrite`, only when it is provably fedlora's (its marker, or a
+  legacy run), only when everything in it is in the manifest, and only after the caller
+  validated the new run's inputs (`fedlora.federation.preflight`); it deletes nothing else.
 - `run_dir_lock` holds an exclusive `flock` on ``<run>/.lock`` while a run writes; a second
   process gets `ConfigError` naming the PID that holds it.
 - `resume_config` is the saved config with only what the user gives on top; keys the
@@ -50,6 +52,15 @@ from fedlora.federation.runfiles import (
     restore_metrics,
     truncate_metrics,
 )
+from fedlora.federation.runmarker import (
+    MANIFEST,
+    MARKER_NAME,
+    has_legacy_evidence,
+    is_never_started,
+    read_marker,
+    sort_entries,
+    write_marker,
+)
 
 __all__ = [  # what the run directory's users import from here, the moved names included
     "CHECKPOINT_FORMAT",
@@ -57,10 +68,7 @@ __all__ = [  # what the run directory's users import from here, the moved names 
     "FIXED_ON_RESUME",
     "LEGACY_DEFAULTS",
     "LOCK_NAME",
-    "NEVER_STARTED_FILES",
-    "RUN_DIR_DIRS",
-    "RUN_DIR_FILES",
-    "RUN_DIR_PREFIXES",
+    "MARKER_NAME",
     "append_metrics",
     "atomic_write",
     "check_run_dir",
@@ -83,24 +91,6 @@ __all__ = [  # what the run directory's users import from here, the moved names 
 ]
 
 LOCK_NAME = ".lock"
-# What fedlora writes into a run directory (plus *.tmp); anything else makes it foreign.
-RUN_DIR_FILES = frozenset(
-    {
-        "config.toml",
-        "metrics.jsonl",
-        "summary.json",
-        "clients.csv",
-        "error.txt",
-        "plan.json",
-        "report.md",
-        "accuracy_vs_time.png",
-        LOCK_NAME,
-    }
-)
-RUN_DIR_DIRS = frozenset({"checkpoints", "adapter", "calibration"})
-RUN_DIR_PREFIXES = ("predictions", "eval")  # per-question evaluation outputs
-# Left by a run that failed before its first round: such a directory is reused silently.
-NEVER_STARTED_FILES = frozenset({"config.toml", "clients.csv", "error.txt", LOCK_NAME})
 # Keys --force may not change on resume: the checkpoints' shapes and the partition depend on them.
 FIXED_ON_RESUME = ("model.name", "lora.", "data.", "method.name", "training.seed")
 FIXED_EXCEPTIONS = ("data.data_dir",)  # the same data moved elsewhere
@@ -186,26 +176,26 @@ def _entries(run_dir: Path) -> list[Path]:
     return sorted(p for p in run_dir.iterdir() if p.name != LOCK_NAME)
 
 
-def _foreign(entries: Sequence[Path]) -> list[str]:
-    """Entries fedlora would not have written."""
-    out = []
-    for p in entries:
-        name = p.name
-        if name.endswith(".tmp") or name.startswith(RUN_DIR_PREFIXES):
-            continue
-        known = RUN_DIR_DIRS if p.is_dir() and not p.is_symlink() else RUN_DIR_FILES
-        if name not in known:
-            out.append(name + ("/" if p.is_dir() else ""))
-    return out
-
-
 def never_started(run_dir: Path) -> bool:
-    """A fedlora run that failed before recording anything (only its config and the like)."""
-    entries = _entries(run_dir)
-    return (
-        bool(entries)
-        and all(p.name in NEVER_STARTED_FILES or p.name.endswith(".tmp") for p in entries)
-        and _is_run_config(run_dir / "config.toml")
+    """A fedlora run that failed before recording anything (its marker, config and the like)."""
+    names = [p.name for p in _entries(run_dir) if p.name != MARKER_NAME]
+    return read_marker(run_dir) is not None and is_never_started(run_dir, names)
+
+
+def _manifest(run_dir: Path, names: Sequence[str]) -> dict[str, Any]:
+    """What fedlora may delete in `run_dir`: its marker's manifest, or for a run written
+    before the marker (a fedlora config.toml and a recorded round) the current `MANIFEST`;
+    any other non-empty directory is refused."""
+    marker = read_marker(run_dir)
+    if marker is not None:
+        return marker["manifest"]
+    if _is_run_config(run_dir / "config.toml") and has_legacy_evidence(run_dir):
+        return MANIFEST
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    raise ConfigError(
+        f"refusing to use {str(run_dir)!r}: it is not a fedlora run directory (no "
+        f"{MARKER_NAME} and no run recorded by an older fedlora) and it holds {shown}: "
+        "choose another --out (a new or empty directory)"
     )
 
 
@@ -223,17 +213,13 @@ def check_run_dir(run_dir: Path, *, overwrite: bool = False) -> None:
         raise ConfigError(f"output directory {str(run_dir)!r}: {e.strerror or e}") from None
     if not entries or never_started(run_dir):
         return
+    manifest = _manifest(run_dir, [p.name + ("/" if p.is_dir() else "") for p in entries])
     if not overwrite:
         raise ConfigError(
             f"output directory {str(run_dir)!r} exists: use --resume {run_dir} to continue it "
             "or --overwrite to replace it"
         )
-    if not (run_dir / "config.toml").is_file() or not _is_run_config(run_dir / "config.toml"):
-        raise ConfigError(
-            f"refusing to overwrite {str(run_dir)!r}: it is not a fedlora run directory "
-            "(no config.toml written by fedlora)"
-        )
-    foreign = _foreign(entries)
+    _, foreign = sort_entries(run_dir, manifest)
     if foreign:
         raise ConfigError(
             f"refusing to overwrite {str(run_dir)!r}: it holds files fedlora did not write "
@@ -255,7 +241,7 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
     """Create a fresh run directory; replace an existing fedlora run only with `overwrite`.
 
     The new run's inputs are validated (`fedlora.federation.preflight.check_inputs`) before anything is
-    removed, and only entries fedlora writes are removed (never the lock file)."""
+    removed, and only entries the marker's manifest lists are removed (never the lock file)."""
     run_dir = Path(run_dir)
     # the device and dtype this run uses (auto resolved; a device the machine lacks fails
     # here, before anything is created or removed), saved so that a resume keeps them
@@ -270,12 +256,15 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
             check_inputs(cfg)
         with run_dir_lock(run_dir):  # a live run (a Flower ServerApp too) is never emptied
             check_run_dir(run_dir, overwrite=overwrite)
-            for p in _entries(run_dir):
+            names = [p.name for p in _entries(run_dir)]
+            owned, _ = sort_entries(run_dir, _manifest(run_dir, names))
+            for p in owned:  # only what the manifest lists (check_run_dir refused the rest)
                 if p.is_dir() and not p.is_symlink():
                     shutil.rmtree(p)
                 else:
                     p.unlink()
     make_run_dir(run_dir)
+    write_marker(run_dir)
     atomic_write(run_dir / "config.toml", text.encode())
 
 

@@ -1,0 +1,180 @@
+"""The run directory's marker, ``.fedlora-run.json``: proof that fedlora created the directory,
+and the manifest of what fedlora writes there (the only entries ``--overwrite`` may delete).
+
+`write_marker` is called by `fedlora.federation.rundir.prepare_run_dir` when it creates (or
+replaces) a run directory::
+
+    {"format": 1, "run_id": "<uuid4 hex>", "fedlora_version": "0.1.0",
+     "created": "2026-11-25T06:20:00Z", "manifest": {"files": [...], "dirs": {...}}}
+
+The manifest is the fixed list `MANIFEST` of the names fedlora's own writers use in a run
+directory (the engine, the Flower ServerApp, tracking, the planner and `fedlora report`'s
+outputs), recorded at creation: a later fedlora deletes what the run's own fedlora wrote.
+``files`` are glob patterns of top-level files; ``dirs`` maps a folder to the glob patterns
+of what fedlora puts inside it. An atomic write's ``<name>.tmp`` belongs with ``<name>``.
+
+A directory without the marker that holds a fedlora config.toml next to fedlora's
+metrics.jsonl, summary.json or checkpoints/ was written by a fedlora older than the marker
+(a *legacy* run): it resumes as before, and ``--overwrite`` deletes only `MANIFEST`'s names.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fedlora.errors import ConfigError
+from fedlora.federation.runfiles import atomic_write
+
+MARKER_NAME = ".fedlora-run.json"
+MARKER_FORMAT = 1
+MANIFEST: dict[str, Any] = {
+    "files": [
+        "config.toml",
+        "metrics.jsonl",
+        "summary.json",
+        "clients.csv",
+        "error.txt",
+        "plan.json",
+        "node_times.csv",
+        "predictions.jsonl",
+        "mlflow_run.json",
+        "mlflow.db",
+        # fedlora report's outputs (fedlora.studies.report / suite_report / html)
+        "report.md",
+        "report.html",
+        "accuracy_vs_time.png",
+        "eval_loss_vs_time.png",
+        "accuracy_bands.png",
+        "eval_loss_bands.png",
+        "accuracy_paired.png",
+        "eval_loss_paired.png",
+    ],
+    "dirs": {
+        "checkpoints": ["round-*.safetensors", "round-*.pt"],
+        "adapter": [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "fedlora_adapter.json",
+            "README.md",
+        ],
+        "calibration": ["run-*"],  # the planner's calibration runs (run directories)
+        "tensorboard": ["events.out.tfevents.*"],
+        "mlflow-artifacts": ["*"],  # MLflow's own store
+    },
+}
+# A run that failed before its first round leaves only these (and the marker): reused silently.
+NEVER_STARTED = ("config.toml", "clients.csv", "error.txt")
+
+
+def new_marker() -> dict[str, Any]:
+    from fedlora import __version__
+
+    return {
+        "format": MARKER_FORMAT,
+        "run_id": uuid.uuid4().hex,
+        "fedlora_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "manifest": MANIFEST,
+    }
+
+
+def write_marker(run_dir: Path) -> dict[str, Any]:
+    marker = new_marker()
+    atomic_write(run_dir / MARKER_NAME, (json.dumps(marker, indent=2) + "\n").encode())
+    return marker
+
+
+def read_marker(run_dir: Path) -> dict[str, Any] | None:
+    """The marker of `run_dir`, None without one; a damaged marker is a ConfigError."""
+    path = run_dir / MARKER_NAME
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        if path.is_symlink() or not path.is_file():
+            raise ValueError("not a regular file")
+        marker = json.loads(path.read_bytes().decode("utf-8"))
+        manifest = marker["manifest"]
+        if not (
+            isinstance(manifest["files"], list)
+            and isinstance(manifest["dirs"], dict)
+            and all(isinstance(p, str) for p in manifest["files"])
+            and all(isinstance(v, list) for v in manifest["dirs"].values())
+        ):
+            raise ValueError("its manifest is malformed")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"run directory {str(run_dir)!r}: its marker {MARKER_NAME} is damaged ({e}); "
+            "fedlora will not delete anything there: choose another --out"
+        ) from None
+    return marker
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    base = name[: -len(".tmp")] if name.endswith(".tmp") else name
+    return any(fnmatch.fnmatchcase(base, p) for p in patterns)
+
+
+def sort_entries(run_dir: Path, manifest: dict[str, Any]) -> tuple[list[Path], list[str]]:
+    """`run_dir`'s entries as (what the manifest lists, names of everything else).
+
+    A listed folder counts as fedlora's only when everything in it matches its patterns;
+    symbolic links count as files (never followed). The lock file and the marker are
+    neither: they are kept and rewritten by the caller."""
+    owned: list[Path] = []
+    foreign: list[str] = []
+    for p in sorted(run_dir.iterdir()):
+        if p.name in (".lock", MARKER_NAME):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            patterns = manifest["dirs"].get(p.name)
+            if patterns is None:
+                foreign.append(p.name + "/")
+                continue
+            inside = [f"{p.name}/{c.name}" for c in sorted(p.iterdir())
+                      if not _matches(c.name, patterns)]  # fmt: skip
+            if inside:
+                foreign += inside
+            else:
+                owned.append(p)
+        elif _matches(p.name, manifest["files"]):
+            owned.append(p)
+        else:
+            foreign.append(p.name)
+    return owned, foreign
+
+
+def is_never_started(run_dir: Path, names: list[str]) -> bool:
+    """Only what a run that failed before its first round leaves, and fedlora's marker."""
+    return (run_dir / MARKER_NAME).is_file() and all(
+        _matches(n, list(NEVER_STARTED)) for n in names
+    )
+
+
+def _first_json(path: Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.readline(1 << 20).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def has_legacy_evidence(run_dir: Path) -> bool:
+    """A run of a fedlora older than the marker recorded something here: a checkpoint, a
+    metrics.jsonl whose first line is a fedlora round, or a fedlora summary.json (a user's
+    files of the same names are not enough)."""
+    ckpt = run_dir / "checkpoints"
+    if ckpt.is_dir() and not ckpt.is_symlink() and any(ckpt.glob("round-*")):
+        return True
+    line = _first_json(run_dir / "metrics.jsonl")
+    if isinstance(line, dict) and {"round", "sim_time_s"} <= set(line):
+        return True
+    try:
+        summary = json.loads((run_dir / "summary.json").read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and {"rounds", "stop_reason"} <= set(summary)
