@@ -32,6 +32,7 @@ TINY = [
     "data.train_limit=16",
     "data.eval_limit=4",
     "data.max_seq_len=48",
+    "evaluation.format=llm-adapters",  # short prompts cut from the left: 16 examples stay 16
     "data.n_clients=3",
     "data.min_client_examples=2",
     f"lora.rank={GAMMA}",

@@ -152,6 +152,7 @@ DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/da
 TINY = [
     "model.name=tiny-llama", "model.dtype=fp32", "model.threads=1", f'data.data_dir="{DATA}"',
     'data.tasks=["arc-e"]', "data.train_limit=24", "data.eval_limit=4", "data.max_seq_len=64",
+    "evaluation.format=llm-adapters",
     "data.n_clients=3", "data.min_client_examples=4", "lora.rank=4", "lora.layers=1",
     "training.local_steps=1", "training.batch_size=2", "training.slots=3",
     "training.eval_every=8", "training.checkpoint_every=1", "training.lr=0.05",
