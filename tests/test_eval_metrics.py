@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,7 @@ from fedlora.llm.evaluation import (
 from fedlora.llm.models import load_model
 from fedlora.llm.prompts import encode_continuation, response_text, tokenize_examples
 from fedlora.llm.tasks import RESPONSE_PREFIX, Example
-
-DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
+from tiny_runs import DATA, TINY_EVAL_RUN
 
 
 def mc(q: str, options: list[str], answer: int, task: str = "t") -> Example:
@@ -227,29 +225,6 @@ def test_evaluation_config_and_bad_values() -> None:
 
 # ----------------------------------------------------------------------------- engine
 
-TINY = [
-    "model.name=tiny-llama",
-    "model.threads=1",
-    f'data.data_dir="{DATA}"',
-    'data.tasks=["arc-e"]',
-    'data.eval_tasks=["arc-e", "boolq"]',
-    "data.train_limit=40",
-    "data.eval_limit=10",
-    "data.max_seq_len=96",
-    "data.n_clients=2",
-    "data.min_client_examples=4",
-    "lora.rank=4",
-    "lora.layers=1",
-    "training.rounds=2",
-    "training.local_steps=1",
-    "training.batch_size=2",
-    "training.eval_every=1",
-    "training.lr=0.05",
-    "method.q=full",
-    "method.k=full",
-    "output.progress=false",
-]
-
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None:
@@ -258,7 +233,7 @@ def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None
     cfg = load_config(
         None,
         [
-            *TINY,
+            *TINY_EVAL_RUN,
             "evaluation.format=llm-adapters",
             "evaluation.scoring=option_norm",
             "data.response=option",
@@ -298,7 +273,7 @@ def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None
 def test_target_loss_stops_the_run(tmp_path: Path) -> None:
     from fedlora.federation.engine import prepare_run_dir, run_experiment
 
-    cfg = load_config(None, [*TINY, "training.rounds=5", "training.target_loss=1000.0"])
+    cfg = load_config(None, [*TINY_EVAL_RUN, "training.rounds=5", "training.target_loss=1000.0"])
     run_dir = tmp_path / "run"
     prepare_run_dir(cfg, run_dir)
     summary = run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +28,8 @@ from fedlora.llm.harness import (
 from fedlora.llm.models import load_model
 from fedlora.llm.prompts import IGNORE_INDEX
 from fedlora.llm.tasks import Example, convert_hub_record, load_task
+from tiny_runs import DATA, TINY_EVAL_RUN
 
-DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 
 
@@ -218,35 +217,11 @@ def test_format_config_and_auto() -> None:
     assert resolve_eval_format("llm-adapters", 10) == "llm-adapters"
 
 
-TINY = [
-    "model.name=tiny-llama",
-    "model.threads=1",
-    f'data.data_dir="{DATA}"',
-    'data.tasks=["arc-e"]',
-    'data.eval_tasks=["arc-e", "boolq"]',
-    "data.train_limit=40",
-    "data.eval_limit=10",
-    "data.max_seq_len=96",
-    "data.n_clients=2",
-    "data.min_client_examples=4",
-    "lora.rank=4",
-    "lora.layers=1",
-    "training.rounds=2",
-    "training.local_steps=1",
-    "training.batch_size=2",
-    "training.eval_every=1",
-    "training.lr=0.05",
-    "method.q=full",
-    "method.k=full",
-    "output.progress=false",
-]
-
-
 @needs_data
 def test_engine_in_harness_format_logs_mc_loss(tmp_path: Path) -> None:
     from fedlora.federation.engine import describe, prepare_run_dir, run_experiment
 
-    cfg = load_config(None, TINY)  # evaluation.format = auto: harness for a tiny model
+    cfg = load_config(None, TINY_EVAL_RUN)  # evaluation.format = auto: harness for a tiny model
     run_dir = tmp_path / "run"
     prepare_run_dir(cfg, run_dir)
     logs: list[str] = []
@@ -277,7 +252,7 @@ def test_engine_in_harness_format_logs_mc_loss(tmp_path: Path) -> None:
 def test_target_mc_loss_stops_the_run(tmp_path: Path) -> None:
     from fedlora.federation.engine import prepare_run_dir, run_experiment
 
-    cfg = load_config(None, [*TINY, "training.rounds=5", "training.target_mc_loss=100.0"])
+    cfg = load_config(None, [*TINY_EVAL_RUN, "training.rounds=5", "training.target_mc_loss=100.0"])
     run_dir = tmp_path / "run"
     prepare_run_dir(cfg, run_dir)
     summary = run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)

@@ -20,8 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
         help="multiple-choice accuracy of a model (and optional LoRA adapter) on a task",
-        description="Accuracy by the log-likelihood of each allowed answer after the "
-        "LLM-Adapters prompt (no free generation), with a 95% Wilson interval.",
+        description="Accuracy by the log-likelihood of each answer option (no free "
+        "generation), with a 95% Wilson interval: lm-evaluation-harness's zero-shot format "
+        "(acc, acc_norm, mc_loss) for models below 3B parameters, the LLM-Adapters prompt "
+        "otherwise (--format). --harness runs lm-eval's own evaluator instead.",
     )
     p.add_argument(
         "--model",

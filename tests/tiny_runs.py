@@ -1,0 +1,32 @@
+"""Run configs the evaluation tests share: a tiny random-init model on real commonsense data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
+
+# Two clients, two rounds, evaluation every round on ARC-e and BoolQ (10 questions each).
+TINY_EVAL_RUN = [
+    "model.name=tiny-llama",
+    "model.threads=1",
+    f'data.data_dir="{DATA}"',
+    'data.tasks=["arc-e"]',
+    'data.eval_tasks=["arc-e", "boolq"]',
+    "data.train_limit=40",
+    "data.eval_limit=10",
+    "data.max_seq_len=96",
+    "data.n_clients=2",
+    "data.min_client_examples=4",
+    "lora.rank=4",
+    "lora.layers=1",
+    "training.rounds=2",
+    "training.local_steps=1",
+    "training.batch_size=2",
+    "training.eval_every=1",
+    "training.lr=0.05",
+    "method.q=full",
+    "method.k=full",
+    "output.progress=false",
+]
