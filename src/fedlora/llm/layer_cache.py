@@ -252,16 +252,12 @@ class LayerCache:
             create_sliding_window_causal_mask,
         )
 
-        kwargs = {
-            "config": self.decoder.config,
-            "inputs_embeds": hidden,
-            "attention_mask": mask,
-            "past_key_values": None,
-            "position_ids": pos,
-        }
-        masks = {"full_attention": create_causal_mask(**kwargs)}
+        # (config, inputs_embeds, attention_mask, no cache): positional, because transformers
+        # 5.x renamed past_key_values to cache and warns on the old name at every call
+        args = (self.decoder.config, hidden, mask, None)
+        masks = {"full_attention": create_causal_mask(*args, position_ids=pos)}
         if "sliding_attention" in (getattr(self.decoder.config, "layer_types", None) or []):
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+            masks["sliding_attention"] = create_sliding_window_causal_mask(*args, position_ids=pos)
         return masks
 
     def _run_layers(
@@ -292,8 +288,7 @@ class LayerCache:
                 attention_mask=mask_of(i),
                 position_embeddings=rotary,
                 position_ids=pos,
-                past_key_values=None,
-                use_cache=False,
+                use_cache=False,  # and no cache argument: its name differs across releases
             )
         return hidden
 

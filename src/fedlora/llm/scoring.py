@@ -21,6 +21,7 @@ tail) is an item of one candidate.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,7 +101,12 @@ def _score_shared(model: Any, items: list[Item], pad_id: int) -> list[np.ndarray
         )
     except TypeError:  # a forward without these arguments
         raise _NoCache from None
-    cache = getattr(out, "past_key_values", None)
+    # transformers 5.x calls the KV cache `cache` (the old name warns on every call)
+    cache_kw = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
+    cache = getattr(out, cache_kw, None)
+    cache = getattr(out, "past_key_values", None) if cache is None else cache
     if cache is None or not hasattr(cache, "batch_select_indices"):
         raise _NoCache
     first = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)  # (G, V)
@@ -125,8 +131,8 @@ def _score_shared(model: Any, items: list[Item], pad_id: int) -> list[np.ndarray
             input_ids=cont.to(device),
             attention_mask=full_mask.to(device),
             position_ids=cpos.to(device),
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kw: cache},
         )
         logp = torch.log_softmax(out2.logits.float(), dim=-1)  # (R, tc, V)
         targets = torch.full((len(tails), tc), 0, dtype=torch.long)
