@@ -230,3 +230,24 @@ def test_damaged_summary_is_a_data_error_naming_the_file(tmp_path, text, match):
     with pytest.raises(DataError, match=match) as e:
         read_summary(path)
     assert "summary.json" in str(e.value)
+
+
+def test_a_runs_clients_csv_has_the_bytes_of_the_writer_before_issue_23(tmp_path):
+    from types import SimpleNamespace
+
+    from fedlora.federation.profiles import write_clients_csv
+    from fedlora.system.network import generate_profiles, profiles_to_rows
+
+    profiles = generate_profiles(
+        3, full_payload_bits=1e6, local_steps=2, f_tot_hz=1e7, rng=np.random.default_rng(0)
+    )
+    fed = SimpleNamespace(client_indices=[[0, 1], [2], [3, 4, 5]], a=np.array([2, 1, 3]) / 6)
+    write_clients_csv(tmp_path, fed, profiles)
+    rows = profiles_to_rows(profiles)  # the writer of 7db5b13, verbatim
+    lines = [",".join(["client", "n_examples", "a", *rows[0].keys()])]
+    for i, row in enumerate(rows):
+        values = [i, len(fed.client_indices[i]), repr(float(fed.a[i])), *map(repr, row.values())]
+        lines.append(",".join(str(v) for v in values))
+    assert (tmp_path / "clients.csv").read_text() == "\n".join(lines) + "\n"
+    back = read_clients(tmp_path / "clients.csv")
+    assert [r.snr_db for r in back] == profiles.snr_db.tolist()
