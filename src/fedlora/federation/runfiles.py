@@ -94,6 +94,11 @@ def _metrics_line(raw: str) -> tuple[dict[str, Any] | None, str]:
     return line, ""
 
 
+def is_metrics_line(raw: str) -> bool:
+    """Whether one line of text is a fedlora metrics line (JSON with round and sim_time_s)."""
+    return _metrics_line(raw)[0] is not None
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
