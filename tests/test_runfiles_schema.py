@@ -251,3 +251,68 @@ def test_a_runs_clients_csv_has_the_bytes_of_the_writer_before_issue_23(tmp_path
     assert (tmp_path / "clients.csv").read_text() == "\n".join(lines) + "\n"
     back = read_clients(tmp_path / "clients.csv")
     assert [r.snr_db for r in back] == profiles.snr_db.tolist()
+
+
+# ----------------------------------------------------------------------------- fedlora report
+
+
+def _hand_made_run(root: Path, metrics: str) -> Path:
+    run = root / "sketched-seed0"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(metrics)
+    (run / "config.toml").write_text('[method]\nname = "sketched"\n[training]\nseed = 0\n')
+    write_summary(run, {"method": "sketched", "seed": 0, "rounds": 2, "stop_reason": "max_rounds"})
+    return run
+
+
+def _eval_line(rnd: int, time_s: float, acc: float) -> str:
+    line = {"round": rnd, "sim_time_s": time_s, "eval": {"arc-e": acc}, "eval_accuracy": acc}
+    return json.dumps(line) + "\n"
+
+
+def test_report_of_a_torn_metrics_file_warns_naming_it_and_reports_the_whole_rounds(
+    tmp_path, capsys
+):
+    from fedlora.cli import main
+
+    run = _hand_made_run(
+        tmp_path, _eval_line(0, 0.0, 0.25) + _eval_line(1, 4.0, 0.5) + '{"round": 2, "sim_t'
+    )
+    assert main(["report", str(run), "--target", "arc-e=0.5"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {run / 'metrics.jsonl'}: dropped its last line 3" in err
+    text = (run / "report.md").read_text()
+    assert "| sketched | 0 | 1 | 4.0 |" in text  # last whole round 1, its clock
+
+
+def test_report_of_a_metrics_file_without_a_whole_round_is_exit_2_naming_it(tmp_path, capsys):
+    from fedlora.cli import main
+
+    run = _hand_made_run(tmp_path, '{"round": 0, "sim_t')
+    assert main(["report", str(run), "--target", "arc-e=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(run / 'metrics.jsonl')!r} holds no complete round" in err
+    assert "Traceback" not in err and not (run / "report.md").exists()
+
+
+def test_report_target_of_a_task_no_run_has_names_it_and_the_runs_tasks(tmp_path, capsys):
+    from fedlora.cli import main
+
+    run = _hand_made_run(tmp_path, _eval_line(0, 0.0, 0.25) + _eval_line(1, 4.0, 0.5))
+    assert main(["report", str(run), "--target", "arc-c=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "no run evaluated task 'arc-c'; the runs' tasks: arc-e (or mean" in err
+    assert main(["report", str(run), "--target", "mean=0.5"]) == 0  # the mean is a task too
+
+
+def test_a_failed_runs_torn_metrics_still_reports_it_as_failed(tmp_path, capsys):
+    from fedlora.cli import main
+
+    ok = _hand_made_run(tmp_path, _eval_line(0, 0.0, 0.25) + _eval_line(1, 4.0, 0.5))
+    failed = tmp_path / "fslora-seed0"
+    failed.mkdir()
+    (failed / "metrics.jsonl").write_text('{"round": 0, "sim')
+    write_summary(failed, {"error": "out of memory", "method": "fslora", "seed": 0})
+    assert main(["report", str(ok), str(failed), "--target", "arc-e=0.5",
+                 "--out", str(tmp_path / "r")]) == 0  # fmt: skip
+    assert "- fslora seed 0: out of memory" in (tmp_path / "r" / "report.md").read_text()

@@ -142,7 +142,7 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunRecord:
     dropped: list[str] = []
     lines = read_metrics(metrics, warn=dropped.append) if metrics.is_file() else []
     if metrics.is_file() and not lines and summary.error is None:
-        why = f" ({dropped[0].removeprefix('warning: ')})" if dropped else " (it is empty)"
+        why = " (its one line is torn or not a metrics line)" if dropped else " (it is empty)"
         raise DataError(
             f"metrics file {str(metrics)!r} holds no complete round{why}: nothing to report "
             "for this run; resume it (fedlora run --resume) or leave it out"
