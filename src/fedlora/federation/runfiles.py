@@ -173,7 +173,7 @@ def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> Non
     if state is None:
         # a finished run without checkpoints: they were deleted (a run killed before its
         # first checkpoint has no summary and starts over, as it would have anyway)
-        if (path.parent / "summary.json").exists() and _has_lines(path):
+        if (path.parent / SUMMARY_FILE).exists() and _has_lines(path):
             raise DataError(
                 f"{str(path.parent)!r}: its checkpoints are gone but {path.name} holds the "
                 "finished run's rounds, which a resume would have to discard: restore "

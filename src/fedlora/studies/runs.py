@@ -172,16 +172,14 @@ def collect_runs(paths: Sequence[str | Path]) -> tuple[list[RunRecord], dict[str
     for p in map(Path, paths):
         if not p.is_dir():
             raise DataError(f"{str(p)!r}: no such directory")
-        if (p / "metrics.jsonl").is_file() or (p / "summary.json").is_file():
+        if (p / METRICS_FILE).is_file() or (p / SUMMARY_FILE).is_file():
             runs.append(load_run(p))
             continue
         found = read_suite(p)
         for key, value in found.items():
             suite.setdefault(key, value)
         subdirs = sorted(
-            d
-            for d in p.iterdir()
-            if (d / "metrics.jsonl").is_file() or (d / "summary.json").is_file()
+            d for d in p.iterdir() if (d / METRICS_FILE).is_file() or (d / SUMMARY_FILE).is_file()
         )
         if not subdirs:
             raise DataError(
