@@ -200,12 +200,15 @@ def _seed_list(values: list) -> list[int] | None:
 
 
 def _finished(run_dir: Path) -> bool:
-    path = run_dir / "summary.json"
+    from fedlora.errors import DataError
+    from fedlora.federation.runfiles import SUMMARY_FILE, read_summary
+
+    path = run_dir / SUMMARY_FILE
     if not path.is_file():
         return False
     try:
-        return "error" not in json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
+        return "error" not in read_summary(path).fields
+    except DataError:
         return False
 
 
@@ -315,6 +318,7 @@ def run_suite(
 def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], None]) -> None:
     """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
     from fedlora.federation.rundir import config_changes, load_run_config, prepare_run_dir
+    from fedlora.federation.runfiles import write_summary
     from fedlora.studies.calibration import run_method
 
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
@@ -343,7 +347,7 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
         except FedloraError as e:
             log(f"{head}: FAILED: {e}")
             error = {"error": str(e), "method": cfg.method.name, "seed": seed}
-            (run_dir / "summary.json").write_text(json.dumps(error, indent=2) + "\n")
+            write_summary(run_dir, error)
             continue
         elapsed = time.perf_counter() - start
         log(
