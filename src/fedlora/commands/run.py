@@ -32,17 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from fedlora.config import toml_string
     from fedlora.errors import ConfigError
-    from fedlora.federation.engine import describe
-    from fedlora.federation.preflight import check_inputs
-    from fedlora.federation.rundir import (
-        check_run_dir,
-        make_run_dir,
-        prepare_run_dir,
-        resume_config,
-        run_dir_for,
-        run_dir_lock,
-    )
-    from fedlora.studies.calibration import run_method
+    from fedlora.federation.progress import describe
+    from fedlora.federation.run import run as run_entry
+    from fedlora.federation.rundir import resume_given, run_dir_for
 
     overrides = list(args.overrides)
     if args.data_dir:
@@ -60,23 +52,16 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--overwrite with --resume: choose one (continue or replace)")
         if not run_dir.is_dir():
             raise ConfigError(f"--resume {str(run_dir)!r}: no such directory")
-        with run_dir_lock(run_dir):  # held until the run ends; a second process is refused
-            cfg = resume_config(run_dir, args.config, overrides, force=args.force)
-            check_inputs(cfg)
-            print(f"run directory: {run_dir}", file=sys.stderr)
-            summary = run_method(cfg, run_dir, resume=True, quiet=args.quiet)
+        given = resume_given(run_dir, args.config, overrides)  # compared under the lock
+        print(f"run directory: {run_dir}", file=sys.stderr)
+        summary = run_entry(given, run_dir, resume=True, force=args.force, quiet=args.quiet)
     else:
         if args.force:
             raise ConfigError("--force goes with --resume (it accepts a changed config)")
         cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
-        check_inputs(cfg)  # before anything is created or replaced
-        check_run_dir(run_dir, overwrite=args.overwrite)
-        make_run_dir(run_dir)
-        with run_dir_lock(run_dir):
-            prepare_run_dir(cfg, run_dir, overwrite=args.overwrite)
-            print(f"run directory: {run_dir}", file=sys.stderr)
-            summary = run_method(cfg, run_dir, resume=False, quiet=args.quiet)
+        print(f"run directory: {run_dir}", file=sys.stderr)
+        summary = run_entry(cfg, run_dir, overwrite=args.overwrite, quiet=args.quiet)
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0

@@ -1,7 +1,7 @@
 """Algorithm 2's plan from the calibration runs' observations: the clients' profiles read
 back from clients.csv, the constants A–D fitted (SVD, or non-negative least squares as the
 fallback), then (q*, k*) planned with `fedlora.system.planner` (both, q only with k from
-`method.k`, or k only with q from `method.q`). Used by `fedlora.studies.calibration`.
+`method.k`, or k only with q from `method.q`). Used by `fedlora.federation.calibration`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError
+from fedlora.federation.replan import plan_for, planning_t_full
 
 
 def read_clients(path: Path) -> dict[str, np.ndarray]:
@@ -25,13 +26,6 @@ def read_clients(path: Path) -> dict[str, np.ndarray]:
     if rows and "snr_db" in rows[0]:  # generated profiles: the mean SNR (fading-aware plan)
         out["snr_db"] = np.array([float(r["snr_db"]) for r in rows])
     return out
-
-
-def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
-    """t_full for the planner (`fedlora.federation.replan.planning_t_full`)."""
-    from fedlora.federation.replan import planning_t_full as shared
-
-    return shared(cfg, clients)
 
 
 def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray) -> Any:
@@ -101,8 +95,6 @@ def plan_from_calibration(
                                         yz[:, 1], floor_share=cfg.planner.fit_floor_share)  # fmt: skip
             constants, floors = result.constants, result.floors
             fit = f"constrained (the SVD fit was refused: {e})"
-    from fedlora.federation.replan import plan_for
-
     q, k, extra = plan_for(cfg, problem, constants, options, a)
     weights = pl.sketched_round_weights(problem, np.asarray(k), options)
     degeneracy = pl.plan_degeneracy(problem, constants, q, k, options)
