@@ -57,7 +57,8 @@ from fedlora.errors import ConfigError
 from fedlora.federation.calibration_plan import plan_from_calibration, read_clients
 from fedlora.federation.methods.proposed import Plan, plan_file
 from fedlora.federation.replan import outcome, probe_settings
-from fedlora.federation.rundir import atomic_write, write_run_dir
+from fedlora.federation.rundir import write_run_dir
+from fedlora.federation.runfiles import atomic_write
 
 AUTO_LOSS_FRACTION = 0.5
 SMOOTHING_ROUNDS = 3
