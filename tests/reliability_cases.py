@@ -788,6 +788,34 @@ CASES: list[Case] = [
         "invalid JSON number",
         _write("p.json", '{"gamma": ' + "9" * 5000 + "}"),
     ),
+    # issue 24, the run-directory schema (issue 23 item 4): report on damaged metrics, targets
+    Case(
+        "report a run whose metrics.jsonl holds only a torn line",
+        ["report", "{run}", *REPORT_TARGET],
+        "holds no complete round",
+        _write("run/metrics.jsonl", '{"round": 0, "sim_ti'),
+        needs_run=True,
+    ),
+    Case(
+        "report a run whose metrics.jsonl is empty",
+        ["report", "{run}", *REPORT_TARGET],
+        "metrics.jsonl' holds no complete round (it is empty)",
+        _write("run/metrics.jsonl", ""),
+        needs_run=True,
+    ),
+    Case(
+        "report a run whose metrics.jsonl is torn in the middle",
+        ["report", "{run}", *REPORT_TARGET],
+        "line 1 is not JSON",
+        _write("run/metrics.jsonl", '{"round": 0, "sim\n{"round": 1, "sim_time_s": 1.0}\n'),
+        needs_run=True,
+    ),
+    Case(
+        "report --target for a task no run evaluated",
+        ["report", "{run}", "--target", "arc-c=0.5"],
+        "no run evaluated task 'arc-c'; the runs' tasks: arc-e",
+        needs_run=True,
+    ),
 ]
 
 

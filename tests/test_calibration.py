@@ -230,6 +230,8 @@ def test_calibration_loss_fraction_sets_f_s(tmp_path):
 def test_plan_outcome_compares_predicted_and_observed_rounds(tmp_path):
     # F_s' = 1.0; training losses 2.0, 1.2, 0.6, 0.3: smoothed 2.0, 1.6, 1.27, 0.7 -> R = 4
     plan = {
+        "q": [0.5],
+        "k": [4],
         "expected_rounds": 3.5,
         "degeneracy": {"degenerate": True, "reasons": ["every k_n = 1"]},
         "fit": [{"observed_rounds": 5.0, "predicted_rounds": 4.0}],

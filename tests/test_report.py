@@ -11,8 +11,9 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.errors import ConfigError, DataError
+from fedlora.federation.runfiles import read_metrics
 from fedlora.studies.report import render_markdown, write_report
-from fedlora.studies.runs import collect_runs, load_run, read_metrics, time_to_target
+from fedlora.studies.runs import collect_runs, load_run, time_to_target
 from fedlora.studies.suite_report import report_suite
 from fedlora.studies.tables import speedup, summarize
 
@@ -137,8 +138,8 @@ def test_torn_last_line_is_dropped_and_a_bad_middle_line_is_an_error(tmp_path):
     path.write_text("not json\n" + json.dumps(_line(0, 0.0)) + "\n")
     with pytest.raises(DataError, match="line 1 is not JSON"):
         read_metrics(path)
-    path.write_text(json.dumps({"round": 0}) + "\n")
-    with pytest.raises(DataError, match="no sim_time_s"):
+    path.write_text(json.dumps({"round": 0}) + "\n" + json.dumps(_line(1, 1.0)) + "\n")
+    with pytest.raises(DataError, match="line 1 is not a fedlora metrics line .no sim_time_s"):
         read_metrics(path)
 
 

@@ -17,6 +17,8 @@ from fedlora.federation.runfiles import (
     restore_metrics,
 )
 
+R0, R1 = '{"round": 0, "sim_time_s": 0.0}', '{"round": 1, "sim_time_s": 1.0}'
+
 
 def test_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> None:
     path = tmp_path / "summary.json"
@@ -26,13 +28,18 @@ def test_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 
 
-def test_metrics_lines_stop_at_a_torn_or_foreign_line(tmp_path: Path) -> None:
+def test_metrics_lines_drop_a_torn_last_line_and_refuse_a_foreign_middle_one(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "metrics.jsonl"
-    append_metrics(path, {"round": 0})
-    append_metrics(path, {"round": 1})
-    assert read_metrics_lines(path) == ['{"round": 0}', '{"round": 1}']
-    path.write_text('{"round": 0}\n[1, 2]\n{"round": 2}\n{"rou')
-    assert read_metrics_lines(path) == ['{"round": 0}']
+    append_metrics(path, {"round": 0, "sim_time_s": 0.0})
+    append_metrics(path, {"round": 1, "sim_time_s": 1.0})
+    assert read_metrics_lines(path) == [R0, R1]
+    path.write_text(f'{R0}\n{R1}\n{{"rou')
+    assert read_metrics_lines(path) == [R0, R1]
+    path.write_text(f'{R0}\n[1, 2]\n{R1}\n{{"rou')
+    with pytest.raises(DataError, match="line 2 is not a fedlora metrics line"):
+        read_metrics_lines(path)
     assert read_metrics_lines(tmp_path / "missing.jsonl") == []
 
 
@@ -50,8 +57,8 @@ def test_a_full_disk_is_named_in_the_message() -> None:
 
 def test_old_checkpoint_with_missing_rounds_is_refused_naming_them(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"round": 0}\n{"round": 1}\n{"rou')
+    path.write_text(f'{R0}\n{R1}\n{{"rou')
     with pytest.raises(DataError, match=r"holds 2 complete lines .* recorded 4 \(rounds 2..3"):
         restore_metrics(path, {"progress": {"metrics_lines": 4}})
     restore_metrics(path, {"progress": {"metrics_lines": 1}})
-    assert path.read_text() == '{"round": 0}\n'
+    assert path.read_text() == R0 + "\n"

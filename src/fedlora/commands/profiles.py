@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     from fedlora.federation.flower.measured import fit_profiles, read_node_times
     from fedlora.federation.rundir import load_run_config
+    from fedlora.federation.runfiles import CLIENTS_FILE, read_clients
 
     run_dir = Path(args.run_dir)
     out = Path(args.output)
@@ -61,15 +62,15 @@ def run(args: argparse.Namespace) -> int:
         raise bad_value("RUN_DIR", str(run_dir), "a run directory (with config.toml)")
     cfg = load_run_config(run_dir)
     rows = read_node_times(run_dir)
-    clients = _clients_csv(run_dir)
+    clients = read_clients(run_dir / CLIENTS_FILE)
     n = cfg.data.n_clients
     if se_arg is not None:
         se = np.full(n, se_arg)
     else:
-        se = np.array([float(c.get("spectral_efficiency") or "nan") for c in clients][:n])
+        se = np.array([c.spectral_efficiency for c in clients][:n])
     fitted = fit_profiles(rows, n, cfg.network.bits_per_param, se, source=str(run_dir))
     for row, client in zip(fitted, clients, strict=False):
-        row["a"] = float(client["a"])
+        row["a"] = client.a
     if out.suffix.lower() == ".json":
         text = json.dumps({"clients": fitted}, indent=2) + "\n"
     else:
@@ -87,11 +88,3 @@ def run(args: argparse.Namespace) -> int:
         f"profiles of {n} clients from {len(rows)} measured replies: tau_full_s = [{taus}] -> {out}"
     )
     return 0
-
-
-def _clients_csv(run_dir: Path) -> list[dict[str, str]]:
-    path = run_dir / "clients.csv"
-    try:
-        return list(csv.DictReader(path.read_text(encoding="utf-8").splitlines()))
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None

@@ -44,7 +44,6 @@ training loss, the same rule as the calibration); the entry puts it into summary
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,16 +53,24 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig, dump_toml
 from fedlora.errors import ConfigError
-from fedlora.federation.calibration_plan import plan_from_calibration, read_clients
+from fedlora.federation.calibration_plan import client_arrays, plan_from_calibration
 from fedlora.federation.methods.proposed import Plan, plan_file
 from fedlora.federation.replan import outcome, probe_settings
 from fedlora.federation.rundir import write_run_dir
-from fedlora.federation.runfiles import atomic_write
+from fedlora.federation.runfiles import (
+    CLIENTS_FILE,
+    METRICS_FILE,
+    PLAN_FILE,
+    atomic_write,
+    read_clients,
+    read_metrics,
+    read_plan,
+    write_plan,
+)
 
 AUTO_LOSS_FRACTION = 0.5
 SMOOTHING_ROUNDS = 3
 CALIBRATION_EVAL_LIMIT = 8  # calibration runs decide on the training loss; eval is not used
-PLAN_FILE = "plan.json"
 
 
 class RunOne(Protocol):
@@ -124,10 +131,7 @@ def _read_losses(metrics_path: Path) -> tuple[list[float | None], float]:
     """Per-round training losses (rounds 1..) and the last simulated time of a run."""
     losses: list[float | None] = []
     sim_time_s = 0.0
-    if not metrics_path.exists():
-        return losses, sim_time_s
-    for text in metrics_path.read_text(encoding="utf-8").splitlines():
-        line = json.loads(text)
+    for line in read_metrics(metrics_path, warn=None):  # the run directory's one rule
         sim_time_s = float(line.get("sim_time_s", sim_time_s))
         if line.get("round", 0) >= 1:
             losses.append(line.get("train_loss"))
@@ -166,7 +170,7 @@ def _calibrate(
     records = []
     for i, (q, k) in enumerate(calibration_settings(cfg.lora.rank)):
         sub = run_dir / "calibration" / f"run-{i}-q{q:g}-k{k}"
-        metrics = sub / "metrics.jsonl"
+        metrics = sub / METRICS_FILE
         ccfg = calibration_config(cfg, q, k)
 
         def stop(line: dict[str, Any], metrics: Path = metrics) -> bool:
@@ -257,11 +261,11 @@ def prepare_proposed(
         return cfg, Plan(q=(q,) * n, k=(k,) * n, calibration_s=0.0, in_run=True)
     plan_path = Path(run_dir) / PLAN_FILE
     if plan_path.exists():
-        saved = json.loads(plan_path.read_text(encoding="utf-8"))
-        calibration_s = float(saved["calibration"]["sim_time_s"])
+        record = read_plan(plan_path)
+        q, k, calibration_s = record.q, record.k, record.calibration_s
     else:
         records, f_s, f_used = _calibrate(cfg, Path(run_dir), run_one=run_one, log=log)
-        clients = read_clients(Path(records[0]["dir"]) / "clients.csv")
+        clients = client_arrays(read_clients(Path(records[0]["dir"]) / CLIENTS_FILE))
         planned = plan_from_calibration(cfg, clients, records)
         calibration_s = float(sum(r["sim_time_s"] for r in records))
         saved = {
@@ -280,7 +284,8 @@ def prepare_proposed(
                 ],
             },
         }
-        atomic_write(plan_path, (json.dumps(saved, indent=2) + "\n").encode())
+        write_plan(run_dir, saved)
+        q, k = tuple(saved["q"]), tuple(saved["k"])
         c = saved["constants"]
         log(
             f"plan: A={c['A']:.4g} B={c['B']:.4g} C={c['C']:.4g} D={c['D']:.4g}; "
@@ -295,7 +300,7 @@ def prepare_proposed(
         training = dataclasses.replace(
             training, time_budget_s=training.time_budget_s + calibration_s
         )
-    plan = Plan(q=tuple(saved["q"]), k=tuple(saved["k"]), calibration_s=calibration_s)
+    plan = Plan(q=q, k=k, calibration_s=calibration_s)
     return cfg.replace(training=training), plan
 
 
@@ -326,8 +331,8 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
     path = run_dir / PLAN_FILE
     if not path.is_file():
         return None
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    losses, _ = _read_losses(run_dir / "metrics.jsonl")
+    saved = dict(read_plan(path).fields)
+    losses, _ = _read_losses(run_dir / METRICS_FILE)
     if saved.get("calibration", {}).get("mode") == "in-run":
         return outcome(saved, rounds_run=len(losses))
     level = float(saved["calibration"]["loss_used"])

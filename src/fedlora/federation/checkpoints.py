@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import DataError
-from fedlora.federation.runfiles import read_metrics_lines
+from fedlora.federation.runfiles import METRICS_FILE, read_metrics_lines
 
 CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
 # stored as tensors "<group>/<key>": FedStackLoRA's / FedEx-LoRA's base merges, the server
@@ -65,7 +65,7 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
             tensors[f"{group}/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
     rest = {k: v for k, v in state.items() if k not in ("global", *TENSOR_GROUPS)}
     n_lines = int(state["progress"]["metrics_lines"])
-    rest["metrics"] = read_metrics_lines(run_dir / "metrics.jsonl")[:n_lines]
+    rest["metrics"] = read_metrics_lines(run_dir / METRICS_FILE)[:n_lines]
     meta = {"format": CHECKPOINT_FORMAT, "state": json.dumps(rest, default=_json_default)}
     path = ckpt_dir / f"round-{state['round']:06d}.safetensors"
     tmp = path.with_name(path.name + ".tmp")

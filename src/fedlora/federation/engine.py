@@ -21,7 +21,6 @@ uninterrupted one and a Flower client can rebuild its own batches.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -46,7 +45,6 @@ from fedlora.federation.progress import (
 )
 from fedlora.federation.rundir import (
     append_metrics,
-    atomic_write,
     load_checkpoint,
     load_run_config,  # noqa: F401  (re-exported for older callers)
     prepare_run_dir,  # noqa: F401  (re-exported for older callers)
@@ -54,6 +52,7 @@ from fedlora.federation.rundir import (
     run_dir_lock,
     save_checkpoint,
 )
+from fedlora.federation.runfiles import write_summary
 from fedlora.federation.runstate import (
     Run,
     build_run,
@@ -238,7 +237,7 @@ def run_rounds(
     summary.update(trainer.summary_fields())
     if finish is not None:
         finish(summary)
-    atomic_write(run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    write_summary(run_dir, summary)
     trackers.finish(run_dir)
     return summary
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError
-from fedlora.federation.rundir import atomic_write
+from fedlora.federation.runfiles import ClientRow, write_clients
 from fedlora.files import load_profiles
 from fedlora.system.network import ClientProfiles, generate_profiles, profiles_to_rows
 from fedlora.system.seeding import derive_rng
@@ -42,12 +42,14 @@ def build_profiles(cfg: ExperimentConfig, full_payload_bits: float) -> ClientPro
     )
 
 
+def client_rows(fed: Any, profiles: ClientProfiles) -> list[ClientRow]:
+    """clients.csv's rows: per client its example count, data weight a_n and profile."""
+    return [
+        ClientRow(i, len(fed.client_indices[i]), float(fed.a[i]), **row)
+        for i, row in enumerate(profiles_to_rows(profiles))
+    ]
+
+
 def write_clients_csv(run_dir: Path, fed: Any, profiles: ClientProfiles) -> None:
-    """clients.csv: per client its example count, data weight a_n and profile."""
-    rows = profiles_to_rows(profiles)
-    header = ["client", "n_examples", "a", *rows[0].keys()]
-    lines = [",".join(header)]
-    for i, row in enumerate(rows):
-        values = [i, len(fed.client_indices[i]), repr(float(fed.a[i])), *map(repr, row.values())]
-        lines.append(",".join(str(v) for v in values))
-    atomic_write(run_dir / "clients.csv", ("\n".join(lines) + "\n").encode())
+    """clients.csv (`fedlora.federation.runfiles.write_clients`)."""
+    write_clients(run_dir, client_rows(fed, profiles))

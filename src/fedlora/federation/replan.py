@@ -25,7 +25,6 @@ The engine calls `before_round` (sets the method's q and k for the round) and `a
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError
-from fedlora.federation.runfiles import atomic_write
+from fedlora.federation.runfiles import write_plan
 
 PROBE_Q = (0.3, 0.15)
 PLAN_FILE = "plan.json"
@@ -270,7 +269,7 @@ def _write_plan_file(run: Any, st: dict[str, Any]) -> None:
         "floors": last_fit["fit"]["floors"] if last_fit else None,
         "history": st["history"],
     }
-    atomic_write(Path(run.run_dir) / PLAN_FILE, (json.dumps(saved, indent=2) + "\n").encode())
+    write_plan(Path(run.run_dir), saved)
 
 
 def _describe(entry: dict[str, Any]) -> str:

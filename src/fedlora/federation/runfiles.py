@@ -1,22 +1,37 @@
-"""The files a run appends to and rewrites, written so that a crash leaves each one whole.
+"""The run directory's files, owned here: each written so that a crash leaves it whole, and
+read back by one rule (issue 23: one reader and one writer per file).
 
 - `atomic_write` writes a temporary file next to the target, fsyncs it and renames it over
   the target: a reader sees the old content or the new, never half of it.
-- metrics.jsonl gets one JSON line per round, fsynced (`append_metrics`); reading it back
-  stops at the first torn or foreign line (`read_metrics_lines`), and a resume cuts it back
-  to the lines its checkpoint recorded (`restore_metrics`, `truncate_metrics`).
+- metrics.jsonl gets one JSON line per round, fsynced (`append_metrics`); it is read back by
+  one torn-line rule (`read_metrics`, `read_metrics_lines`: only the last line may be torn,
+  and is dropped), and a resume cuts it back to the lines its checkpoint recorded
+  (`restore_metrics`, `truncate_metrics`).
+- clients.csv (`ClientRow`), plan.json (`PlanRecord`) and summary.json (`RunSummary`): frozen
+  records, written and read by `write_*` / `read_*`.
 - `os_error_message` is the one-line message for a failed write (a full disk named as such).
 """
 
 from __future__ import annotations
 
+import csv
 import errno
 import json
+import math
 import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from fedlora.errors import DataError
+
+METRICS_FILE = "metrics.jsonl"
+CLIENTS_FILE = "clients.csv"
+PLAN_FILE = "plan.json"
+SUMMARY_FILE = "summary.json"
 
 
 def _named(e: OSError, path: Path) -> OSError:
@@ -57,27 +72,71 @@ def append_metrics(path: Path, line: dict[str, Any]) -> None:
         raise _named(e, path) from None
 
 
-def read_metrics_lines(path: Path) -> list[str]:
-    """The complete JSON lines of a metrics file, in order; a torn or foreign line ends them.
+# ----------------------------------------------------------------------------- metrics.jsonl
+# The one torn-line rule. A metrics line is a JSON object with `round` and `sim_time_s`, one a
+# line. Only the LAST line may be torn (a run killed mid-write) or foreign: it is dropped, with
+# a warning naming the file and the line. Any other line that is not a metrics line means the
+# file is damaged: a DataError naming the file and the line. Blank lines are skipped; a missing
+# file holds no lines.
 
-    Non-UTF-8 bytes raise `DataError` naming the file."""
+
+def _metrics_line(raw: str) -> tuple[dict[str, Any] | None, str]:
+    """(the line, "") for a metrics line, else (None, why it is not one)."""
+    try:
+        line = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, or an integer of thousands of digits
+        return None, f"is not JSON ({getattr(e, 'msg', e)})"
+    if not isinstance(line, dict):
+        return None, "is not a fedlora metrics line (not a JSON object)"
+    missing = [key for key in ("round", "sim_time_s") if key not in line]
+    if missing:
+        return None, f"is not a fedlora metrics line (no {', '.join(missing)})"
+    return line, ""
+
+
+def is_metrics_line(raw: str) -> bool:
+    """Whether one line of text is a fedlora metrics line (JSON with round and sim_time_s)."""
+    return _metrics_line(raw)[0] is not None
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _scan_metrics(path: Path, warn: Callable[[str], Any] | None) -> list[tuple[str, dict]]:
+    """(text, line) of every metrics line of `path`, by the one rule above."""
     if not path.exists():
         return []
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{str(path)!r} is not UTF-8 text (byte {e.start}): the metrics file is damaged"
-        ) from None
-    lines = []
-    for raw in text.split("\n")[:-1]:  # the last piece has no newline: torn or empty
-        try:
-            if not isinstance(json.loads(raw), dict):
-                break
-        except json.JSONDecodeError:
-            break
-        lines.append(raw)
-    return lines
+    text = _read_run_file(path, "metrics file")
+    numbered = [(i + 1, raw) for i, raw in enumerate(text.split("\n")) if raw.strip()]
+    out = []
+    for j, (number, raw) in enumerate(numbered):
+        line, problem = _metrics_line(raw)
+        if line is not None:
+            out.append((raw, line))
+        elif j < len(numbered) - 1:
+            raise DataError(
+                f"metrics file {str(path)!r}: line {number} {problem}; only the last line may "
+                "be torn: the file is damaged"
+            )
+        elif warn is not None:
+            warn(f"warning: {path}: dropped its last line {number}, which {problem} "
+                 "(a run stopped while writing it?)")  # fmt: skip
+    return out
+
+
+def read_metrics_lines(path: Path, warn: Callable[[str], Any] | None = None) -> list[str]:
+    """The metrics lines of `path` as written (JSON text), by the one rule above; a dropped
+    last line is reported to `warn` (silent when None)."""
+    return [raw for raw, _ in _scan_metrics(path, warn)]
+
+
+def read_metrics(path: Path, warn: Callable[[str], Any] | None = _stderr) -> list[dict[str, Any]]:
+    """The metrics lines of `path` as dicts, by the one rule above (a dropped last line is
+    warned about on stderr by default). Dicts, not a dataclass: a line's keys depend on the
+    method, the eval tasks and the runtime, and a reader must keep the keys of older or
+    newer runs it does not know."""
+    return [line for _, line in _scan_metrics(path, warn)]
 
 
 def truncate_metrics(path: Path, lines: int) -> None:
@@ -134,3 +193,189 @@ def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> Non
     if current[: len(lines)] != lines:
         warn(f"{path} did not match the checkpoint: rewrote its {len(lines)} lines from it")
     atomic_write(path, "".join(line + "\n" for line in lines).encode())
+
+
+# ----------------------------------------------------------------------------- clients.csv
+
+
+@dataclass(frozen=True)
+class ClientRow:
+    """One row of clients.csv: a client's example count, data weight a_n and profile
+    (`fedlora.system.network.ClientProfiles`; the channel columns are NaN for given profiles)."""
+
+    client: int
+    n_examples: int
+    a: float
+    tau_full_s: float
+    t_full: float
+    distance_m: float = math.nan
+    path_loss_db: float = math.nan
+    snr_db: float = math.nan  # mean SNR over the reference band f_tot
+    spectral_efficiency: float = math.nan
+
+
+CLIENT_COLUMNS = tuple(f.name for f in fields(ClientRow))
+_REQUIRED_CLIENT_COLUMNS = CLIENT_COLUMNS[:5]  # older runs may lack the channel columns
+
+
+def write_clients(run_dir: Path, rows: Sequence[ClientRow]) -> None:
+    """run_dir/clients.csv, one row per client (floats as repr: they read back exactly)."""
+    lines = [",".join(CLIENT_COLUMNS)]
+    for row in rows:
+        values = (repr(float(v)) if f.type == "float" else str(int(v))
+                  for f, v in zip(fields(ClientRow), astuple(row), strict=True))  # fmt: skip
+        lines.append(",".join(values))
+    atomic_write(Path(run_dir) / CLIENTS_FILE, ("\n".join(lines) + "\n").encode())
+
+
+def read_clients(path: Path) -> list[ClientRow]:
+    """The rows of a run's clients.csv; a missing file, column or number is a DataError naming
+    the file (and the row and column)."""
+    text = _read_run_file(path, "clients file")
+    rows = list(csv.DictReader(text.splitlines()))
+    header = list(rows[0]) if rows else []
+    missing = [c for c in _REQUIRED_CLIENT_COLUMNS if c not in header]
+    if not rows or missing:
+        raise DataError(
+            f"clients file {str(path)!r} has no client rows with columns "
+            f"{', '.join(_REQUIRED_CLIENT_COLUMNS)}"
+            + (f" (missing: {', '.join(missing)})" if rows else "")
+        )
+    out = []
+    for i, raw in enumerate(rows):
+        values: dict[str, Any] = {}
+        for f in fields(ClientRow):
+            if f.name not in header:
+                continue
+            try:
+                values[f.name] = float(raw[f.name]) if f.type == "float" else int(raw[f.name])
+            except (TypeError, ValueError):
+                raise DataError(
+                    f"clients file {str(path)!r}: row {i + 1}: {f.name} = {raw[f.name]!r} is not "
+                    f"{'a number' if f.type == 'float' else 'an integer'}"
+                ) from None
+        out.append(ClientRow(**values))
+    return out
+
+
+# ----------------------------------------------------------------------------- plan.json
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """plan.json of a `proposed` run as far as every reader needs it: the plan in force (q, k)
+    and the simulated time its calibration took; `fields` is the whole JSON object (the
+    calibration runs or the in-run fits, constants, degeneracy: the reports' nested detail)."""
+
+    q: tuple[float, ...]
+    k: tuple[int, ...]
+    calibration_mode: str  # "calibration" (four calibration runs first) or "in-run"
+    calibration_s: float
+    fields: Mapping[str, Any]
+
+
+def write_plan(run_dir: Path, plan: Mapping[str, Any]) -> Path:
+    """run_dir/plan.json (indented JSON) from its fields; returns its path."""
+    path = Path(run_dir) / PLAN_FILE
+    atomic_write(path, (json.dumps(plan, indent=2) + "\n").encode())
+    return path
+
+
+def read_plan(path: Path) -> PlanRecord:
+    """A plan.json back; a damaged one is a DataError naming the file and the field."""
+    data = _read_json_object(path, "plan file")
+    calibration, field = data.get("calibration"), "calibration"
+    try:
+        if not isinstance(calibration, dict):
+            raise TypeError
+        field = "q"
+        q = tuple(float(x) for x in data["q"])
+        field = "k"
+        k = tuple(int(x) for x in data["k"])
+        field = "calibration.sim_time_s"
+        calibration_s = float(calibration.get("sim_time_s", 0.0))
+    except (KeyError, TypeError, ValueError):
+        raise DataError(
+            f"plan file {str(path)!r}: field {field} is missing or not what fedlora writes "
+            "(q and k: lists of numbers; calibration: an object)"
+        ) from None
+    mode = str(calibration.get("mode", "calibration"))
+    return PlanRecord(q, k, mode, calibration_s, MappingProxyType(data))
+
+
+# ----------------------------------------------------------------------------- summary.json
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """summary.json as the readers use it: a finished run's totals, or a failed run's `error`
+    (written by a suite: error, method, seed). `fields` is the whole JSON object."""
+
+    method: str | None
+    seed: int | None
+    error: str | None
+    stop_reason: str | None
+    rounds: int | None
+    sim_time_s: float | None
+    wall_s: float | None
+    compute_s: float | None
+    total_uplink_bits: float | None
+    empty_rounds: int | None
+    plan: Mapping[str, Any] | None  # Algorithm 2's outcome of a `proposed` run
+    fields: Mapping[str, Any]
+
+    def replace_fields(self, **values: Any) -> RunSummary:
+        """The summary with some fields replaced (a re-clocked run's `sim_time_s`)."""
+        return summary_from_dict({**self.fields, **values}, "summary")
+
+
+_SUMMARY_TYPES = {"method": str, "seed": int, "error": str, "stop_reason": str, "rounds": int,
+                  "sim_time_s": float, "wall_s": float, "compute_s": float,
+                  "total_uplink_bits": float, "empty_rounds": int, "plan": dict}  # fmt: skip
+
+
+def summary_from_dict(data: Mapping[str, Any], source: str) -> RunSummary:
+    """A RunSummary from summary.json's object; a field of the wrong type is a DataError."""
+    values: dict[str, Any] = {}
+    for key, kind in _SUMMARY_TYPES.items():
+        value = data.get(key)
+        numeric = kind in (int, float) and isinstance(value, (int, float))
+        if value is not None and (
+            isinstance(value, bool) or not (numeric or isinstance(value, kind))
+        ):
+            raise DataError(
+                f"{source}: {key} = {value!r} is not what fedlora writes ({kind.__name__})"
+            )
+        values[key] = (
+            None if value is None else kind(value) if kind is not dict else MappingProxyType(value)
+        )
+    return RunSummary(**values, fields=MappingProxyType(dict(data)))
+
+
+def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
+    """run_dir/summary.json (indented JSON), atomically."""
+    atomic_write(Path(run_dir) / SUMMARY_FILE, (json.dumps(summary, indent=2) + "\n").encode())
+
+
+def read_summary(path: Path) -> RunSummary:
+    """A summary.json back; unreadable, not JSON or mistyped: a DataError naming the file."""
+    return summary_from_dict(_read_json_object(path, "summary file"), f"summary file {str(path)!r}")
+
+
+def _read_run_file(path: Path, what: str) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise DataError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+
+
+def _read_json_object(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(_read_run_file(path, what))
+    except ValueError as e:
+        raise DataError(f"{what} {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{what} {str(path)!r} is not a JSON object")
+    return data

@@ -27,8 +27,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fedlora.errors import ConfigError
-from fedlora.federation.runfiles import atomic_write
+from fedlora.errors import ConfigError, DataError
+from fedlora.federation.runfiles import (
+    METRICS_FILE,
+    SUMMARY_FILE,
+    atomic_write,
+    is_metrics_line,
+    read_summary,
+)
 
 MARKER_NAME = ".fedlora-run.json"
 MARKER_FORMAT = 1
@@ -155,12 +161,12 @@ def is_never_started(run_dir: Path, names: list[str]) -> bool:
     )
 
 
-def _first_json(path: Path) -> Any:
+def _first_line(path: Path) -> str:
     try:
         with open(path, "rb") as f:
-            return json.loads(f.readline(1 << 20).decode("utf-8"))
+            return f.readline(1 << 20).decode("utf-8")
     except (OSError, ValueError):
-        return None
+        return ""
 
 
 def has_legacy_evidence(run_dir: Path) -> bool:
@@ -170,11 +176,10 @@ def has_legacy_evidence(run_dir: Path) -> bool:
     ckpt = run_dir / "checkpoints"
     if ckpt.is_dir() and not ckpt.is_symlink() and any(ckpt.glob("round-*")):
         return True
-    line = _first_json(run_dir / "metrics.jsonl")
-    if isinstance(line, dict) and {"round", "sim_time_s"} <= set(line):
+    if is_metrics_line(_first_line(run_dir / METRICS_FILE)):
         return True
     try:
-        summary = json.loads((run_dir / "summary.json").read_bytes().decode("utf-8"))
-    except (OSError, ValueError):
+        summary = read_summary(run_dir / SUMMARY_FILE)
+    except DataError:
         return False
-    return isinstance(summary, dict) and {"rounds", "stop_reason"} <= set(summary)
+    return summary.rounds is not None and summary.stop_reason is not None

@@ -200,12 +200,15 @@ def _seed_list(values: list) -> list[int] | None:
 
 
 def _finished(run_dir: Path) -> bool:
-    path = run_dir / "summary.json"
+    from fedlora.errors import DataError
+    from fedlora.federation.runfiles import SUMMARY_FILE, read_summary
+
+    path = run_dir / SUMMARY_FILE
     if not path.is_file():
         return False
     try:
-        return "error" not in json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
+        return "error" not in read_summary(path).fields
+    except DataError:
         return False
 
 
@@ -316,6 +319,7 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
     """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
     from fedlora.federation.run import run
     from fedlora.federation.rundir import config_changes, load_run_config
+    from fedlora.federation.runfiles import write_summary
 
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
     start = time.perf_counter()
@@ -344,7 +348,7 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
             log(f"{head}: FAILED: {e}")
             error = {"error": str(e), "method": cfg.method.name, "seed": seed}
             run_dir.mkdir(parents=True, exist_ok=True)  # bad inputs fail before it is made
-            (run_dir / "summary.json").write_text(json.dumps(error, indent=2) + "\n")
+            write_summary(run_dir, error)
             continue
         elapsed = time.perf_counter() - start
         log(

@@ -147,8 +147,8 @@ def render(
         ]
         out.append("")
     out += _plan_section(gs)
-    wall = sum(float(r.summary.get("wall_s", 0.0) or 0.0) for g in gs for r in g.runs)
-    compute = sum(float(r.summary.get("compute_s", 0.0) or 0.0) for g in gs for r in g.runs)
+    wall = sum((r.summary.wall_s or 0.0) for g in gs for r in g.runs)
+    compute = sum((r.summary.compute_s or 0.0) for g in gs for r in g.runs)
     out += [
         f"CPU: {sum(len(g.runs) for g in gs)} runs, Σ wall_s = {wall / 3600:.2f} h (a run's "
         "last session, calibration included), Σ compute_s = "
@@ -163,7 +163,7 @@ def _plan_section(gs: Sequence[Group]) -> list[str]:
     rows = []
     for g in gs:
         for r in g.runs:
-            plan = r.summary.get("plan")
+            plan = r.summary.plan
             if not plan:
                 continue
             cal = "; ".join(

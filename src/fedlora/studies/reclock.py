@@ -11,15 +11,8 @@ from typing import Any
 
 from fedlora.config import LoraConfig, NetworkConfig
 from fedlora.errors import ConfigError, bad_value
-from fedlora.studies.runs import RunRecord, read_metrics, read_toml
-
-
-def _clients(path: Path) -> tuple[list[float], list[float]]:
-    import csv
-
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f))
-    return [float(r["tau_full_s"]) for r in rows], [float(r["t_full"]) for r in rows]
+from fedlora.federation.runfiles import CLIENTS_FILE, METRICS_FILE, read_clients, read_metrics
+from fedlora.studies.runs import RunRecord, read_toml
 
 
 def _reclock_lines(
@@ -48,7 +41,9 @@ def _reclock_lines(
     gamma = int(config.get("lora", {}).get("rank", LoraConfig.rank))
     f_tot = float(net.get("f_tot_hz", NetworkConfig.f_tot_hz))
     comm, comp, rho = cost
-    tau_full, t_full = (np.asarray(x) for x in _clients(clients))
+    rows = read_clients(clients)
+    tau_full = np.asarray([r.tau_full_s for r in rows])
+    t_full = np.asarray([r.t_full for r in rows])
     out, clock = [], start_s
     for line in lines:
         line = dict(line)
@@ -88,13 +83,13 @@ def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = 
     start = 0.0
     calib = run.path / "calibration"
     if run.calibration_time_s > 0 and calib.is_dir():
-        for sub in sorted(d for d in calib.iterdir() if (d / "metrics.jsonl").is_file()):
+        for sub in sorted(d for d in calib.iterdir() if (d / METRICS_FILE).is_file()):
             sub_cfg = read_toml(sub / "config.toml")
-            lines = _reclock_lines(read_metrics(sub / "metrics.jsonl"), sub_cfg,
-                                   sub / "clients.csv", cost, 0.0)  # fmt: skip
+            lines = _reclock_lines(read_metrics(sub / METRICS_FILE), sub_cfg,
+                                   sub / CLIENTS_FILE, cost, 0.0)  # fmt: skip
             start += lines[-1]["sim_time_s"] if lines else 0.0
-    lines = _reclock_lines(run.lines, run.config, run.path / "clients.csv", cost, start)
+    lines = _reclock_lines(run.lines, run.config, run.path / CLIENTS_FILE, cost, start)
     if lines:
         lines[0]["calibration_sim_time_s"] = start
-    summary = dict(run.summary, sim_time_s=lines[-1]["sim_time_s"] if lines else 0.0)
+    summary = run.summary.replace_fields(sim_time_s=lines[-1]["sim_time_s"] if lines else 0.0)
     return RunRecord(run.path, run.label, run.method, run.seed, lines, summary, run.config)

@@ -47,7 +47,7 @@ def render_markdown(
     """report.md: time to target per label and task, final accuracy, speed-up over FSLoRA.
 
     Runs without metrics lines (failed before round 0) are listed under "Failed runs"."""
-    failed = [r for r in runs if r.summary.get("error")]
+    failed = [r for r in runs if r.summary.error]
     runs = [r for r in runs if r.lines]
     cells = summarize(runs, targets, order)
     seeds = sorted({r.seed for r in runs})
@@ -120,13 +120,12 @@ def render_markdown(
     for label in labels:
         for r in sorted((r for r in runs if r.label == label), key=lambda r: r.seed):
             s = r.summary
-            mb = s.get("total_uplink_bits")
+            mb, empty = s.total_uplink_bits, s.empty_rounds
             out.append(
                 f"| {label} | {r.seed} | {r.lines[-1].get('round', '-') if r.lines else '-'} | "
                 f"{r.total_time_s:.1f} | {r.calibration_time_s:.1f} | "
-                f"{'-' if mb is None else f'{mb / 8e6:.1f}'} | {s.get('empty_rounds', '-')} | "
-                f"{s.get('stop_reason', s.get('error', 'unfinished'))} | "
-                f"{s.get('compute_s', 0.0):.0f} |"
+                f"{'-' if mb is None else f'{mb / 8e6:.1f}'} | {'-' if empty is None else empty} | "
+                f"{s.stop_reason or s.error or 'unfinished'} | {s.compute_s or 0.0:.0f} |"
             )
     out += baseline_section(runs, labels)
     if target_loss:
@@ -135,7 +134,7 @@ def render_markdown(
         out += mcnemar_section(runs, labels)
     if failed:
         out += ["", "## Failed runs", ""]
-        out += [f"- {r.label} seed {r.seed}: {r.summary['error']}" for r in failed]
+        out += [f"- {r.label} seed {r.seed}: {r.summary.error}" for r in failed]
     out += ["", f"![accuracy against simulated wall-clock]({plot_name})", ""]
     if any(r.loss_points() for r in runs):
         out += ["![eval_loss against simulated wall-clock](eval_loss_vs_time.png)", ""]

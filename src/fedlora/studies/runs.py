@@ -8,7 +8,6 @@ A run that never reaches a target is *censored*: its time is only known to be >=
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -22,10 +21,19 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from fedlora.errors import ConfigError, DataError
+from fedlora.federation.runfiles import (
+    METRICS_FILE,
+    SUMMARY_FILE,
+    RunSummary,
+    read_metrics,
+    read_summary,
+    summary_from_dict,
+)
 
 MEAN_TASK = "mean"  # the mean over data.eval_tasks (metrics "eval_accuracy")
 SUITE_FILE = "suite.toml"
 REFERENCE = "fslora"  # the method the speed-ups are measured against (Table I)
+NO_SUMMARY = summary_from_dict({}, "no summary.json")  # a run without one (unfinished)
 
 
 @dataclass
@@ -36,8 +44,8 @@ class RunRecord:
     label: str
     method: str
     seed: int
-    lines: list[dict[str, Any]]
-    summary: dict[str, Any] = field(default_factory=dict)
+    lines: list[dict[str, Any]]  # metrics.jsonl (`fedlora.federation.runfiles.read_metrics`)
+    summary: RunSummary = field(default=NO_SUMMARY)
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -103,53 +111,26 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise DataError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(_read_text(path, "summary file"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"summary file {str(path)!r} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise DataError(f"summary file {str(path)!r} is not a JSON object")
-    return data
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The lines of a metrics.jsonl; a torn last line (a run killed mid-write) is dropped."""
-    lines = []
-    text = _read_text(path, "metrics file").splitlines()
-    for i, raw in enumerate(text):
-        if not raw.strip():
-            continue
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError as e:
-            if i == len(text) - 1:
-                break
-            raise DataError(f"{path}: line {i + 1} is not JSON ({e.msg})") from None
-        if not isinstance(line, dict) or "sim_time_s" not in line:
-            raise DataError(f"{path}: line {i + 1} is not a fedlora metrics line (no sim_time_s)")
-        lines.append(line)
-    return lines
-
-
 _SEED_SUFFIX = re.compile(r"^(?P<label>.+)-seed(?P<seed>\d+)$")
 
 
 def load_run(run_dir: str | Path, label: str | None = None) -> RunRecord:
-    """Read one run directory; the label defaults to the directory name without -seed<N>."""
+    """Read one run directory; the label defaults to the directory name without -seed<N>.
+
+    A torn last metrics line is dropped with a warning on stderr; a metrics.jsonl without one
+    complete line is a `DataError` naming it (unless summary.json records the run's error)."""
     path = Path(run_dir)
-    metrics = path / "metrics.jsonl"
-    if not metrics.is_file() and not (path / "summary.json").is_file():
+    metrics, summary_path = path / METRICS_FILE, path / SUMMARY_FILE
+    if not metrics.is_file() and not summary_path.is_file():
         raise DataError(f"{str(path)!r} is not a fedlora run directory (no metrics.jsonl)")
     config: dict[str, Any] = {}
     if (path / "config.toml").is_file():
         config = read_toml(path / "config.toml")
-    summary: dict[str, Any] = {}
-    if (path / "summary.json").is_file():
-        summary = _read_json_object(path / "summary.json")
+    summary = read_summary(summary_path) if summary_path.is_file() else NO_SUMMARY
     try:
-        method = str(summary.get("method") or config.get("method", {}).get("name", "unknown"))
-        seed = int(summary.get("seed", config.get("training", {}).get("seed", 0)) or 0)
+        method = summary.method or str(config.get("method", {}).get("name", "unknown"))
+        seed = summary.seed if summary.seed is not None else config.get("training", {}).get("seed")
+        seed = int(seed or 0)
     except (AttributeError, TypeError, ValueError):
         raise DataError(
             f"{str(path)!r}: summary.json / config.toml do not name the run's method and seed "
@@ -158,7 +139,16 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunRecord:
     match = _SEED_SUFFIX.match(path.name)
     if label is None:
         label = match["label"] if match else method
-    lines = read_metrics(metrics) if metrics.is_file() else []
+    dropped: list[str] = []
+    lines = read_metrics(metrics, warn=dropped.append) if metrics.is_file() else []
+    if metrics.is_file() and not lines and summary.error is None:
+        why = " (its one line is torn or not a metrics line)" if dropped else " (it is empty)"
+        raise DataError(
+            f"metrics file {str(metrics)!r} holds no complete round{why}: nothing to report "
+            "for this run; resume it (fedlora run --resume) or leave it out"
+        )
+    for message in dropped:
+        print(message, file=sys.stderr)
     return RunRecord(path, label, method, seed, lines, summary, config)
 
 

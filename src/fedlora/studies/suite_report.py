@@ -36,6 +36,7 @@ def report_suite(
     """
     runs, suite = collect_runs(paths)
     _check_reference(runs, reference)
+    _check_targets(runs, targets or {})
     note = ""
     if cost_model:
         runs = [reclock(r, *cost_model) if r.lines else r for r in runs]
@@ -76,6 +77,21 @@ def _check_reference(runs: Sequence[Any], reference: str | None) -> None:
     labels = list(dict.fromkeys(r.label for r in runs if r.lines))
     if reference is not None and reference not in labels:
         raise bad_value("--reference", reference, "one of the runs' labels: " + ", ".join(labels))
+
+
+def _check_targets(runs: Sequence[Any], targets: dict[str, float]) -> None:
+    """Every --target names a task the runs evaluated (or `mean`, their mean)."""
+    from fedlora.studies.runs import MEAN_TASK
+
+    tasks = list(dict.fromkeys(t for r in runs if r.lines for t in r.tasks()))
+    unknown = [t for t in targets if t != MEAN_TASK and t not in tasks]
+    if unknown and tasks:
+        raise bad_value(
+            "--target",
+            f"{unknown[0]}={targets[unknown[0]]:g}",
+            f"no run evaluated task {unknown[0]!r}; the runs' tasks: {', '.join(tasks)} "
+            f"(or {MEAN_TASK}, their mean)",
+        )
 
 
 def _append_powered(
