@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from fedlora.commands.arguments import add_experiment_arguments
@@ -53,18 +54,34 @@ def run(args: argparse.Namespace) -> int:
         if not run_dir.is_dir():
             raise ConfigError(f"--resume {str(run_dir)!r}: no such directory")
         given = resume_given(run_dir, args.config, overrides)  # compared under the lock
-        print(f"run directory: {run_dir}", file=sys.stderr)
-        summary = run_entry(given, run_dir, resume=True, force=args.force, quiet=args.quiet)
+        log = _announcing(run_dir)
+        summary = run_entry(given, run_dir, resume=True, force=args.force, quiet=args.quiet,
+                            log=log)  # fmt: skip
     else:
         if args.force:
             raise ConfigError("--force goes with --resume (it accepts a changed config)")
         cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
-        print(f"run directory: {run_dir}", file=sys.stderr)
-        summary = run_entry(cfg, run_dir, overwrite=args.overwrite, quiet=args.quiet)
+        log = _announcing(run_dir)
+        summary = run_entry(cfg, run_dir, overwrite=args.overwrite, quiet=args.quiet, log=log)
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0
+
+
+def _announcing(run_dir: Path) -> Callable[[str], None]:
+    """A stderr log that first names the run directory: the entry's first message comes
+    once the inputs passed and the directory is locked, so a refusal stays one line."""
+    announced = False
+
+    def log(msg: str) -> None:
+        nonlocal announced
+        if not announced:
+            print(f"run directory: {run_dir}", file=sys.stderr)
+            announced = True
+        print(msg, file=sys.stderr)
+
+    return log
 
 
 def load_run_file(path: str | None, overrides: list[str]):
