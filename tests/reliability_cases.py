@@ -240,6 +240,12 @@ def _no_checkpoints(tmp: Path) -> None:
     shutil.rmtree(tmp / "run" / "checkpoints")
 
 
+def _unfinished_no_checkpoints(tmp: Path) -> None:
+    """A run stopped after its last recorded round, its checkpoints deleted since."""
+    _no_checkpoints(tmp)
+    (tmp / "run" / "summary.json").unlink()
+
+
 def _truncate(rel: str) -> Setup:
     def setup(tmp: Path) -> None:
         p = tmp / rel
@@ -631,6 +637,13 @@ CASES: list[Case] = [
         ["run", "--resume", "{run}", "-q"],
         "its checkpoints are gone",
         _no_checkpoints,
+        needs_run=True,
+    ),
+    Case(
+        "--resume an unfinished run whose checkpoints were deleted",
+        ["run", "--resume", "{run}", "-q"],
+        "would restart from round 0 and discard them",
+        _unfinished_no_checkpoints,
         needs_run=True,
     ),
     Case(

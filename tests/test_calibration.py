@@ -1,5 +1,7 @@
-"""Algorithm 2 on real training (`fedlora.studies.calibration`, `fedlora.studies.planning`):
-the calibration runs, the fit, the plan as a value."""
+"""Algorithm 2 on real training (`fedlora.federation.calibration`,
+`fedlora.federation.calibration_plan`): the calibration runs, the fit, the plan as a value.
+The calibration runs are a stand-in (`_fake_engine`) handed to `prepare_proposed` as its
+`run_one`, as the run's entry hands it the in-process run."""
 
 from __future__ import annotations
 
@@ -12,10 +14,7 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation import engine
-from fedlora.federation.methods import make_method
-from fedlora.federation.methods.proposed import Plan, Proposed
-from fedlora.studies.calibration import (
+from fedlora.federation.calibration import (
     calibration_config,
     calibration_settings,
     plan_outcome,
@@ -23,6 +22,15 @@ from fedlora.studies.calibration import (
     rounds_to_loss,
     smoothed_losses,
 )
+from fedlora.federation.methods import make_method
+from fedlora.federation.methods.proposed import Plan, Proposed
+from fedlora.llm.device import resolve_runtime
+
+
+def _config(*args):
+    """A config with its device and dtype resolved, as the run's entry hands it on."""
+    return resolve_runtime(load_config(*args)).cfg
+
 
 # ----------------------------------------------------------------------------- calibration pieces
 
@@ -45,7 +53,7 @@ def test_smoothed_losses_trailing_mean_over_non_empty_rounds():
 
 
 def test_calibration_config_is_sketched_with_every_client_alike():
-    cfg = load_config(None, ["planner.calibration=separate", "data.n_clients=3", "planner.calibration_rounds=7", "training.seed=5",
+    cfg = _config(None, ["planner.calibration=separate", "data.n_clients=3", "planner.calibration_rounds=7", "training.seed=5",
                              "training.eval_every_s=2.5", "training.time_budget_s=9",
                              "training.target_loss=0.5"])  # fmt: skip
     c = calibration_config(cfg, 0.3, 4)
@@ -65,7 +73,7 @@ KNOWN_R = {(0.3, 16): 112, (0.15, 16): 120, (0.3, 4): 140, (0.15, 4): 210}
 
 
 def _fake_engine(calls: list):
-    """A stand-in for engine.run_experiment: one metrics line per round, 1 s each; the loss is
+    """A stand-in for the entry's in-process run: one metrics line per round, 1 s each; the loss is
     2.0 in round 1 (F_s = 1.0), 1.2 until round R−1 and 0.3 from R on, so the smoothed loss
     first drops to <= 1.0 exactly at round R = KNOWN_R[(q, k)]."""
 
@@ -95,18 +103,18 @@ def _fake_engine(calls: list):
     return run
 
 
-def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path, monkeypatch):
+def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path):
     # Prepare
     calls: list = []
-    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
-    cfg = load_config(
+    fake = _fake_engine(calls)
+    cfg = _config(
         None,
         ["planner.calibration=separate", "data.n_clients=4", "lora.rank=16",
          "planner.calibration_rounds=300",
          "method.name=proposed"],
     )  # fmt: skip
     # Execute
-    new_cfg, planned = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    new_cfg, planned = prepare_proposed(cfg, tmp_path, run_one=fake, log=lambda m: None)
     calibration_s = planned.calibration_s
     # Assert: four runs, each stopped at its R by the engine's stop callback
     assert calls == list(KNOWN_R)
@@ -139,53 +147,53 @@ def test_prepare_proposed_recovers_known_constants_and_saves_the_plan(tmp_path, 
     np.testing.assert_array_equal(method.k, k)
     # Execute again: plan.json is reused, nothing runs
     calls.clear()
-    again, again_plan = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    again, again_plan = prepare_proposed(cfg, tmp_path, run_one=fake, log=lambda m: None)
     assert calls == [] and again_plan == planned and again == new_cfg
 
 
-def test_prepare_proposed_fallback_when_a_run_never_reaches_f_s(tmp_path, monkeypatch):
+def test_prepare_proposed_fallback_when_a_run_never_reaches_f_s(tmp_path):
     # The cap (150 rounds) cuts (0.15, 4) at 150 > its R = 210: F_s' = its lowest smoothed loss
     # (1.2) is reached by every run at round 3 (mean of 2.0, 1.2, 1.2 = 1.47 > 1.2; round 4:
     # 1.2) -> all R = 4, the same for every run, which cannot identify A–D.
     calls: list = []
-    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
-    cfg = load_config(
+    fake = _fake_engine(calls)
+    cfg = _config(
         None,
         ["planner.calibration=separate", "data.n_clients=4", "planner.calibration_rounds=150",
          "planner.calibration_fit=refuse"],
     )  # fmt: skip
     with pytest.raises(ConfigError, match="calibration"):
-        prepare_proposed(cfg, tmp_path, log=lambda m: None)
+        prepare_proposed(cfg, tmp_path, run_one=fake, log=lambda m: None)
     assert len(calls) == 4
     # the default fit (constrained) plans instead, with C and D at their stated floors
     constrained = cfg.replace(
         planner=dataclasses.replace(cfg.planner, calibration_fit="constrained")
     )
-    prepare_proposed(constrained, tmp_path, log=lambda m: None)
+    prepare_proposed(constrained, tmp_path, run_one=fake, log=lambda m: None)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert set(plan["floors"]) == {"C", "D"} and plan["constants_fit"].startswith("constrained")
     a = np.array([0.1, 0.2, 0.3, 0.4])  # the fake clients.csv
     assert np.all(a / np.array(plan["q"]) <= 1 + 1e-9)  # max_weight = 1: a_n/q_n <= 1
 
 
-def test_calibration_is_continued_when_the_cap_is_raised(tmp_path, monkeypatch):
+def test_calibration_is_continued_when_the_cap_is_raised(tmp_path):
     # Cap 150: (0.15, 4) stops short of its R = 210 and the fallback cannot fit (see above).
     # Raising the cap to 300 continues that run from round 150 (not from 0) to R = 210; the
     # three runs that reached F_s are reused, and the constants come out exact.
     calls: list = []
-    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
-    cfg = load_config(
+    fake = _fake_engine(calls)
+    cfg = _config(
         None,
         ["planner.calibration=separate", "data.n_clients=4", "planner.calibration_rounds=150",
          "planner.calibration_fit=refuse"],
     )  # fmt: skip
     with pytest.raises(ConfigError, match="calibration"):
-        prepare_proposed(cfg, tmp_path, log=lambda m: None)
+        prepare_proposed(cfg, tmp_path, run_one=fake, log=lambda m: None)
     calls.clear()
-    raised = load_config(
+    raised = _config(
         None, ["planner.calibration=separate", "data.n_clients=4", "planner.calibration_rounds=300"]
     )
-    prepare_proposed(raised, tmp_path, log=lambda m: None)
+    prepare_proposed(raised, tmp_path, run_one=fake, log=lambda m: None)
     assert calls == [("resume", 0.15, 4, 300)]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert [r["rounds"] for r in plan["calibration"]["runs"]] == [112, 120, 140, 210]
@@ -193,15 +201,15 @@ def test_calibration_is_continued_when_the_cap_is_raised(tmp_path, monkeypatch):
     c = plan["constants"]
     assert [c["A"], c["C"], c["D"]] == pytest.approx([105, 0.05, 0.0125], rel=1e-9)
     sub = tmp_path / "calibration" / "run-3-q0.15-k4"
-    assert load_config(sub / "config.toml").training.rounds == 300
+    assert _config(sub / "config.toml").training.rounds == 300
 
 
-def test_calibration_loss_fraction_sets_f_s(tmp_path, monkeypatch):
+def test_calibration_loss_fraction_sets_f_s(tmp_path):
     # F_s = 0.7 x 2.0 = 1.4: the smoothed loss (2.0, 1.6, 1.47, 1.2 ...) is <= 1.4 at round 4
     # in every run, so all R = 4 -> the fit is refused; plan.json is not written
     calls: list = []
-    monkeypatch.setattr(engine, "run_experiment", _fake_engine(calls))
-    cfg = load_config(
+    fake = _fake_engine(calls)
+    cfg = _config(
         None,
         [
             "planner.calibration=separate",
@@ -211,17 +219,19 @@ def test_calibration_loss_fraction_sets_f_s(tmp_path, monkeypatch):
         ],
     )
     with pytest.raises(ConfigError, match="calibration"):
-        prepare_proposed(cfg, tmp_path, log=lambda m: None)
+        prepare_proposed(cfg, tmp_path, run_one=fake, log=lambda m: None)
     for sub in sorted((tmp_path / "calibration").iterdir()):
         assert len((sub / "metrics.jsonl").read_text().splitlines()) == 1 + 4
     for bad in (0, 1, 1.5, -0.1):
         with pytest.raises(ConfigError, match=r"planner.calibration_loss_fraction"):
-            load_config(None, [f"planner.calibration_loss_fraction={bad}"])
+            _config(None, [f"planner.calibration_loss_fraction={bad}"])
 
 
 def test_plan_outcome_compares_predicted_and_observed_rounds(tmp_path):
     # F_s' = 1.0; training losses 2.0, 1.2, 0.6, 0.3: smoothed 2.0, 1.6, 1.27, 0.7 -> R = 4
     plan = {
+        "q": [0.5],
+        "k": [4],
         "expected_rounds": 3.5,
         "degeneracy": {"degenerate": True, "reasons": ["every k_n = 1"]},
         "fit": [{"observed_rounds": 5.0, "predicted_rounds": 4.0}],
@@ -248,34 +258,38 @@ def test_plan_outcome_compares_predicted_and_observed_rounds(tmp_path):
 
 
 @pytest.mark.parametrize(("in_budget", "budget_s"), [("true", 10.0), ("false", 10.0 + 582)])
-def test_calibration_in_budget_or_after_it(tmp_path, monkeypatch, in_budget, budget_s):
+def test_calibration_in_budget_or_after_it(tmp_path, in_budget, budget_s):
     # the fake calibration takes 112 + 120 + 140 + 210 = 582 simulated seconds
-    monkeypatch.setattr(engine, "run_experiment", _fake_engine([]))
-    cfg = load_config(
+    fake = _fake_engine([])
+    cfg = _config(
         None, ["planner.calibration=separate", "data.n_clients=4", "planner.calibration_rounds=300",
                "training.time_budget_s=10",
                f"planner.calibration_in_budget={in_budget}", "method.name=proposed"],
     )  # fmt: skip
-    planned, plan = prepare_proposed(cfg, tmp_path, log=lambda m: None)
+    planned, plan = prepare_proposed(cfg, tmp_path, run_one=fake, log=lambda m: None)
     assert plan.calibration_s == 582 and planned.training.time_budget_s == budget_s
     with pytest.raises(ConfigError, match="planner.calibration_in_budget = 1 is invalid"):
-        load_config(None, ["planner.calibration_in_budget=1"])
+        _config(None, ["planner.calibration_in_budget=1"])
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("no calibration run expected")
 
 
 def test_prepare_proposed_uses_a_given_plan_file(tmp_path):
     plan = tmp_path / "my_plan.json"
     plan.write_text(json.dumps({"q": [0.5, 0.5], "k": [2, 4]}))
-    cfg = load_config(
+    cfg = _config(
         None, ["data.n_clients=2", "method.name=proposed", f'method.q="{plan}"',
                f'method.k="{plan}"', "lora.rank=4"],
     )  # fmt: skip
-    assert prepare_proposed(cfg, tmp_path / "run") == (cfg, None)
+    assert prepare_proposed(cfg, tmp_path / "run", run_one=_never) == (cfg, None)
     method = make_method(cfg, np.array([0.5, 0.5]), np.random.default_rng(0))
     np.testing.assert_array_equal(method.k, [2, 4])
 
 
 def test_nonnegative_constants_fallback():
-    from fedlora.studies.planning import nonnegative_constants
+    from fedlora.federation.calibration_plan import nonnegative_constants
     from fedlora.system.planner import Observation
 
     a = np.array([0.1, 0.2, 0.3, 0.4])

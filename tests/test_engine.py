@@ -28,6 +28,7 @@ from fedlora.federation.engine import (
     train_participants,
 )
 from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
+from fedlora.llm.device import resolve_runtime
 from fedlora.system.network import allocate_bandwidth, comp_factor
 from fedlora.system.sketch import sample_participants, unbiased_aggregate
 
@@ -144,7 +145,7 @@ def test_payload_bits_equal_formula(tmp_path):
     cfg = _cfg("training.rounds=1")
     run_dir = tmp_path / "p"
     prepare_run_dir(cfg, run_dir)
-    run = build_run(cfg, run_dir)
+    run = build_run(resolve_runtime(cfg), run_dir)
     shapes = run.lora.layer_shapes()
     expected_per_rank = sum(o + i for o, i in shapes.values())
     assert sketch_payload_params(1, shapes) == expected_per_rank
@@ -157,7 +158,7 @@ def test_unbiased_aggregation_on_real_adapters(tmp_path):
     cfg = _cfg()
     run_dir = tmp_path / "u"
     prepare_run_dir(cfg, run_dir)
-    run = build_run(cfg, run_dir)
+    run = build_run(resolve_runtime(cfg), run_dir)
     n, gamma = cfg.data.n_clients, cfg.lora.rank
     rng = np.random.default_rng(0)
     scales = [np.where(rng.random(gamma) < 0.5, 2.0, 0.0) for _ in range(n)]

@@ -310,6 +310,7 @@ def test_engine_uses_the_cache_for_top_k_and_gets_the_same_adapters(tmp_path):
     from fedlora.config import load_config
     from fedlora.federation.engine import build_run, prepare_run_dir, train_participants
     from fedlora.federation.methods.base import ClientTask, RoundPlan
+    from fedlora.llm.device import resolve_runtime
 
     overrides = [
         "model.name=tiny-llama",
@@ -329,7 +330,7 @@ def test_engine_uses_the_cache_for_top_k_and_gets_the_same_adapters(tmp_path):
     for mb in (0, 256):
         cfg = load_config(None, [*overrides, f"training.layer_cache_mb={mb}"])
         prepare_run_dir(cfg, tmp_path / f"mb{mb}")
-        run = build_run(cfg, tmp_path / f"mb{mb}", log=lambda m: None)
+        run = build_run(resolve_runtime(cfg), tmp_path / f"mb{mb}", log=lambda m: None)
         plan = RoundPlan(0, tuple(ClientTask(c, np.ones(4), 4, 1.0) for c in range(3)))
         # Execute
         rounds = [train_participants(run, plan) for _ in range(2)]

@@ -14,9 +14,10 @@ import torch
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation import engine
+from fedlora.federation.calibration import prepare_proposed
 from fedlora.federation.replan import probe_schedule
+from fedlora.federation.run import run as run_entry
 from fedlora.federation.rundir import prepare_run_dir
-from fedlora.studies.calibration import prepare_proposed, run_method
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -75,8 +76,7 @@ def test_in_run_probes_fit_replan_and_bit_identical_resume(tmp_path):
     cfg = load_config(None, TINY)
     # Execute: the uninterrupted run
     ref = tmp_path / "ref"
-    prepare_run_dir(cfg, ref)
-    summary = run_method(cfg, ref, quiet=True, log=lambda m: None)
+    summary = run_entry(cfg, ref, quiet=True, log=lambda m: None)
     lines = _metrics(ref)
     # Assert: rounds 1-8 are the probes (every client alike at (0.3, 4), (0.15, 4), (0.3, 1),
     # (0.15, 1), then back) on the run's own clock, the fit after round 8, re-plans after 10, 12
@@ -102,11 +102,11 @@ def test_in_run_probes_fit_replan_and_bit_identical_resume(tmp_path):
     # then resumed from its checkpoint
     cut = tmp_path / "cut"
     prepare_run_dir(cfg, cut)
-    cfg2, plan_value = prepare_proposed(cfg, cut, log=lambda m: None)
+    cfg2, plan_value = prepare_proposed(cfg, cut, run_one=None, log=lambda m: None)  # in-run
     engine.run_experiment(cfg2, cut, quiet=True, log=lambda m: None, plan=plan_value,
                           stop=lambda line: line["round"] == 9)  # fmt: skip
     assert len(_metrics(cut)) == 10
-    run_method(cfg, cut, resume=True, quiet=True, log=lambda m: None)
+    run_entry(cfg, cut, resume=True, quiet=True, log=lambda m: None)
     # Assert: bit-identical metrics, fits, plans and adapter
     assert _metrics(cut) == lines
     assert json.loads((cut / "plan.json").read_text()) == plan

@@ -187,14 +187,18 @@ def test_resume_rewrites_a_damaged_metrics_file_from_the_checkpoint(finished, tm
 # ----------------------------------------------------------------------------- 5. lock
 
 
-def test_lock_is_exclusive_across_processes_and_reentrant_within_one(tmp_path):
+def test_lock_is_exclusive_across_processes_and_within_one(tmp_path):
     code = (
         "import sys; from fedlora.federation.rundir import run_dir_lock\n"
         "try:\n    with run_dir_lock(sys.argv[1]): pass\n"
         "except Exception as e: print(e); sys.exit(2)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    with run_dir_lock(tmp_path), run_dir_lock(tmp_path):  # re-entrant in this process
+    with run_dir_lock(tmp_path):
+        # taken once per run: a second take in this process is refused too (not re-entrant)
+        with pytest.raises(ConfigError, match=f"in use by process {os.getpid()}"):
+            with run_dir_lock(tmp_path):
+                pass
         other = subprocess.run(
             [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env
         )

@@ -233,6 +233,7 @@ def test_engine_passes_each_clients_step_size_and_momentum(tmp_path, monkeypatch
     import fedlora.llm.train
     from fedlora.config import load_config
     from fedlora.federation.engine import build_run, prepare_run_dir, train_participants
+    from fedlora.llm.device import resolve_runtime
 
     cfg = load_config(
         None,
@@ -259,7 +260,7 @@ def test_engine_passes_each_clients_step_size_and_momentum(tmp_path, monkeypatch
         ],
     )
     prepare_run_dir(cfg, tmp_path / "run")
-    run = build_run(cfg, tmp_path / "run", log=lambda m: None)
+    run = build_run(resolve_runtime(cfg), tmp_path / "run", log=lambda m: None)
     seen = []
     real = fedlora.llm.train.local_train
 

@@ -18,6 +18,7 @@ from fedlora.federation.methods import RoundPlan
 from fedlora.federation.rundir import load_checkpoint, prepare_run_dir
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import SlotTrainer, Trained
+from fedlora.llm.device import resolve_runtime
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -70,7 +71,7 @@ def test_a_trainer_with_dropouts_runs_through_the_same_loop(tmp_path):
     cfg = load_config(None, TINY)
     run_dir = tmp_path / "run"
     prepare_run_dir(cfg, run_dir)
-    run = build_run(cfg, run_dir, log=lambda m: None)
+    run = build_run(resolve_runtime(cfg), run_dir, log=lambda m: None)
     trainer = LosesTheLast(run)
     # Execute
     summary = run_rounds(run, trainer, resume=False, log=lambda m: None,
@@ -84,11 +85,11 @@ def test_a_trainer_with_dropouts_runs_through_the_same_loop(tmp_path):
     assert load_checkpoint(run_dir)["lost"] == [3, 3]
     # the clock charges the three senders only: less than a round where all four send
     prepare_run_dir(cfg, tmp_path / "other")
-    full = build_run(cfg, tmp_path / "other", log=lambda m: None)
+    full = build_run(resolve_runtime(cfg), tmp_path / "other", log=lambda m: None)
     everyone = run_rounds(full, SlotTrainer(full), resume=False, log=lambda m: None,
                           wall_start=time.perf_counter())  # fmt: skip
     assert summary["total_uplink_bits"] < everyone["total_uplink_bits"]
     # Execute again, resumed: the trainer's state comes back from the checkpoint
-    again = LosesTheLast(build_run(cfg, run_dir, log=lambda m: None))
+    again = LosesTheLast(build_run(resolve_runtime(cfg), run_dir, log=lambda m: None))
     run_rounds(again.run, again, resume=True, log=lambda m: None, wall_start=time.perf_counter())
     assert again.lost == [3, 3]

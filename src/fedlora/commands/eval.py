@@ -159,14 +159,12 @@ def run_eval(args: argparse.Namespace) -> int:
     )
 
     _check_args(args)
-    from fedlora.llm.device import resolve_device, resolve_dtype
+    from fedlora.llm.device import resolve_device_dtype
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    args.device = resolve_device(args.device, "--device")  # a missing GPU: before any loading
-    args.dtype, _ = resolve_dtype(args.dtype, args.device)
+    # a missing GPU fails here, before any loading
+    args.device, _, args.dtype, _ = resolve_device_dtype(
+        args.device, args.dtype, threads=args.threads or 0, device_field="--device"
+    )
     # data first: bad data fails before the (slow) model load
     if args.task is not None:
         examples = load_task(args.task, resolve_data_dir(args.data_dir), "test")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from fedlora.commands.arguments import add_experiment_arguments
@@ -32,17 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from fedlora.config import toml_string
     from fedlora.errors import ConfigError
-    from fedlora.federation.engine import describe
-    from fedlora.federation.preflight import check_inputs
-    from fedlora.federation.rundir import (
-        check_run_dir,
-        make_run_dir,
-        prepare_run_dir,
-        resume_config,
-        run_dir_for,
-        run_dir_lock,
-    )
-    from fedlora.studies.calibration import run_method
+    from fedlora.federation.progress import describe
+    from fedlora.federation.run import run as run_entry
+    from fedlora.federation.rundir import resume_given, run_dir_for
 
     overrides = list(args.overrides)
     if args.data_dir:
@@ -60,26 +53,35 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--overwrite with --resume: choose one (continue or replace)")
         if not run_dir.is_dir():
             raise ConfigError(f"--resume {str(run_dir)!r}: no such directory")
-        with run_dir_lock(run_dir):  # held until the run ends; a second process is refused
-            cfg = resume_config(run_dir, args.config, overrides, force=args.force)
-            check_inputs(cfg)
-            print(f"run directory: {run_dir}", file=sys.stderr)
-            summary = run_method(cfg, run_dir, resume=True, quiet=args.quiet)
+        given = resume_given(run_dir, args.config, overrides)  # compared under the lock
+        log = _announcing(run_dir)
+        summary = run_entry(given, run_dir, resume=True, force=args.force, quiet=args.quiet,
+                            log=log)  # fmt: skip
     else:
         if args.force:
             raise ConfigError("--force goes with --resume (it accepts a changed config)")
         cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
-        check_inputs(cfg)  # before anything is created or replaced
-        check_run_dir(run_dir, overwrite=args.overwrite)
-        make_run_dir(run_dir)
-        with run_dir_lock(run_dir):
-            prepare_run_dir(cfg, run_dir, overwrite=args.overwrite)
-            print(f"run directory: {run_dir}", file=sys.stderr)
-            summary = run_method(cfg, run_dir, resume=False, quiet=args.quiet)
+        log = _announcing(run_dir)
+        summary = run_entry(cfg, run_dir, overwrite=args.overwrite, quiet=args.quiet, log=log)
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0
+
+
+def _announcing(run_dir: Path) -> Callable[[str], None]:
+    """A stderr log that first names the run directory: the entry's first message comes
+    once the inputs passed and the directory is locked, so a refusal stays one line."""
+    announced = False
+
+    def log(msg: str) -> None:
+        nonlocal announced
+        if not announced:
+            print(f"run directory: {run_dir}", file=sys.stderr)
+            announced = True
+        print(msg, file=sys.stderr)
+
+    return log
 
 
 def load_run_file(path: str | None, overrides: list[str]):

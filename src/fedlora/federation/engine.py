@@ -1,7 +1,9 @@
 """The federated round engine: Algorithm 1 end to end with a simulated wireless clock.
 
-One run, top to bottom (`run_rounds`, the one round loop; `run_experiment` runs it in this
-process, the Flower ServerApp runs it with its nodes training):
+One run, top to bottom (`run_rounds`, the one round loop; `run_in_process` runs it in this
+process, called by the run's entry `fedlora.federation.run.run` once that has locked the run
+directory, checked the inputs and resolved the device once; the Flower ServerApp runs it
+with its nodes training):
 
     setup      config → run directory, model + LoRA slots, data partition, client profiles,
                method (`fedlora.federation.runstate.build_run`); resume from a checkpoint
@@ -74,7 +76,7 @@ from fedlora.federation.trainer import (
     TrainingDiverged,
     train_participants,  # noqa: F401  (re-exported for older callers)
 )
-from fedlora.llm.device import synchronize
+from fedlora.llm.device import Resolution, synchronize
 from fedlora.system.seeding import derive_rng
 
 Log = Callable[[str], Any]
@@ -91,33 +93,58 @@ def run_experiment(
     plan: Plan | None = None,
     finish: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    """Run (or resume) one experiment in a run directory that `prepare_run_dir` made, with a
+    given plan (no calibration): the library's way in for tests and benchmarks. Like the
+    entry (`fedlora.federation.run.run`, what `fedlora run` and `fedlora compare` call) it
+    locks `run_dir` once, checks the inputs once and resolves the device and dtype once,
+    then `run_in_process`."""
+    from fedlora.federation.preflight import check_inputs
+    from fedlora.llm.device import resolve_runtime
+
+    with run_dir_lock(run_dir):  # a second process on the same directory is refused
+        check_inputs(cfg)  # bad inputs fail here, before the model loads
+        runtime = resolve_runtime(cfg)
+        return run_in_process(
+            runtime, run_dir, resume=resume, quiet=quiet, log=log, stop=stop, plan=plan,
+            finish=finish,
+        )  # fmt: skip
+
+
+def run_in_process(
+    runtime: Resolution,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    log: Log | None = None,
+    stop: Callable[[dict[str, Any]], bool] | None = None,
+    plan: Plan | None = None,
+    finish: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Run (or resume) one federated experiment in `run_dir`, training in this process;
-    returns the summary.
+    returns the summary. The caller holds the lock of `run_dir`, checked the inputs and
+    resolved the device and dtype (`runtime`): this function does none of it again.
 
     `stop(line)` is called after every round's metrics line is written; True ends the run
     (stop_reason "stop_condition"; `proposed` uses it to end calibration runs at F_s).
-    `plan`: Algorithm 2's plan of a `proposed` run (`fedlora.studies.calibration`); the run's
-    clock starts at its calibration time. `finish(summary)` may add to the summary before
-    summary.json is written.
+    `plan`: Algorithm 2's plan of a `proposed` run (`fedlora.federation.calibration`); the
+    run's clock starts at its calibration time. `finish(summary)` may add to the summary
+    before summary.json is written.
     """
-    from fedlora.federation.preflight import check_inputs
-
-    with run_dir_lock(run_dir):  # a second process on the same directory is refused
-        log = log or (lambda msg: print(msg, file=sys.stderr))
-        check_inputs(cfg)  # bad inputs fail here, before the model loads
-        wall_start = time.perf_counter()
-        run = build_run(cfg, run_dir, log=log, plan=plan)
-        return run_rounds(
-            run,
-            SlotTrainer(run),
-            resume=resume,
-            log=log,
-            reporter=Reporter(quiet),
-            stop=stop,
-            calibration_s=plan.calibration_s if plan is not None else 0.0,
-            finish=finish,
-            wall_start=wall_start,
-        )
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    wall_start = time.perf_counter()
+    run = build_run(runtime, run_dir, log=log, plan=plan)
+    return run_rounds(
+        run,
+        SlotTrainer(run),
+        resume=resume,
+        log=log,
+        reporter=Reporter(quiet),
+        stop=stop,
+        calibration_s=plan.calibration_s if plan is not None else 0.0,
+        finish=finish,
+        wall_start=wall_start,
+    )
 
 
 def run_rounds(

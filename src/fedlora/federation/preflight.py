@@ -2,9 +2,13 @@
 (and before `--overwrite` removes anything), so a bad input fails in a second, not after the
 model has loaded.
 
-Checked: ``model.device`` is on this machine; the model spec's form and, from its config alone, its layer count against
-``lora.layers`` and its module names against ``lora.target_modules`` (Llama/Qwen2/Mistral
-shapes); the data directory, every task name, eval task and task file; the client profiles
+A run checks them once, at its entry (`fedlora.federation.run.run`), which then resolves
+``model.device`` / ``model.dtype`` once (`fedlora.llm.device.resolve_runtime`: a device this
+machine lacks fails there, before anything is created).
+
+Checked: the method's fields; the model spec's form and, from its config alone, its layer
+count against ``lora.layers`` and its module names against ``lora.target_modules``
+(Llama/Qwen2/Mistral shapes); the data directory, every task name, eval task and task file; the client profiles
 file; the q / k / ranks files of the method.
 """
 
@@ -156,10 +160,8 @@ def check_clients(cfg: ExperimentConfig) -> None:
 def check_inputs(cfg: ExperimentConfig) -> None:
     """Every check above; raises `ConfigError` / `DataError` naming the field and the value."""
     from fedlora.federation.methods.registry import check_method_config
-    from fedlora.llm.device import resolve_device
 
     check_method_config(cfg)  # method.name and the method's own fields (the registry)
-    resolve_device(cfg.model.device)  # a device this machine lacks names the ones it has
     check_model(cfg)
     check_data(cfg)
     check_clients(cfg)

@@ -3,13 +3,15 @@
 A run directory is what a user trusts with hours of compute, so every operation here either
 completes or leaves the directory as it was:
 
-- `prepare_run_dir` writes the marker ``.fedlora-run.json`` (`fedlora.federation.runmarker`:
-  run id, version, the manifest of what fedlora writes there) and replaces an existing
+- `write_run_dir` (with the lock held; `prepare_run_dir` for a caller without it) writes the
+  marker ``.fedlora-run.json`` (`fedlora.federation.runmarker`: run id, version, the
+  manifest of what fedlora writes there) and replaces an existing
   directory only with `overwrite`, only when it is provably fedlora's (its marker, or a
   legacy run), only when everything in it is in the manifest, and only after the caller
   validated the new run's inputs (`fedlora.federation.preflight`); it deletes nothing else.
-- `run_dir_lock` holds an exclusive `flock` on ``<run>/.lock`` while a run writes; a second
-  process gets `ConfigError` naming the PID that holds it.
+- `run_dir_lock` holds an exclusive `flock` on ``<run>/.lock`` while a run writes, taken
+  once per run (not re-entrant); a second taker gets `ConfigError` naming the PID that
+  holds it.
 - `resume_config` is the saved config with only what the user gives on top; keys the
   checkpoints depend on cannot change (`FIXED_ON_RESUME`).
 
@@ -84,10 +86,12 @@ __all__ = [  # what the run directory's users import from here, the moved names 
     "read_metrics_lines",
     "restore_metrics",
     "resume_config",
+    "resume_given",
     "run_dir_for",
     "run_dir_lock",
     "save_checkpoint",
     "truncate_metrics",
+    "write_run_dir",
 ]
 
 LOCK_NAME = ".lock"
@@ -105,8 +109,6 @@ def run_dir_for(cfg: ExperimentConfig, out: str | None = None) -> Path:
 
 # ----------------------------------------------------------------------------- lock
 
-_HELD: dict[str, list[Any]] = {}  # resolved path -> [open lock file, depth]
-
 
 def _lock_holder(path: Path) -> str:
     try:
@@ -118,19 +120,13 @@ def _lock_holder(path: Path) -> str:
 
 @contextmanager
 def run_dir_lock(run_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `run_dir` (re-entrant within this process).
+    """Hold an exclusive lock on `run_dir` while a run writes there.
 
-    A second process asking for it gets `ConfigError` naming the PID that holds it; the
-    kernel drops the lock when its holder dies, so a killed run never leaves it stuck."""
+    Taken once per run, by its entry (`fedlora.federation.run.run`; the Flower ServerApp,
+    another process, takes its own). Not re-entrant: a second take, from another process or
+    from this one, gets `ConfigError` naming the PID that holds it; the kernel drops the
+    lock when its holder dies, so a killed run never leaves it stuck."""
     run_dir = Path(run_dir)
-    key = str(run_dir.resolve())
-    if key in _HELD:
-        _HELD[key][1] += 1
-        try:
-            yield
-        finally:
-            _HELD[key][1] -= 1
-        return
     make_run_dir(run_dir)
     path = run_dir / LOCK_NAME
     try:
@@ -151,11 +147,9 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
-    _HELD[key] = [f, 1]
     try:
         yield
     finally:
-        del _HELD[key]
         f.close()
 
 
@@ -238,16 +232,17 @@ def make_run_dir(run_dir: Path) -> None:
 
 
 def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
-    """Create a fresh run directory; replace an existing fedlora run only with `overwrite`.
-
-    The new run's inputs are validated (`fedlora.federation.preflight.check_inputs`) before anything is
-    removed, and only entries the marker's manifest lists are removed (never the lock file)."""
+    """Create a fresh run directory; replace an existing fedlora run only with `overwrite`:
+    for a caller that does not hold the lock (tests, `fedlora flower`, the ServerApp before
+    it locks). It resolves the device and dtype and, before replacing a run, validates the
+    new run's inputs (`fedlora.federation.preflight.check_inputs`) and takes the lock, so a
+    live run is never emptied; then `write_run_dir`."""
     run_dir = Path(run_dir)
     # the device and dtype this run uses (auto resolved; a device the machine lacks fails
     # here, before anything is created or removed), saved so that a resume keeps them
     from fedlora.llm.device import resolve_runtime
 
-    text = dump_toml(resolve_runtime(cfg).cfg)
+    resolved = resolve_runtime(cfg).cfg
     check_run_dir(run_dir, overwrite=overwrite)
     if run_dir.is_dir() and _entries(run_dir):
         if not never_started(run_dir):
@@ -255,17 +250,31 @@ def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = F
 
             check_inputs(cfg)
         with run_dir_lock(run_dir):  # a live run (a Flower ServerApp too) is never emptied
-            check_run_dir(run_dir, overwrite=overwrite)
-            names = [p.name for p in _entries(run_dir)]
-            owned, _ = sort_entries(run_dir, _manifest(run_dir, names))
-            for p in owned:  # only what the manifest lists (check_run_dir refused the rest)
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p)
-                else:
-                    p.unlink()
+            write_run_dir(resolved, run_dir, overwrite=overwrite)
+        return
+    write_run_dir(resolved, run_dir, overwrite=overwrite)
+
+
+def write_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
+    """With the caller holding the lock (or on a directory no run uses yet), the inputs
+    checked and `cfg`'s device and dtype resolved: refuse a path a new run may not use,
+    remove what an earlier run of `run_dir` left (with `overwrite`; only entries the marker's
+    manifest lists, never the lock file), then write the marker and config.toml."""
+    run_dir = Path(run_dir)
+    if "auto" in (cfg.model.device, cfg.model.dtype):
+        raise ValueError("write_run_dir: resolve model.device/dtype first (resolve_runtime)")
+    check_run_dir(run_dir, overwrite=overwrite)
+    if run_dir.is_dir() and _entries(run_dir):
+        names = [p.name for p in _entries(run_dir)]
+        owned, _ = sort_entries(run_dir, _manifest(run_dir, names))
+        for p in owned:  # only what the manifest lists (check_run_dir refused the rest)
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
     make_run_dir(run_dir)
     write_marker(run_dir)
-    atomic_write(run_dir / "config.toml", text.encode())
+    atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
 
 
 # ----------------------------------------------------------------------------- config
@@ -345,9 +354,18 @@ def resume_config(
 ) -> ExperimentConfig:
     """The config to resume `run_dir` with: its saved config, then the file at `config_path`
     (if any) and the overrides on top of it, so that only what is given can differ."""
+    return load_run_config(run_dir, resume_given(run_dir, config_path, overrides), force=force)
+
+
+def resume_given(
+    run_dir: Path, config_path: str | None = None, overrides: Sequence[str] = ()
+) -> ExperimentConfig | None:
+    """The saved config of `run_dir` with the file at `config_path` and the overrides on
+    top (None when neither is given): what `load_run_config` compares with the saved one.
+    Reads only; `fedlora run --resume` compares under the run's lock."""
     saved = load_run_config(run_dir)
     if not config_path and not overrides:
-        return saved
+        return None
     raw: dict[str, Any] = saved.to_dict()
     source = str(config_path) if config_path else "overrides"
     if config_path:
@@ -357,4 +375,4 @@ def resume_config(
             else:
                 raw[section] = values
     apply_overrides(raw, overrides, source=source)
-    return load_run_config(run_dir, config_from_dict(raw, source=source), force=force)
+    return config_from_dict(raw, source=source)

@@ -15,7 +15,7 @@ from fedlora.federation.clientmemory import ClientMemory
 from fedlora.federation.methods import Method, Plan, make_method
 from fedlora.federation.profiles import build_profiles
 from fedlora.federation.progress import Progress
-from fedlora.llm.device import resolve_runtime
+from fedlora.llm.device import Resolution
 from fedlora.system.network import ClientProfiles
 from fedlora.system.seeding import derive_rng, derive_seed
 
@@ -40,19 +40,19 @@ class Run:
 
 
 def load_trainable(
-    cfg: ExperimentConfig, *, slots: int, progress: bool = True, log=None
+    runtime: Resolution, *, slots: int, progress: bool = True, log=None
 ) -> tuple[ExperimentConfig, Any, Any, Any, Any]:
-    """What the engine and a Flower node build alike: the config with its runtime made
-    concrete (threads set, auto device/dtype resolved), the model and tokenizer, LoRA with
-    `slots` client slots (initialised from the run's seed) and the federated data."""
+    """What the engine and a Flower node build alike, from a config whose device and dtype
+    were resolved (`fedlora.llm.device.resolve_runtime`, once, by the caller): the config
+    (evaluation.format made concrete), the model and tokenizer, LoRA with `slots` client
+    slots (initialised from the run's seed) and the federated data."""
     from fedlora.llm.data import build_federated_data
     from fedlora.llm.lora import inject_lora
     from fedlora.llm.models import load_model
 
-    resolved = resolve_runtime(cfg)
-    cfg = resolved.cfg
+    cfg = runtime.cfg
     if log is not None:
-        log(f"model: {cfg.model.name} on {resolved.describe()}")
+        log(f"model: {cfg.model.name} on {runtime.describe()}")
     model, tokenizer = load_model(
         cfg.model.name,
         dtype=cfg.model.dtype,
@@ -85,9 +85,11 @@ def load_trainable(
     return cfg, model, tokenizer, lora, fed
 
 
-def build_run(cfg: ExperimentConfig, run_dir: Path, log=print, plan: Plan | None = None) -> Run:
-    """Model, LoRA slots, federated data, client profiles and the method of one run."""
-    cfg, model, tokenizer, lora, fed = load_trainable(cfg, slots=cfg.training.slots, log=log)
+def build_run(runtime: Resolution, run_dir: Path, log=print, plan: Plan | None = None) -> Run:
+    """Model, LoRA slots, federated data, client profiles and the method of one run, on the
+    device and in the dtype `runtime` resolved."""
+    slots = runtime.cfg.training.slots
+    cfg, model, tokenizer, lora, fed = load_trainable(runtime, slots=slots, log=log)
     shapes = lora.layer_shapes()
     full_bits = cfg.lora.rank * sum(o + i for o, i in shapes.values()) * cfg.network.bits_per_param
     profiles = build_profiles(cfg, full_bits)

@@ -45,6 +45,7 @@ __all__ = [
     "probe_file",
     "resolve_dtype",
     "resolve_runtime",
+    "resolve_device_dtype",
     "inherit_auto",
     "synchronize",
     "autocast_state",
@@ -301,20 +302,39 @@ class Resolution:
 def resolve_runtime(cfg: Any, *, probe: Callable[[], dict[str, float]] | None = None) -> Resolution:
     """`cfg` with ``model.device`` and ``model.dtype`` resolved (see the module docstring).
 
-    Idempotent: a config with concrete values comes back unchanged (the device checked to be
-    available). Sets torch's thread count from ``model.threads`` first, so the probe measures
-    what the run will use."""
-    import torch
-
+    A run resolves once, at its entry (`fedlora.federation.run.run`), and hands the
+    `Resolution` on; nothing after it resolves again. Idempotent: a config with concrete
+    values comes back unchanged (the device checked to be available). Sets torch's thread
+    count from ``model.threads`` first, so the probe measures what the run will use."""
     m = cfg.model
-    if m.threads:
-        torch.set_num_threads(m.threads)
-    device = resolve_device(m.device)
-    device_reason = "set in the config" if m.device != "auto" else _auto_device_reason(device)
     cache_dir = Path(m.cache_dir).expanduser() if m.cache_dir else None
-    dtype, dtype_reason = resolve_dtype(m.dtype, device, probe=probe, cache_dir=cache_dir)
+    device, device_reason, dtype, dtype_reason = resolve_device_dtype(
+        m.device, m.dtype, threads=m.threads, cache_dir=cache_dir, probe=probe
+    )
     model = replace(m, device=device, dtype=dtype)
     return Resolution(cfg.replace(model=model), device_reason, dtype_reason)
+
+
+def resolve_device_dtype(
+    device_spec: str,
+    dtype_spec: str,
+    *,
+    threads: int = 0,
+    cache_dir: Path | None = None,
+    device_field: str = "model.device",
+    probe: Callable[[], dict[str, float]] | None = None,
+) -> tuple[str, str, str, str]:
+    """(device, why, dtype, why) for a device and a dtype setting: torch's thread count set
+    from `threads` (0: left as is), then `resolve_device` and `resolve_dtype`. The one
+    resolver of `resolve_runtime` (a run's config) and `fedlora eval` (its options)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    device = resolve_device(device_spec, device_field)
+    device_reason = "set in the config" if device_spec != "auto" else _auto_device_reason(device)
+    dtype, dtype_reason = resolve_dtype(dtype_spec, device, probe=probe, cache_dir=cache_dir)
+    return device, device_reason, dtype, dtype_reason
 
 
 def _auto_device_reason(device: str) -> str:

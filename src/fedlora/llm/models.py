@@ -336,17 +336,15 @@ def load_model(
     """Resolve `spec` (see the module docstring) to ``(model, tokenizer)``.
 
     The model is frozen (no parameter requires grad), in eval mode, with ``use_cache=False``;
-    `dtype` ("fp32" | "bf16" | "auto", see `fedlora.llm.device.resolve_dtype`) is the storage
-    dtype of the frozen base; the model is moved to `device` ("cpu", "cuda:0", "mps", "auto").
+    `dtype` ("fp32" | "bf16") is the storage dtype of the frozen base; the model is moved to
+    `device` ("cpu", "cuda:0", "mps"). Both are concrete: a run resolves ``auto`` once, before
+    it loads anything (`fedlora.llm.device.resolve_runtime`).
     Unknown specs raise `ConfigError` listing the accepted forms.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise bad_value("model.name", spec, ACCEPTED_FORMS)
-    if device == "auto" or dtype == "auto":
-        from fedlora.llm.device import resolve_device, resolve_dtype
-
-        device = resolve_device(device) if device == "auto" else device
-        dtype, _ = resolve_dtype(dtype, device)
+    if device == "auto":  # resolved once, by the caller (fedlora.llm.device.resolve_runtime)
+        raise bad_value("model.device", device, "a concrete device here, e.g. cpu or cuda:0")
     _torch_dtype(dtype)  # validates dtype before any heavy work
     spec = spec.strip()
     if spec in TINY_MODELS:

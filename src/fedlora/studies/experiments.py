@@ -317,9 +317,9 @@ def run_suite(
 
 def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], None]) -> None:
     """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
-    from fedlora.federation.rundir import config_changes, load_run_config, prepare_run_dir
+    from fedlora.federation.run import run
+    from fedlora.federation.rundir import config_changes, load_run_config
     from fedlora.federation.runfiles import write_summary
-    from fedlora.studies.calibration import run_method
 
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
     start = time.perf_counter()
@@ -338,15 +338,16 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
                     f"{run_dir} is a partial run started with different {', '.join(differing)}; "
                     "restore the suite's config or delete that run directory"
                 )
-        else:
-            prepare_run_dir(cfg, run_dir)
+        else:  # a run that failed before it started left only its error: tried again
+            (run_dir / "summary.json").unlink(missing_ok=True)
         log(f"{head}: {'resuming' if resume else 'starting'} in {run_dir}")
         t0 = time.perf_counter()
         try:
-            summary = run_method(cfg, run_dir, resume=resume, quiet=quiet, log=log)
+            summary = run(cfg, run_dir, resume=resume, quiet=quiet, log=log)
         except FedloraError as e:
             log(f"{head}: FAILED: {e}")
             error = {"error": str(e), "method": cfg.method.name, "seed": seed}
+            run_dir.mkdir(parents=True, exist_ok=True)  # bad inputs fail before it is made
             write_summary(run_dir, error)
             continue
         elapsed = time.perf_counter() - start

@@ -64,10 +64,13 @@ def client_state(cfg: ExperimentConfig) -> ClientState:
     key = _cache_key(cfg)
     if key not in _CACHE:
         from fedlora.federation.runstate import load_trainable
+        from fedlora.llm.device import resolve_runtime
 
         _CACHE.clear()  # one experiment per process: free the previous model first
         # this node's device and dtype (auto made concrete)
-        cfg, model, tokenizer, lora, fed = load_trainable(cfg, slots=1, progress=False)
+        cfg, model, tokenizer, lora, fed = load_trainable(
+            resolve_runtime(cfg), slots=1, progress=False
+        )
         _CACHE[key] = ClientState(cfg, model, tokenizer, lora, fed)
     return _CACHE[key]
 

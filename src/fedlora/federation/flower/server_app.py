@@ -48,7 +48,6 @@ from fedlora.federation.flower.measured import NODE_TIMES, append_node_times, me
 from fedlora.federation.methods import RoundPlan
 from fedlora.federation.rundir import (
     atomic_write,
-    check_run_dir,
     load_run_config,
     prepare_run_dir,
     run_dir_for,
@@ -56,6 +55,7 @@ from fedlora.federation.rundir import (
 )
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import Trained, Trainer, TrainingDiverged
+from fedlora.llm.device import resolve_runtime
 
 apply_safe_env()
 
@@ -268,14 +268,12 @@ def run_server(
     run_dir = run_dir_for(cfg, opts.out_dir or None)
     if resume:
         load_run_config(run_dir)  # a missing or foreign directory: refused before the lock
-    else:
-        check_run_dir(run_dir, overwrite=opts.overwrite)
+    else:  # replaces an earlier run under the lock (not re-entrant: before this process's)
+        prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
     with run_dir_lock(run_dir):  # one writer: a second server on the directory is refused
         if resume:
             cfg = load_run_config(run_dir, cfg)
             (run_dir / "error.txt").unlink(missing_ok=True)
-        else:
-            prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
         try:
             return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
         except Exception as e:  # leave a trace in the run directory for whoever waits on it
@@ -287,7 +285,7 @@ def _run_server(
     grid: Grid, cfg: ExperimentConfig, opts: FlowerOptions, run_dir: Path, wall_start: float,
     log: Log, *, resume: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    run = build_run(cfg, run_dir, log=log)
+    run = build_run(resolve_runtime(cfg), run_dir, log=log)
     clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
     if not resume:
         (run_dir / NODE_TIMES).unlink(missing_ok=True)

@@ -65,7 +65,7 @@ def make_method(
     `rng` draws strategy-based k vectors (seeded by the run, so they are reproducible).
     `tau_full_s` (the clients' profiles) gives ``method.ranks = "capability"``; without it the
     profiles are rebuilt from the config (their compute times do not depend on the model).
-    `plan` (Algorithm 2's, `fedlora.studies.calibration`) gives `proposed` its q and k;
+    `plan` (Algorithm 2's, `fedlora.federation.calibration`) gives `proposed` its q and k;
     without one, method.q and method.k must name one plan JSON file.
     """
     cls = check_method_config(cfg)

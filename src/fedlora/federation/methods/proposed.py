@@ -1,8 +1,8 @@
 """`proposed`: Algorithm 1 with the per-client (q*, k*) of Algorithm 2's plan.
 
-The plan comes as a value (`Plan`): `fedlora.studies.calibration.prepare_proposed` runs the
+The plan comes as a value (`Plan`): `fedlora.federation.calibration.prepare_proposed` runs the
 calibration, fits the constants, plans and writes plan.json for the user, then hands the
-`Plan` to the engine (`run_experiment(plan=...)`), which gives it to `make_method`. Without a
+`Plan` to the engine (`run_in_process(plan=...)`), which gives it to `make_method`. Without a
 `Plan`, method.q and method.k must both name one plan JSON file (`plan_file`), e.g. the
 output of `fedlora plan` or a previous run's plan.json; that is how the Flower runtime runs
 `proposed`.

@@ -1,20 +1,22 @@
-"""Algorithm 2 on real training: the calibration runs of a `proposed` run, its plan, and
-the run itself with that plan (`run_method`). In-run (the default) nothing runs first: the
-run calibrates itself (`fedlora.federation.replan`). With `planner.calibration = "separate"`
-`run_method` calls `prepare_proposed` before the first round, which
+"""Algorithm 2 on real training: the calibration runs of a `proposed` run and its plan, a
+step the run's entry (`fedlora.federation.run.run`) calls before the first round
+(`prepare_proposed`). In-run (the default) nothing runs first: the run calibrates itself
+(`fedlora.federation.replan`). With `planner.calibration = "separate"` `prepare_proposed`
 
-1. runs four calibration runs of Algorithm 1 (`sketched`) through the engine, with the same
+1. runs four calibration runs of Algorithm 1 (`sketched`) with `run_one` (the entry's
+   in-process run, injected: this module imports no engine and no entry), with the same
    seed (so the same data partition and client profiles) and every client alike within a run:
    (q, k) ∈ {0.3, 0.15} × {γ, ⌈γ/4⌉} (`calibration_settings`; two k's so that D is
    identifiable, PAPER_NOTES #3). Each stops at the first round R_i whose smoothed training
    loss is <= F_s, or after `planner.calibration_rounds` rounds;
 2. estimates A–D from the observations (q_i, k_i, R_i) (`fedlora.system.planner.estimate_constants`);
 3. plans (q*, k*) for the run's client profiles (a_n, τ_n^γ, t_n^γ from the calibration's
-   clients.csv, f_tot and the cost models of [network]) with `fedlora.system.planner`
+   clients.csv, f_tot and the cost models of [network]; `fedlora.federation.calibration_plan`)
+   with `fedlora.system.planner`
    (`planner.optimize`: both, q only with k from `method.k`, k only with q from `method.q`);
 4. writes `plan.json` (constants, plan, calibration observations, F_s, simulated time) in the
-   run directory for the user and returns the plan as a value (`Plan`), which `run_method`
-   hands to the engine (`run_experiment(plan=...)`). A resumed run reads plan.json back.
+   run directory for the user and returns the plan as a value (`Plan`), which the entry
+   hands to the engine (`run_in_process(plan=...)`). A resumed run reads plan.json back.
 
 The calibration rounds' simulated time starts the main run's clock (the engine adds it) and is
 reported separately as `calibration_sim_time_s` in metrics line 0 and summary.json.
@@ -36,31 +38,54 @@ What plan.json reports beside the plan (issue 14, "Algorithm 2 given a fair chan
 residual of Eq. 21; `fedlora.system.planner.calibration_fit`), `degeneracy` (all k_n = 1 or every
 q_n at a bound; `fedlora.system.planner.plan_degeneracy`). After the main run, `plan_outcome`
 compares the plan's predicted rounds to F_s' with the rounds the run took (its smoothed
-training loss, the same rule as the calibration); `run_method` puts it into summary.json.
+training loss, the same rule as the calibration); the entry puts it into summary.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config import ExperimentConfig, dump_toml
 from fedlora.errors import ConfigError
+from fedlora.federation.calibration_plan import client_arrays, plan_from_calibration
 from fedlora.federation.methods.proposed import Plan, plan_file
-from fedlora.federation.rundir import atomic_write, run_dir_lock
-from fedlora.studies.planning import plan_from_calibration, read_clients
+from fedlora.federation.replan import outcome, probe_settings
+from fedlora.federation.rundir import write_run_dir
+from fedlora.federation.runfiles import (
+    CLIENTS_FILE,
+    METRICS_FILE,
+    PLAN_FILE,
+    atomic_write,
+    read_clients,
+    read_metrics,
+    read_plan,
+    write_plan,
+)
 
 AUTO_LOSS_FRACTION = 0.5
 SMOOTHING_ROUNDS = 3
 CALIBRATION_EVAL_LIMIT = 8  # calibration runs decide on the training loss; eval is not used
-PLAN_FILE = "plan.json"
+
+
+class RunOne(Protocol):
+    """Runs (or resumes) one calibration run in `run_dir`, calling `stop(line)` after every
+    round (True ends it), and writes its metrics.jsonl, clients.csv and summary.json: the
+    entry's in-process run (`fedlora.federation.run`), a stand-in in the tests."""
+
+    def __call__(
+        self,
+        cfg: ExperimentConfig,
+        run_dir: Path,
+        *,
+        resume: bool,
+        stop: Callable[[dict[str, Any]], bool],
+    ) -> Any: ...
 
 
 def calibration_settings(gamma: int) -> list[tuple[float, int]]:
@@ -70,8 +95,6 @@ def calibration_settings(gamma: int) -> list[tuple[float, int]]:
     With γ < 4 the second k is still distinct from γ (k = 1 for γ in 2..4); γ = 1 has a
     single sketch size and cannot identify D.
     """
-    from fedlora.federation.replan import probe_settings
-
     return probe_settings(gamma)
 
 
@@ -108,10 +131,7 @@ def _read_losses(metrics_path: Path) -> tuple[list[float | None], float]:
     """Per-round training losses (rounds 1..) and the last simulated time of a run."""
     losses: list[float | None] = []
     sim_time_s = 0.0
-    if not metrics_path.exists():
-        return losses, sim_time_s
-    for text in metrics_path.read_text(encoding="utf-8").splitlines():
-        line = json.loads(text)
+    for line in read_metrics(metrics_path, warn=None):  # the run directory's one rule
         sim_time_s = float(line.get("sim_time_s", sim_time_s))
         if line.get("round", 0) >= 1:
             losses.append(line.get("train_loss"))
@@ -139,19 +159,18 @@ def calibration_config(cfg: ExperimentConfig, q: float, k: int) -> ExperimentCon
 
 
 def _calibrate(
-    cfg: ExperimentConfig, run_dir: Path, *, quiet: bool, log
+    cfg: ExperimentConfig, run_dir: Path, *, run_one: RunOne, log
 ) -> tuple[list[dict[str, Any]], float, float]:
-    """Run (or resume, or reuse) the four calibration runs; returns their records, F_s, F_s'."""
-    from fedlora.federation import engine  # engine.run_experiment: the tests replace it
-    from fedlora.federation.rundir import prepare_run_dir
+    """Run (or resume, or reuse) the four calibration runs; returns their records, F_s, F_s'.
 
+    Under the lock of `run_dir` (the entry's), which holds them in run_dir/calibration."""
     fixed = cfg.planner.calibration_loss or None
     fraction = cfg.planner.calibration_loss_fraction
     target: dict[str, float | None] = {"loss": fixed}
     records = []
     for i, (q, k) in enumerate(calibration_settings(cfg.lora.rank)):
         sub = run_dir / "calibration" / f"run-{i}-q{q:g}-k{k}"
-        metrics = sub / "metrics.jsonl"
+        metrics = sub / METRICS_FILE
         ccfg = calibration_config(cfg, q, k)
 
         def stop(line: dict[str, Any], metrics: Path = metrics) -> bool:
@@ -168,18 +187,16 @@ def _calibrate(
 
         if (sub / "summary.json").exists() and _extendable(sub, metrics, target, fraction, ccfg):
             # the cap was raised after this run stopped at the old one short of F_s: go on
-            from fedlora.config import dump_toml
-
             atomic_write(sub / "config.toml", dump_toml(ccfg).encode())
             (sub / "summary.json").unlink()
             log(f"calibration run {i + 1}/4: continued to at most {ccfg.training.rounds} rounds")
-            engine.run_experiment(ccfg, sub, resume=True, quiet=quiet, log=log, stop=stop)
+            run_one(ccfg, sub, resume=True, stop=stop)
         elif not (sub / "summary.json").exists():
             resume = (sub / "config.toml").exists()
             if not resume:
-                prepare_run_dir(ccfg, sub)
+                write_run_dir(ccfg, sub)
             log(f"calibration run {i + 1}/4: q = {q:g}, k = {k} (at most {ccfg.training.rounds})")
-            engine.run_experiment(ccfg, sub, resume=resume, quiet=quiet, log=log, stop=stop)
+            run_one(ccfg, sub, resume=resume, stop=stop)
         losses, sim_time_s = _read_losses(metrics)
         if target["loss"] is None:  # a reused run 0: recompute F_s from its recorded losses
             first = next((x for x in losses if x is not None), None)
@@ -222,11 +239,12 @@ def _extendable(
 
 
 def prepare_proposed(
-    cfg: ExperimentConfig, run_dir: Path, *, quiet: bool = True, log=print
+    cfg: ExperimentConfig, run_dir: Path, *, run_one: RunOne, log=print
 ) -> tuple[ExperimentConfig, Plan | None]:
     """Calibrate and plan (or read back `run_dir`/plan.json); returns the config to train
     with (its time budget extended by the calibration unless planner.calibration_in_budget)
-    and the plan.
+    and the plan. `cfg` has its device and dtype resolved (the calibration runs' config.toml
+    record them); `run_one` runs each calibration run (`RunOne`).
 
     With method.q and method.k both naming one existing .json file (e.g. the output of
     `fedlora plan`), that plan is used as given (the plan is None: `make_method` reads the
@@ -235,8 +253,6 @@ def prepare_proposed(
     if plan_file(cfg.method):
         return cfg, None
     if cfg.planner.calibration == "in-run":  # the run's own first rounds are the probes
-        from fedlora.federation.replan import probe_settings
-
         q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; fedlora.federation.replan sets each
         n, probes = cfg.data.n_clients, 4 * cfg.planner.probe_rounds
         if cfg.training.rounds <= probes:
@@ -245,11 +261,11 @@ def prepare_proposed(
         return cfg, Plan(q=(q,) * n, k=(k,) * n, calibration_s=0.0, in_run=True)
     plan_path = Path(run_dir) / PLAN_FILE
     if plan_path.exists():
-        saved = json.loads(plan_path.read_text(encoding="utf-8"))
-        calibration_s = float(saved["calibration"]["sim_time_s"])
+        record = read_plan(plan_path)
+        q, k, calibration_s = record.q, record.k, record.calibration_s
     else:
-        records, f_s, f_used = _calibrate(cfg, Path(run_dir), quiet=quiet, log=log)
-        clients = read_clients(Path(records[0]["dir"]) / "clients.csv")
+        records, f_s, f_used = _calibrate(cfg, Path(run_dir), run_one=run_one, log=log)
+        clients = client_arrays(read_clients(Path(records[0]["dir"]) / CLIENTS_FILE))
         planned = plan_from_calibration(cfg, clients, records)
         calibration_s = float(sum(r["sim_time_s"] for r in records))
         saved = {
@@ -268,7 +284,8 @@ def prepare_proposed(
                 ],
             },
         }
-        atomic_write(plan_path, (json.dumps(saved, indent=2) + "\n").encode())
+        write_plan(run_dir, saved)
+        q, k = tuple(saved["q"]), tuple(saved["k"])
         c = saved["constants"]
         log(
             f"plan: A={c['A']:.4g} B={c['B']:.4g} C={c['C']:.4g} D={c['D']:.4g}; "
@@ -283,36 +300,8 @@ def prepare_proposed(
         training = dataclasses.replace(
             training, time_budget_s=training.time_budget_s + calibration_s
         )
-    plan = Plan(q=tuple(saved["q"]), k=tuple(saved["k"]), calibration_s=calibration_s)
+    plan = Plan(q=q, k=k, calibration_s=calibration_s)
     return cfg.replace(training=training), plan
-
-
-def run_method(
-    cfg: ExperimentConfig,
-    run_dir: Path,
-    *,
-    resume: bool = False,
-    quiet: bool = False,
-    log: Callable[[str], Any] | None = None,
-) -> dict[str, Any]:
-    """`fedlora.federation.engine.run_experiment`, with Algorithm 2's calibration and plan
-    first for `proposed` (its summary also gets `plan`: `plan_outcome`)."""
-    from fedlora.federation import engine
-    from fedlora.federation.preflight import check_inputs
-
-    if cfg.method.name != "proposed":
-        return engine.run_experiment(cfg, run_dir, resume=resume, quiet=quiet, log=log)
-    log = log or (lambda msg: print(msg, file=sys.stderr))
-    with run_dir_lock(run_dir):  # the calibration runs live in run_dir/calibration
-        check_inputs(cfg)  # bad inputs fail here, before the calibration runs
-        cfg, plan = prepare_proposed(cfg, run_dir, quiet=quiet, log=log)
-
-        def add_outcome(summary: dict[str, Any]) -> None:
-            summary["plan"] = plan_outcome(run_dir)
-
-        return engine.run_experiment(
-            cfg, run_dir, resume=resume, quiet=quiet, log=log, plan=plan, finish=add_outcome
-        )
 
 
 def calibration_rule(cfg: ExperimentConfig) -> str:
@@ -342,11 +331,9 @@ def plan_outcome(run_dir: str | Path) -> dict[str, Any] | None:
     path = run_dir / PLAN_FILE
     if not path.is_file():
         return None
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    losses, _ = _read_losses(run_dir / "metrics.jsonl")
+    saved = dict(read_plan(path).fields)
+    losses, _ = _read_losses(run_dir / METRICS_FILE)
     if saved.get("calibration", {}).get("mode") == "in-run":
-        from fedlora.federation.replan import outcome
-
         return outcome(saved, rounds_run=len(losses))
     level = float(saved["calibration"]["loss_used"])
     degeneracy = saved.get("degeneracy", {})

@@ -1,37 +1,31 @@
 """Algorithm 2's plan from the calibration runs' observations: the clients' profiles read
 back from clients.csv, the constants A–D fitted (SVD, or non-negative least squares as the
 fallback), then (q*, k*) planned with `fedlora.system.planner` (both, q only with k from
-`method.k`, or k only with q from `method.q`). Used by `fedlora.studies.calibration`.
+`method.k`, or k only with q from `method.q`). Used by `fedlora.federation.calibration`.
 """
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import ConfigError
+from fedlora.federation.replan import plan_for, planning_t_full
+from fedlora.federation.runfiles import ClientRow
 
 
-def read_clients(path: Path) -> dict[str, np.ndarray]:
-    """a_n, τ_n^γ, t_n^γ (and the mean SNR of generated profiles) from a run's clients.csv."""
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = list(csv.DictReader(f))
-    out = {key: np.array([float(r[key]) for r in rows]) for key in ("a", "tau_full_s", "t_full")}
-    if rows and "snr_db" in rows[0]:  # generated profiles: the mean SNR (fading-aware plan)
-        out["snr_db"] = np.array([float(r["snr_db"]) for r in rows])
-    return out
-
-
-def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
-    """t_full for the planner (`fedlora.federation.replan.planning_t_full`)."""
-    from fedlora.federation.replan import planning_t_full as shared
-
-    return shared(cfg, clients)
+def client_arrays(rows: Sequence[ClientRow]) -> dict[str, np.ndarray]:
+    """a_n, τ_n^γ, t_n^γ and the mean SNR (NaN for given profiles: no fading-aware plan)
+    of a run's clients.csv rows (`fedlora.federation.runfiles.read_clients`)."""
+    return {
+        "a": np.array([r.a for r in rows]),
+        "tau_full_s": np.array([r.tau_full_s for r in rows]),
+        "t_full": np.array([r.t_full for r in rows]),
+        "snr_db": np.array([r.snr_db for r in rows]),
+    }
 
 
 def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray) -> Any:
@@ -101,8 +95,6 @@ def plan_from_calibration(
                                         yz[:, 1], floor_share=cfg.planner.fit_floor_share)  # fmt: skip
             constants, floors = result.constants, result.floors
             fit = f"constrained (the SVD fit was refused: {e})"
-    from fedlora.federation.replan import plan_for
-
     q, k, extra = plan_for(cfg, problem, constants, options, a)
     weights = pl.sketched_round_weights(problem, np.asarray(k), options)
     degeneracy = pl.plan_degeneracy(problem, constants, q, k, options)
