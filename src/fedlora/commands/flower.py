@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from fedlora.commands.arguments import add_experiment_arguments
-from fedlora.config import load_config
+from fedlora.config.toml_io import load_config
 from fedlora.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -83,8 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from fedlora.federation.engine import prepare_run_dir
     from fedlora.federation.flower.common import check_flower_method
+    from fedlora.federation.rundir import prepare_run_dir
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
     check_flower_method(cfg)
@@ -168,10 +168,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     import importlib.util
 
     from fedlora.errors import ConfigError
-    from fedlora.federation.engine import prepare_run_dir
     from fedlora.federation.flower.common import FlowerOptions, check_flower_method
     from fedlora.federation.flower.simulation import ray_backend_config, run_simulation
-    from fedlora.federation.rundir import resume_config
+    from fedlora.federation.rundir import prepare_run_dir, resume_config
 
     if bool(args.out) == bool(args.resume):
         raise ConfigError(

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from fedlora.commands.arguments import add_experiment_arguments
-from fedlora.config import apply_overrides, config_from_dict, load_config, read_toml
+from fedlora.config.experiment import config_from_dict
+from fedlora.config.toml_io import apply_overrides, load_config, read_toml
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,10 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedlora.config import toml_string
+    from fedlora.config.toml_io import toml_string
     from fedlora.errors import ConfigError
-    from fedlora.federation.engine import describe
     from fedlora.federation.preflight import check_inputs
+    from fedlora.federation.progress import describe
     from fedlora.federation.rundir import (
         check_run_dir,
         make_run_dir,

@@ -29,10 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation import replan
+from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
 from fedlora.federation.clock import round_cost
-from fedlora.federation.methods import Plan, RoundPlan
+from fedlora.federation.methods.base import RoundPlan
+from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.profiles import write_clients_csv
 from fedlora.federation.progress import (
     Progress,
@@ -43,15 +45,11 @@ from fedlora.federation.progress import (
     summarize,
 )
 from fedlora.federation.rundir import (
-    append_metrics,
-    atomic_write,
-    load_checkpoint,
     load_run_config,  # noqa: F401  (re-exported for older callers)
     prepare_run_dir,  # noqa: F401  (re-exported for older callers)
-    restore_metrics,
     run_dir_lock,
-    save_checkpoint,
 )
+from fedlora.federation.runfiles import append_metrics, atomic_write, restore_metrics
 from fedlora.federation.runstate import (
     Run,
     build_run,

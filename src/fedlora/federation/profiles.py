@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
-from fedlora.federation.rundir import atomic_write
+from fedlora.federation.runfiles import atomic_write
 from fedlora.files import load_profiles
 from fedlora.system.network import ClientProfiles, generate_profiles, profiles_to_rows
 from fedlora.system.seeding import derive_rng

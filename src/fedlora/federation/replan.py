@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
-from fedlora.federation.rundir import atomic_write
+from fedlora.federation.runfiles import atomic_write
 
 PROBE_Q = (0.3, 0.15)
 PLAN_FILE = "plan.json"

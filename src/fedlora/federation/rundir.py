@@ -28,15 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import (
-    SECTIONS,
-    ExperimentConfig,
-    apply_overrides,
-    config_from_dict,
-    diff_configs,
-    dump_toml,
-    read_toml,
-)
+from fedlora.config.experiment import SECTIONS, ExperimentConfig, config_from_dict, diff_configs
+from fedlora.config.toml_io import apply_overrides, dump_toml, read_toml
 from fedlora.errors import ConfigError, DataError
 from fedlora.federation.checkpoints import (
     CHECKPOINT_FORMAT,

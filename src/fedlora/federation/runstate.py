@@ -10,9 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.clientmemory import ClientMemory
-from fedlora.federation.methods import Method, Plan, make_method
+from fedlora.federation.methods import make_method
+from fedlora.federation.methods.base import Method
+from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.profiles import build_profiles
 from fedlora.federation.progress import Progress
 from fedlora.llm.device import resolve_runtime

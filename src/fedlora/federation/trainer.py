@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import FedloraError
-from fedlora.federation.methods import RoundPlan
+from fedlora.federation.methods.base import RoundPlan
 from fedlora.federation.runstate import Run, to_numpy
 from fedlora.system.seeding import derive_rng, derive_seed
 
@@ -129,7 +129,8 @@ def train_clients(
     import torch
 
     from fedlora.llm.data import client_batches
-    from fedlora.llm.train import local_train, step_sizes_for
+    from fedlora.llm.step_sizes import step_sizes_for
+    from fedlora.llm.train import local_train
 
     cfg, seed = holder.cfg, holder.cfg.training.seed
     scales = np.asarray(scales, dtype=np.float32)  # (c, γ)

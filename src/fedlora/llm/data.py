@@ -38,7 +38,7 @@ from fedlora.llm.tasks import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from fedlora.config import DataConfig
+    from fedlora.config.sections import DataConfig
 
 # ----------------------------------------------------------------------------- mixes
 

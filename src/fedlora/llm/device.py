@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import DEVICE_FORMS, check_device_spec
+from fedlora.config.checks import DEVICE_FORMS, check_device_spec
 from fedlora.errors import bad_value
 
 __all__ = [

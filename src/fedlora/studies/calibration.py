@@ -51,10 +51,11 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.proposed import Plan, plan_file
-from fedlora.federation.rundir import atomic_write, run_dir_lock
+from fedlora.federation.rundir import run_dir_lock
+from fedlora.federation.runfiles import atomic_write
 from fedlora.studies.planning import plan_from_calibration, read_clients
 
 AUTO_LOSS_FRACTION = 0.5
@@ -168,7 +169,7 @@ def _calibrate(
 
         if (sub / "summary.json").exists() and _extendable(sub, metrics, target, fraction, ccfg):
             # the cap was raised after this run stopped at the old one short of F_s: go on
-            from fedlora.config import dump_toml
+            from fedlora.config.toml_io import dump_toml
 
             atomic_write(sub / "config.toml", dump_toml(ccfg).encode())
             (sub / "summary.json").unlink()

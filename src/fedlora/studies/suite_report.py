@@ -13,7 +13,9 @@ from typing import Any
 from fedlora.errors import ConfigError, bad_value
 from fedlora.studies.figures import plot_paired
 from fedlora.studies.html import write_html
-from fedlora.studies.report import collect_runs, reclock, write_report
+from fedlora.studies.reclock import reclock
+from fedlora.studies.report import write_report
+from fedlora.studies.runs import collect_runs
 
 
 def report_suite(

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tomllib
 
-from fedlora.config import ExperimentConfig, config_from_dict
+from fedlora.config.experiment import ExperimentConfig, config_from_dict
 
 
 @dataclass

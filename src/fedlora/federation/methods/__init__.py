@@ -12,7 +12,7 @@ import pkgutil
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.methods.base import (
     Aggregation,
     ClientTask,
