@@ -39,14 +39,11 @@ from fedlora.federation.profiles import write_clients_csv
 from fedlora.federation.progress import (
     Progress,
     Reporter,
-    describe,  # noqa: F401  (re-exported: `fedlora run` and older callers)
     end_reason,
     stop_before_round,
     summarize,
 )
 from fedlora.federation.rundir import (
-    load_run_config,  # noqa: F401  (re-exported for older callers)
-    prepare_run_dir,  # noqa: F401  (re-exported for older callers)
     run_dir_lock,
 )
 from fedlora.federation.runfiles import append_metrics, atomic_write, restore_metrics
@@ -54,7 +51,6 @@ from fedlora.federation.runstate import (
     Run,
     build_run,
     checkpoint_state,
-    device_slots_per_pass,  # noqa: F401  (re-exported for older callers)
     restore_state,
     to_numpy,
     to_torch,
@@ -63,7 +59,6 @@ from fedlora.federation.scoring import (
     eval_fields,
     evaluate_tasks,
     mean_over_tasks,
-    write_predictions,  # noqa: F401  (re-exported for older callers)
 )
 from fedlora.federation.tracking import open_trackers
 from fedlora.federation.trainer import (
@@ -71,7 +66,6 @@ from fedlora.federation.trainer import (
     Trained,
     Trainer,
     TrainingDiverged,
-    train_participants,  # noqa: F401  (re-exported for older callers)
 )
 from fedlora.llm.device import synchronize
 from fedlora.system.seeding import derive_rng
