@@ -157,7 +157,7 @@ def _fake_distribution(tmp_path, monkeypatch, value: str, module_text: str) -> N
 
 
 THIRD_PARTY = """
-from fedlora.federation.methods import Method
+from fedlora.federation.methods.base import Method
 
 
 class Third(Method):
