@@ -40,6 +40,12 @@ NOT_IN_SYSTEM = ("torch", "transformers", "safetensors", "peft", "flwr", "pandas
 KNOWN_OVERSIZE: set[str] = set()
 # Today's import cycles, each as the sorted tuple of its modules (issue 11: break them).
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
+# Modules that read names of a face through it as a namespace (`from fedlora.system import
+# planner as pl; pl.plan(...)`): (importer, face). Issue 23: import from the defining modules.
+KNOWN_FACE_NAMESPACES: set[tuple[str, str]] = {
+    ("fedlora.federation.replan", "fedlora.system.planner"),
+    ("fedlora.studies.planning", "fedlora.system.planner"),
+}
 # Imports of another module's private name: (importer, module, name); none since issue 11.
 KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 
@@ -212,6 +218,32 @@ def _face_imports(modules: dict[str, tuple[Path, bool]]) -> set[tuple[str, str, 
     return found
 
 
+def _face_namespaces(modules: dict[str, tuple[Path, bool]]) -> set[tuple[str, str]]:
+    """(importer, face) where the importer binds a face module to a name (`from fedlora.system
+    import planner as pl`) and reads through it a name the face only re-binds (`pl.plan`)."""
+    faces = _faces(modules)
+    found = set()
+    for name, (path, _) in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        bound = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+                for a in node.names:
+                    if faces.get(f"{node.module}.{a.name}"):
+                        bound[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                bound |= {a.asname: a.name for a in node.names if a.asname and faces.get(a.name)}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr in faces[bound[node.value.id]]
+            ):
+                found.add((name, bound[node.value.id]))
+    return found
+
+
 def test_the_walk_sees_an_import_through_a_face(tmp_path: Path) -> None:
     pkg = tmp_path / "fedlora"
     (pkg / "pkg").mkdir(parents=True)
@@ -223,12 +255,17 @@ def test_the_walk_sees_an_import_through_a_face(tmp_path: Path) -> None:
         "def h():\n    from fedlora.pkg import f\n"
     )
     assert _face_imports(_modules(tmp_path)) == {("fedlora.b", "fedlora.pkg", "f")}
+    (pkg / "c.py").write_text("def h():\n    from fedlora import pkg as p\n\n    p.f(); p.g()\n")
+    assert _face_namespaces(_modules(tmp_path)) == {("fedlora.c", "fedlora.pkg")}
 
 
 def test_internal_imports_go_to_the_defining_module() -> None:
     # fedlora.config and fedlora.system.planner stay faces for users; inside the package every
     # import names the module that defines the name (docs/architecture.md)
     assert sorted(_face_imports(_modules())) == []
+    used = _face_namespaces(_modules())
+    assert sorted(used - KNOWN_FACE_NAMESPACES) == [], "a face read as a namespace"
+    assert sorted(KNOWN_FACE_NAMESPACES - used) == [], "gone: delete them from KNOWN_..."
 
 
 def _layer(module: str) -> str:

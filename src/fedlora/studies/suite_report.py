@@ -93,6 +93,8 @@ def _append_powered(
     with the suite's pilot runs, the eval_loss targets also as decreases from round 0
     (`fedlora.studies.target_rule.loss_drops`)."""
     from fedlora.studies import powered
+    from fedlora.studies.claims import SIMILAR_MARGIN
+    from fedlora.studies.plots import plot_bands
     from fedlora.studies.target_rule import loss_drops
 
     runs = [r for r in runs if r.lines]
@@ -105,13 +107,13 @@ def _append_powered(
         target_drops=drops,
         suite=str(suite.get("suite", "")),
         order=suite.get("labels"),
-        margin=float(suite.get("similar_margin", powered.SIMILAR_MARGIN)),
+        margin=float(suite.get("similar_margin", SIMILAR_MARGIN)),
         rule=str(suite.get("target_rule", "")),
     )
     images = []
     for metric, name in (("accuracy", "accuracy_bands.png"), ("loss", "eval_loss_bands.png")):
-        drawn = powered.plot_bands(runs, targets, metric, path.parent / name, title=title,
-                                   order=suite.get("labels"), target_losses=losses)  # fmt: skip
+        drawn = plot_bands(runs, targets, metric, path.parent / name, title=title,
+                           order=suite.get("labels"), target_losses=losses)  # fmt: skip
         if drawn is not None:
             images.append(f"![{metric} over seeds against simulated time]({name})")
     for metric, name in (("accuracy", "accuracy_paired.png"), ("loss", "eval_loss_paired.png")):
