@@ -290,6 +290,19 @@ def test_layers_import_only_downwards() -> None:
     assert sorted(KNOWN_UPWARD - upward) == [], "gone: delete them from KNOWN_UPWARD"
 
 
+def test_no_module_launches_a_higher_layer() -> None:
+    # `python -m fedlora.cli ...` from federation/ would be layer 3 starting layer 5: a module
+    # name in a string counts as an import of it (the Flower worker has its own module)
+    modules = _modules()
+    launched = set()
+    for name, (path, _) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in modules:
+                if LAYER_RANK[_layer(node.value)] > LAYER_RANK[_layer(name)]:
+                    launched.add((name, node.value))
+    assert sorted(launched) == []
+
+
 def test_system_layer_is_numpy_only() -> None:
     heavy = []
     for name, (path, _) in _modules().items():

@@ -146,21 +146,9 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from fedlora.federation.flower.common import apply_safe_env
-    from fedlora.federation.flower.node import warm_imports
-    from fedlora.federation.flower.worker import check_serve_args, serve
+    from fedlora.federation.flower.worker_main import run
 
-    check_serve_args(args.port, args.data_dir)
-    apply_safe_env()
-    warm_imports()  # before listening: the first request does not pay the torch import
-
-    def ready(port: int) -> None:
-        if args.port_file:
-            tmp = Path(args.port_file).with_suffix(".tmp")
-            tmp.write_text(f"{port}\n", encoding="utf-8")
-            tmp.replace(args.port_file)
-
-    serve(args.port, data_dir=args.data_dir, ready=ready)
+    run(args.port, data_dir=args.data_dir, port_file=args.port_file)
     return 0
 
 
