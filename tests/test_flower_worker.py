@@ -20,6 +20,7 @@ from fedlora.errors import ConfigError
 from fedlora.federation.flower import worker
 from fedlora.federation.flower.deploy import free_port
 from fedlora.federation.flower.worker import LOOPBACK, check_loopback
+from fedlora.federation.trainable import Trainable
 from flower_cases import needs_data, write_config
 
 # ----------------------------------------------------------------------------- node worker
@@ -250,6 +251,7 @@ def test_worker_trains_exactly_like_the_in_process_node(tmp_path: Path) -> None:
 
     cfg = load_config(write_config(tmp_path, rounds=1, q='"full"'))
     state = node.client_state(cfg)
+    assert isinstance(state, Trainable)  # the engine's Run is one too
     global_adapter = {k: v.numpy().copy() for k, v in state.lora.global_state().items()}
     task = {"client": 1, "round": 0, "index": 1, "scale": [1.0] * cfg.lora.rank,
             "rank-used": cfg.lora.rank, "weight": 1.0}  # fmt: skip

@@ -17,21 +17,18 @@ from fedlora.federation.methods.base import Method
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.profiles import build_profiles
 from fedlora.federation.progress import Progress
+from fedlora.federation.trainable import Trainable
 from fedlora.llm.device import resolve_runtime
 from fedlora.system.network import ClientProfiles
 from fedlora.system.seeding import derive_rng, derive_seed
 
 
 @dataclass
-class Run:
-    """Everything a run holds in memory between rounds."""
+class Run(Trainable):
+    """Everything a run holds in memory between rounds: what it trains (`Trainable`: cfg,
+    model, tokenizer, lora, fed) and the rest."""
 
-    cfg: ExperimentConfig
     run_dir: Path
-    model: Any
-    tokenizer: Any
-    lora: Any
-    fed: Any
     profiles: ClientProfiles
     method: Method
     shapes: dict[str, tuple[int, int]]
@@ -104,7 +101,7 @@ def build_run(cfg: ExperimentConfig, run_dir: Path, log=print, plan: Plan | None
     initial = method.initial_state(start)  # e.g. Fed-SB's frozen factors and R
     if initial is not start:
         lora.load_global(to_torch(initial))
-    run = Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+    run = Run(cfg, model, tokenizer, lora, fed, run_dir, profiles, method, shapes)
     run.memory = ClientMemory(method.is_local, initial)
     run.device = cfg.model.device
     run.slots_per_pass = device_slots_per_pass(run, log)
