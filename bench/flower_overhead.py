@@ -2,7 +2,7 @@
 
 Runs the same tiny configuration (tiny-llama, 2 clients, real data) twice: with
 `fedlora.federation.engine.run_experiment`, then on a loopback deployment started by
-`fedlora.federation.flower.LocalDeployment`; compares the per-round wall time (`compute_s` of each
+`fedlora.federation.flower.deploy.LocalDeployment`; compares the per-round wall time (`compute_s` of each
 metrics line: local training + aggregation for the engine; message round trip, node-side
 ClientApp process start, training and aggregation for Flower). By default each SuperNode
 forwards to a persistent fedlora worker; `--no-workers` trains inside Flower's per-message

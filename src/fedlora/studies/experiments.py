@@ -22,7 +22,7 @@ Targets by a rule from a pilot seed (issue 14) instead of `targets`:
     target_rule = {budget_fraction = 0.6, floor_se = 4, text = "the level ..."}
 
 `fedlora compare --pilot` runs every baseline label with the pilot seed in DIR/pilot/, applies the
-rule (`fedlora.studies.powered.rule_targets`) and writes DIR/targets.toml (targets, target_losses and
+rule (`fedlora.studies.target_rule.rule_targets`) and writes DIR/targets.toml (targets, target_losses and
 the numbers behind them); the main runs then read their targets from it.
 
 Its directory holds one run directory per (label, seed), `<label>-seed<s>/`, and suite.toml

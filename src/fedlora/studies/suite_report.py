@@ -34,7 +34,7 @@ def report_suite(
     suite directories (metrics files only). `reference`: the label the paired-difference
     plots subtract (default FSLoRA's; `fedlora.studies.figures.pick_reference`).
 
-    `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.studies.report.reclock`).
+    `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.studies.reclock.reclock`).
     """
     runs, suite = collect_runs(paths)
     _check_reference(runs, reference)
