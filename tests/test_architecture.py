@@ -73,7 +73,9 @@ def _imports(
 
     Importing a.b.c runs a/__init__ and a/b/__init__ first, so with `ancestors` an import of
     a.b.c is also an edge to every ancestor package of a.b.c that is not already one of the
-    importer's own (those ran before the importer did).
+    importer's own (those ran before the importer did); a package whose __init__ imports its
+    folder's modules at run time (`pkgutil.iter_modules(__path__)`, the methods registry)
+    has an edge to each of them.
     """
     edges: dict[str, set[str]] = {name: set() for name in modules}
     private: set[tuple[str, str, str]] = set()
@@ -98,6 +100,9 @@ def _imports(
                     dunder = alias.name.startswith("__") and alias.name.endswith("__")
                     if target == source != name and alias.name.startswith("_") and not dunder:
                         private.add((name, source, alias.name))
+        if ancestors and is_pkg and "pkgutil.iter_modules(__path__)" in path.read_text("utf-8"):
+            # a registry package imports every module of its folder at run time
+            edges[name] |= {m for m in modules if m.rpartition(".")[0] == name}
         if ancestors:
             own = set(_ancestors(name)) | {name}
             for target in list(edges[name]):
