@@ -68,10 +68,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from fedlora.config import LoraConfig
-    from fedlora.llm.data import load_task, resolve_data_dir, seeded_subset, stream_rng
+    from fedlora.llm.data import seeded_subset, stream_rng
     from fedlora.llm.evaluation import eval_cache_for, evaluate
     from fedlora.llm.lora import inject_lora
     from fedlora.llm.models import load_model
+    from fedlora.llm.tasks import load_task, resolve_data_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)

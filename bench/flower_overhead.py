@@ -2,7 +2,7 @@
 
 Runs the same tiny configuration (tiny-llama, 2 clients, real data) twice: with
 `fedlora.federation.engine.run_experiment`, then on a loopback deployment started by
-`fedlora.federation.flower.LocalDeployment`; compares the per-round wall time (`compute_s` of each
+`fedlora.federation.flower.deploy.LocalDeployment`; compares the per-round wall time (`compute_s` of each
 metrics line: local training + aggregation for the engine; message round trip, node-side
 ClientApp process start, training and aggregation for Flower). By default each SuperNode
 forwards to a persistent fedlora worker; `--no-workers` trains inside Flower's per-message
@@ -61,8 +61,9 @@ def _round_times(run_dir: Path) -> np.ndarray:
 
 def main() -> None:
     from fedlora.config import load_config
-    from fedlora.federation.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import run_experiment
     from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
+    from fedlora.federation.rundir import prepare_run_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)

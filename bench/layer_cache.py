@@ -67,8 +67,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from fedlora.config import LoraConfig
+    from fedlora.llm.layer_cache import LayerCache
     from fedlora.llm.lora import inject_lora
-    from fedlora.llm.train import LayerCache
 
     load = os.getloadavg()
     print(

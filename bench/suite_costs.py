@@ -29,7 +29,8 @@ from baseline_costs import smollm2_shapes  # noqa: E402
 from fedlora.federation.clock import round_cost  # noqa: E402
 from fedlora.federation.methods import make_method  # noqa: E402
 from fedlora.federation.profiles import build_profiles  # noqa: E402
-from fedlora.studies.experiments import SUITES, load_suite  # noqa: E402
+from fedlora.studies.experiments import load_suite  # noqa: E402
+from fedlora.studies.suites import SUITES  # noqa: E402
 from fedlora.system.seeding import derive_rng  # noqa: E402
 
 ROUNDS = 400

@@ -51,7 +51,7 @@ def write_config(tmp_path: Path, rounds: int, q: str) -> Path:
 
 
 def final_global(run_dir: Path) -> dict[str, np.ndarray]:
-    from fedlora.federation.rundir import load_checkpoint
+    from fedlora.federation.checkpoints import load_checkpoint
 
     state = load_checkpoint(run_dir)
     return {k: np.asarray(v) for k, v in state["global"].items()}
@@ -63,7 +63,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def engine_run(config_path: Path, tmp_path: Path) -> Path:
     """fedlora's own engine on the same config (run once per test)."""
-    from fedlora.federation.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import run_experiment
+    from fedlora.federation.rundir import prepare_run_dir
 
     ref = tmp_path / "engine-run"
     if not (ref / "summary.json").exists():

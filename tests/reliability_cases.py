@@ -120,7 +120,7 @@ def _old_format_checkpoint(tmp: Path, *, metrics: bytes | None) -> None:
     lines, and replace metrics.jsonl with `metrics`."""
     import torch
 
-    from fedlora.federation.rundir import load_checkpoint
+    from fedlora.federation.checkpoints import load_checkpoint
 
     run = tmp / "run"
     state = load_checkpoint(run, warn=lambda m: None)
@@ -206,8 +206,7 @@ def _rewrite_checkpoint(change: Callable[[dict], None]) -> Setup:
     def setup(tmp: Path) -> None:
         from safetensors.torch import save_file
 
-        from fedlora.federation.checkpoints import CHECKPOINT_FORMAT
-        from fedlora.federation.rundir import load_checkpoint
+        from fedlora.federation.checkpoints import CHECKPOINT_FORMAT, load_checkpoint
 
         run = tmp / "run"
         state = load_checkpoint(run, warn=lambda m: None)

@@ -40,6 +40,12 @@ NOT_IN_SYSTEM = ("torch", "transformers", "safetensors", "peft", "flwr", "pandas
 KNOWN_OVERSIZE: set[str] = set()
 # Today's import cycles, each as the sorted tuple of its modules (issue 11: break them).
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
+# Modules that read names of a face through it as a namespace (`from fedlora.system import
+# planner as pl; pl.plan(...)`): (importer, face). Issue 23: import from the defining modules.
+KNOWN_FACE_NAMESPACES: set[tuple[str, str]] = {
+    ("fedlora.federation.replan", "fedlora.system.planner"),
+    ("fedlora.studies.planning", "fedlora.system.planner"),
+}
 # Imports of another module's private name: (importer, module, name); none since issue 11.
 KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 
@@ -54,8 +60,23 @@ def _modules(src: Path = SRC) -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _imports(modules: dict[str, tuple[Path, bool]]) -> tuple[dict[str, set[str]], set[tuple]]:
-    """The import graph over fedlora modules and the private names imported across modules."""
+def _ancestors(module: str) -> list[str]:
+    """a.b.c -> [a, a.b]: the packages whose __init__ runs before a.b.c does."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _imports(
+    modules: dict[str, tuple[Path, bool]], *, ancestors: bool = True
+) -> tuple[dict[str, set[str]], set[tuple]]:
+    """The import graph over fedlora modules and the private names imported across modules.
+
+    Importing a.b.c runs a/__init__ and a/b/__init__ first, so with `ancestors` an import of
+    a.b.c is also an edge to every ancestor package of a.b.c that is not already one of the
+    importer's own (those ran before the importer did); a package whose __init__ imports its
+    folder's modules at run time (`pkgutil.iter_modules(__path__)`, the methods registry)
+    has an edge to each of them.
+    """
     edges: dict[str, set[str]] = {name: set() for name in modules}
     private: set[tuple[str, str, str]] = set()
     for name, (path, is_pkg) in modules.items():
@@ -79,6 +100,13 @@ def _imports(modules: dict[str, tuple[Path, bool]]) -> tuple[dict[str, set[str]]
                     dunder = alias.name.startswith("__") and alias.name.endswith("__")
                     if target == source != name and alias.name.startswith("_") and not dunder:
                         private.add((name, source, alias.name))
+        if ancestors and is_pkg and "pkgutil.iter_modules(__path__)" in path.read_text("utf-8"):
+            # a registry package imports every module of its folder at run time
+            edges[name] |= {m for m in modules if m.rpartition(".")[0] == name}
+        if ancestors:
+            own = set(_ancestors(name)) | {name}
+            for target in list(edges[name]):
+                edges[name] |= {a for a in _ancestors(target) if a in modules and a not in own}
     return edges, private
 
 
@@ -138,6 +166,113 @@ def test_the_walk_sees_a_cycle_and_a_private_import(tmp_path: Path) -> None:
     assert private == {("fedlora.a", "fedlora.sub.b", "_hidden")}
 
 
+def test_the_walk_sees_a_cycle_through_a_parent_package(tmp_path: Path) -> None:
+    # the only cycle runs through fedlora/pkg/__init__: b imports fedlora.pkg.c, which runs
+    # fedlora/pkg/__init__ first, which imports a, which imports b
+    pkg = tmp_path / "fedlora"
+    (pkg / "pkg").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pkg" / "__init__.py").write_text("from fedlora.pkg.a import f\n")
+    (pkg / "pkg" / "a.py").write_text("def f():\n    from fedlora.b import g\n")
+    (pkg / "pkg" / "c.py").write_text("h = 1\n")
+    (pkg / "b.py").write_text("from fedlora.pkg.c import h\ng = h\n")
+    modules = _modules(tmp_path)
+    assert _cycles(_imports(modules, ancestors=False)[0]) == set()  # the rule before issue 23
+    assert _cycles(_imports(modules)[0]) == {("fedlora.b", "fedlora.pkg", "fedlora.pkg.a")}
+    # a sibling of the importer's own package adds no edge to that package
+    (pkg / "pkg" / "a.py").write_text("from fedlora.pkg.c import h\n")
+    assert _imports(_modules(tmp_path))[0]["fedlora.pkg.a"] == {"fedlora.pkg.c"}
+
+
+def _faces(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
+    """Module -> the names it binds at its top level by importing them from fedlora (not
+    defining them): importing such a name from it goes through a face."""
+    out = {}
+    for name, (path, _) in modules.items():
+        bound, defined = set(), set()
+        todo = list(ast.parse(path.read_text(encoding="utf-8")).body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.If, ast.Try)):  # `if TYPE_CHECKING:`, fallbacks
+                todo += node.body + node.orelse + getattr(node, "finalbody", [])
+                todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedlora"):
+                bound |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in getattr(node, "targets", [getattr(node, "target", None)]):
+                    defined |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        out[name] = bound - defined
+    return out
+
+
+def _face_imports(modules: dict[str, tuple[Path, bool]]) -> set[tuple[str, str, str]]:
+    """(importer, face, name) for every `from face import name` inside the package where
+    `face` only re-binds `name` (lazy imports included)."""
+    faces = _faces(modules)
+    found = set()
+    for name, (path, _) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+                found |= {
+                    (name, node.module, a.name)
+                    for a in node.names
+                    if a.name in faces[node.module] and f"{node.module}.{a.name}" not in modules
+                }
+    return found
+
+
+def _face_namespaces(modules: dict[str, tuple[Path, bool]]) -> set[tuple[str, str]]:
+    """(importer, face) where the importer binds a face module to a name (`from fedlora.system
+    import planner as pl`) and reads through it a name the face only re-binds (`pl.plan`)."""
+    faces = _faces(modules)
+    found = set()
+    for name, (path, _) in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        bound = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+                for a in node.names:
+                    if faces.get(f"{node.module}.{a.name}"):
+                        bound[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                bound |= {a.asname: a.name for a in node.names if a.asname and faces.get(a.name)}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr in faces[bound[node.value.id]]
+            ):
+                found.add((name, bound[node.value.id]))
+    return found
+
+
+def test_the_walk_sees_an_import_through_a_face(tmp_path: Path) -> None:
+    pkg = tmp_path / "fedlora"
+    (pkg / "pkg").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pkg" / "__init__.py").write_text("from fedlora.pkg.a import f\n\ndef g():\n    f()\n")
+    (pkg / "pkg" / "a.py").write_text("def f():\n    pass\n")
+    (pkg / "b.py").write_text(
+        "from fedlora.pkg import a, g\nfrom fedlora.pkg.a import f\n\n"
+        "def h():\n    from fedlora.pkg import f\n"
+    )
+    assert _face_imports(_modules(tmp_path)) == {("fedlora.b", "fedlora.pkg", "f")}
+    (pkg / "c.py").write_text("def h():\n    from fedlora import pkg as p\n\n    p.f(); p.g()\n")
+    assert _face_namespaces(_modules(tmp_path)) == {("fedlora.c", "fedlora.pkg")}
+
+
+def test_internal_imports_go_to_the_defining_module() -> None:
+    # fedlora.config and fedlora.system.planner stay faces for users; inside the package every
+    # import names the module that defines the name (docs/architecture.md)
+    assert sorted(_face_imports(_modules())) == []
+    used = _face_namespaces(_modules())
+    assert sorted(used - KNOWN_FACE_NAMESPACES) == [], "a face read as a namespace"
+    assert sorted(KNOWN_FACE_NAMESPACES - used) == [], "gone: delete them from KNOWN_..."
+
+
 def _layer(module: str) -> str:
     """fedlora.<layer>[.…] -> <layer>; the package itself (fedlora) -> "errors" (rank 0)."""
     parts = module.split(".")
@@ -158,6 +293,19 @@ def test_layers_import_only_downwards() -> None:
     }
     assert sorted(upward - KNOWN_UPWARD) == [], "upward import(s)"
     assert sorted(KNOWN_UPWARD - upward) == [], "gone: delete them from KNOWN_UPWARD"
+
+
+def test_no_module_launches_a_higher_layer() -> None:
+    # `python -m fedlora.cli ...` from federation/ would be layer 3 starting layer 5: a module
+    # name in a string counts as an import of it (the Flower worker has its own module)
+    modules = _modules()
+    launched = set()
+    for name, (path, _) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in modules:
+                if LAYER_RANK[_layer(node.value)] > LAYER_RANK[_layer(name)]:
+                    launched.add((name, node.value))
+    assert sorted(launched) == []
 
 
 def test_system_layer_is_numpy_only() -> None:

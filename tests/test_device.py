@@ -331,7 +331,9 @@ def test_nothing_is_created_on_a_hard_coded_device(tmp_path, monkeypatch, extra)
     `meta`: no op may mix the model's device with a tensor made on the CPU."""
     import re
 
-    from fedlora.federation.engine import load_checkpoint, prepare_run_dir, run_experiment
+    from fedlora.federation.checkpoints import load_checkpoint
+    from fedlora.federation.engine import run_experiment
+    from fedlora.federation.rundir import prepare_run_dir
 
     monkeypatch.setattr(dev, "resolve_device", lambda spec, field="model.device": "meta")
     # a test-only device: the config's device syntax accepts meta
@@ -388,7 +390,7 @@ def test_slots_per_pass_on_a_gpu_follow_free_memory(monkeypatch):
     T = 16, fp32: 2·16·(2·(12·64 + 4·128 + 4·16) + 64)·4 bytes per slot."""
     from types import SimpleNamespace
 
-    from fedlora.federation.engine import device_slots_per_pass
+    from fedlora.federation.runstate import device_slots_per_pass
     from fedlora.llm.models import tiny_config
 
     names = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]

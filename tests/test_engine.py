@@ -19,15 +19,12 @@ import torch
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.engine import (
-    TrainingDiverged,
-    build_run,
-    load_checkpoint,
-    prepare_run_dir,
-    run_experiment,
-    train_participants,
-)
+from fedlora.federation.checkpoints import load_checkpoint
+from fedlora.federation.engine import run_experiment
 from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
+from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.runstate import build_run
+from fedlora.federation.trainer import TrainingDiverged, train_participants
 from fedlora.llm.device import resolve_runtime
 from fedlora.system.network import allocate_bandwidth, comp_factor
 from fedlora.system.sketch import sample_participants, unbiased_aggregate

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from fedlora.cli import main
-from fedlora.llm.data import load_task_file, seeded_subset, stream_rng
+from fedlora.llm.data import seeded_subset, stream_rng
 from fedlora.llm.evaluation import evaluate, wilson_interval
 from fedlora.llm.models import load_model
+from fedlora.llm.tasks import load_task_file
 
 DATA = os.environ.get("FEDLORA_DATA", "")
 

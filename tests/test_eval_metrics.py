@@ -228,7 +228,9 @@ def test_evaluation_config_and_bad_values() -> None:
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None:
-    from fedlora.federation.engine import describe, prepare_run_dir, run_experiment
+    from fedlora.federation.engine import run_experiment
+    from fedlora.federation.progress import describe
+    from fedlora.federation.rundir import prepare_run_dir
 
     cfg = load_config(
         None,
@@ -271,7 +273,8 @@ def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_target_loss_stops_the_run(tmp_path: Path) -> None:
-    from fedlora.federation.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import run_experiment
+    from fedlora.federation.rundir import prepare_run_dir
 
     cfg = load_config(None, [*TINY_EVAL_RUN, "training.rounds=5", "training.target_loss=1000.0"])
     run_dir = tmp_path / "run"
@@ -362,7 +365,7 @@ def test_eval_cache_is_bounded_and_off_when_nothing_is_frozen() -> None:
 
 
 def test_write_predictions_replaces_rounds_a_resumed_run_repeats(tmp_path: Path) -> None:
-    from fedlora.federation.engine import write_predictions
+    from fedlora.federation.scoring import write_predictions
     from fedlora.llm.evaluation import EvalResult
 
     def result(pred: int) -> EvalResult:

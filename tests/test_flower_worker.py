@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from fedlora.errors import ConfigError
 from fedlora.federation.flower import worker
 from fedlora.federation.flower.deploy import free_port
 from fedlora.federation.flower.worker import LOOPBACK, check_loopback
+from fedlora.federation.trainable import Trainable
 from flower_cases import needs_data, write_config
 
 # ----------------------------------------------------------------------------- node worker
@@ -127,6 +130,40 @@ def test_cli_worker_with_a_bad_port_exits_2(capsys: pytest.CaptureFixture[str]) 
     assert "--port = 70000" in err and "0..65535" in err and "Traceback" not in err
 
 
+def test_the_worker_module_exits_2_on_a_bad_port() -> None:
+    from fedlora.federation.flower.deploy import worker_argv
+
+    argv = worker_argv(70000)
+    assert argv[1:3] == ["-m", "fedlora.federation.flower.worker_main"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--port = 70000" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_worker_module_serves_a_ping(tmp_path: Path) -> None:
+    # what LocalDeployment starts for each node: its own module, answering on 127.0.0.1
+    from fedlora.federation.flower.deploy import worker_argv
+
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [*worker_argv(0, tmp_path), "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert port_file.exists(), proc.stderr.read() if proc.poll() is not None else "timeout"
+        port = int(port_file.read_text())
+        reply, _ = worker.call(f"{worker.LOOPBACK}:{port}", {"op": "ping"}, timeout_s=30)
+        assert reply["ok"] and reply["pid"] == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_client_app_reads_and_checks_the_worker_address() -> None:
     from types import SimpleNamespace
 
@@ -214,6 +251,7 @@ def test_worker_trains_exactly_like_the_in_process_node(tmp_path: Path) -> None:
 
     cfg = load_config(write_config(tmp_path, rounds=1, q='"full"'))
     state = node.client_state(cfg)
+    assert isinstance(state, Trainable)  # the engine's Run is one too
     global_adapter = {k: v.numpy().copy() for k, v in state.lora.global_state().items()}
     task = {"client": 1, "round": 0, "index": 1, "scale": [1.0] * cfg.lora.rank,
             "rank-used": cfg.lora.rank, "weight": 1.0}  # fmt: skip

@@ -10,8 +10,9 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.methods import check_method_config, make_method
+from fedlora.federation.methods import make_method
 from fedlora.federation.methods.ranks import reference_ranks, resolve_ranks
+from fedlora.federation.methods.registry import check_method_config
 
 REFERENCE = Path(__file__).parents[1] / "configs" / "fslora_reference.toml"
 

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from fedlora.config import load_config
-from fedlora.federation.engine import prepare_run_dir, run_experiment
-from fedlora.llm.models import SMOLLM2_SPEC, default_cache_dir
+from fedlora.federation.engine import run_experiment
+from fedlora.federation.rundir import prepare_run_dir
+from fedlora.files import default_cache_dir
+from fedlora.llm.models import SMOLLM2_SPEC
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 pytestmark = [

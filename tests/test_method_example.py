@@ -13,7 +13,8 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.methods import check_method_config, make_method, method_names, registry
+from fedlora.federation.methods import make_method, registry
+from fedlora.federation.methods.registry import check_method_config, method_names
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "my_method.py"
@@ -70,7 +71,8 @@ def cfg_overrides() -> list[str]:
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_a_tiny_run_trains_with_the_example(example, tmp_path):
-    from fedlora.federation.engine import prepare_run_dir, run_experiment
+    from fedlora.federation.engine import run_experiment
+    from fedlora.federation.rundir import prepare_run_dir
 
     cfg = load_config(
         None,

@@ -10,16 +10,8 @@ import pytest
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.methods import (
-    ENTRY_POINT_GROUP,
-    Method,
-    check_method_config,
-    make_method,
-    method_class,
-    method_names,
-    register_method,
-    registry,
-)
+from fedlora.federation.methods import make_method, registry
+from fedlora.federation.methods.base import Method
 from fedlora.federation.methods.fedavg import FedAvg
 from fedlora.federation.methods.fedstacklora import FedStackLoRA
 from fedlora.federation.methods.flexlora import FlexLoRA
@@ -27,6 +19,13 @@ from fedlora.federation.methods.fslora import FSLoRA
 from fedlora.federation.methods.heterolora import HeteroLoRA
 from fedlora.federation.methods.proposed import Proposed
 from fedlora.federation.methods.ranks import resolve_ranks
+from fedlora.federation.methods.registry import (
+    ENTRY_POINT_GROUP,
+    check_method_config,
+    method_class,
+    method_names,
+    register_method,
+)
 from fedlora.federation.methods.sketched import Sketched
 from fedlora.federation.methods.strategies import resolve_k, resolve_q
 
@@ -158,7 +157,7 @@ def _fake_distribution(tmp_path, monkeypatch, value: str, module_text: str) -> N
 
 
 THIRD_PARTY = """
-from fedlora.federation.methods import Method
+from fedlora.federation.methods.base import Method
 
 
 class Third(Method):

@@ -11,13 +11,14 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.methods import check_method_config, make_method
+from fedlora.federation.methods import make_method
 from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
 from fedlora.federation.methods.fedstacklora import FedStackLoRA, fresh_adapter
 from fedlora.federation.methods.flexlora import FlexLoRA, truncated_svd_factors
 from fedlora.federation.methods.fslora import FSLoRA
 from fedlora.federation.methods.heterolora import HeteroLoRA
 from fedlora.federation.methods.ranks import capability_ranks, resolve_ranks
+from fedlora.federation.methods.registry import check_method_config
 
 SMOL_SHAPES = {  # SmolLM2-135M, q and v on 30 layers: q (576→576), v (576→192)
     **{f"layers.{i}.q_proj": (576, 576) for i in range(30)},

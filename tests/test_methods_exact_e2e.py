@@ -16,7 +16,8 @@ import pytest
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.federation.checkpoints import checkpoint_paths
-from fedlora.federation.engine import prepare_run_dir, run_experiment
+from fedlora.federation.engine import run_experiment
+from fedlora.federation.rundir import prepare_run_dir
 from fedlora.studies.suites import METHOD_SUITE
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
@@ -104,7 +105,7 @@ def _same(x: dict, y: dict, suffix: str) -> bool:
 def test_each_method_trains_what_it_says_and_pays_for_what_it_sends(
     tmp_path, name, per_client_bits, monkeypatch
 ):
-    from fedlora.federation.methods import method_class
+    from fedlora.federation.methods.registry import method_class
 
     cls = method_class(name)
     uploaded: list[set[str]] = []  # the keys of every upload the server aggregates

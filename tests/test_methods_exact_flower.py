@@ -101,8 +101,8 @@ def test_the_node_trains_on_the_base_the_server_sends(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 def test_fedexlora_on_the_ray_simulation_is_the_engine_bit_for_bit(tmp_path):
     # the residuals merged on the server reach the nodes, or round 2 would train on another base
+    from fedlora.federation.checkpoints import load_checkpoint
     from fedlora.federation.flower.common import safe_env
-    from fedlora.federation.rundir import load_checkpoint
     from flower_cases import assert_matches_engine, engine_run
 
     path = write_config(tmp_path, rounds=2, q='"full"')

@@ -23,12 +23,9 @@ import fedlora.federation.engine as engine
 from fedlora.cli import main
 from fedlora.config import dump_toml, load_config, toml_string
 from fedlora.errors import ConfigError
-from fedlora.federation.rundir import (
-    load_checkpoint,
-    prepare_run_dir,
-    read_metrics_lines,
-    run_dir_lock,
-)
+from fedlora.federation.checkpoints import load_checkpoint
+from fedlora.federation.rundir import prepare_run_dir, run_dir_lock
+from fedlora.federation.runfiles import read_metrics_lines
 from reliability_cases import DATA, TINY
 
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")

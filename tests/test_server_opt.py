@@ -14,8 +14,10 @@ import torch
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.methods import ServerOptimizer, check_method_config, make_method
+from fedlora.federation.methods import make_method
 from fedlora.federation.methods.base import ClientTask, RoundPlan
+from fedlora.federation.methods.registry import check_method_config
+from fedlora.federation.methods.server_opt import ServerOptimizer
 
 ETA, TAU = 0.1, 1e-3
 

@@ -232,7 +232,9 @@ def test_engine_passes_each_clients_step_size_and_momentum(tmp_path, monkeypatch
     # Prepare: a tiny run with k = [1, 2, 4, 3] of γ = 4; record what local_train receives
     import fedlora.llm.train
     from fedlora.config import load_config
-    from fedlora.federation.engine import build_run, prepare_run_dir, train_participants
+    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.runstate import build_run
+    from fedlora.federation.trainer import train_participants
     from fedlora.llm.device import resolve_runtime
 
     cfg = load_config(
@@ -282,7 +284,7 @@ def test_run_dirs_written_before_the_protocol_change_resume_with_their_old_value
     # Prepare: a config.toml as written before data.response, evaluation.scoring and
     # training.sketch_step existed (the defaults changed to the CPU protocol since)
     from fedlora.config import ExperimentConfig, dump_toml
-    from fedlora.federation.engine import load_run_config
+    from fedlora.federation.rundir import load_run_config
 
     text = dump_toml(ExperimentConfig())
     old = "\n".join(

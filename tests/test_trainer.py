@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from fedlora.config import load_config
+from fedlora.federation.checkpoints import load_checkpoint
 from fedlora.federation.engine import run_rounds
-from fedlora.federation.methods import RoundPlan
-from fedlora.federation.rundir import load_checkpoint, prepare_run_dir
+from fedlora.federation.methods.base import RoundPlan
+from fedlora.federation.rundir import prepare_run_dir
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import SlotTrainer, Trained
 from fedlora.llm.device import resolve_runtime

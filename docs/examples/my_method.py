@@ -7,14 +7,14 @@ import numpy as np
 
 from fedlora.config import ExperimentConfig
 from fedlora.errors import bad_value
-from fedlora.federation.methods import (
+from fedlora.federation.methods.base import (
     Aggregation,
     ClientTask,
     Method,
     MethodContext,
     RoundPlan,
-    register_method,
 )
+from fedlora.federation.methods.registry import register_method
 from fedlora.system.sketch import unbiased_aggregate
 
 

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedlora {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, an unwritable path: one line, not a traceback
-        from fedlora.federation.rundir import os_error_message
+        from fedlora.federation.runfiles import os_error_message
 
         print(f"fedlora {args.command}: error: {os_error_message(e)}", file=sys.stderr)
         return 2

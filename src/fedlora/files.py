@@ -17,7 +17,8 @@ from typing import Any
 
 from fedlora.errors import ConfigError, bad_value
 from fedlora.system.network import ClientProfiles, profiles_from_rows
-from fedlora.system.planner import PlanOptions, PlanProblem, problem_from_dict
+from fedlora.system.planner.problem import PlanOptions, PlanProblem
+from fedlora.system.planner.schema import problem_from_dict
 
 
 def default_cache_dir() -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedlora.config import dump_toml, load_config
+from fedlora.config.toml_io import dump_toml, load_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from fedlora.federation.methods import check_method_config
+    from fedlora.federation.methods.registry import check_method_config
 
     cfg = load_config(args.config, args.overrides)
     check_method_config(cfg)  # method.name and the method's own fields (the registry)

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from fedlora.config import EVAL_FORMATS, SCORINGS
+from fedlora.config.sections import EVAL_FORMATS, SCORINGS
 from fedlora.errors import ConfigError, bad_value
 
 
@@ -150,13 +150,8 @@ def _apply_adapter(model, adapter: str):
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from fedlora.llm.data import (
-        load_task,
-        load_task_file,
-        resolve_data_dir,
-        seeded_subset,
-        stream_rng,
-    )
+    from fedlora.llm.data import seeded_subset, stream_rng
+    from fedlora.llm.tasks import load_task, load_task_file, resolve_data_dir
 
     _check_args(args)
     from fedlora.llm.device import resolve_device_dtype

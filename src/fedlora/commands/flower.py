@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from fedlora.commands.arguments import add_experiment_arguments
-from fedlora.config import load_config
+from fedlora.config.toml_io import load_config
 from fedlora.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -83,8 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from fedlora.federation.engine import prepare_run_dir
     from fedlora.federation.flower.common import check_flower_method
+    from fedlora.federation.rundir import prepare_run_dir
 
     cfg = load_config(args.config, args.overrides)  # validate before starting anything
     check_flower_method(cfg)
@@ -146,21 +146,9 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from fedlora.federation.flower.common import apply_safe_env
-    from fedlora.federation.flower.node import warm_imports
-    from fedlora.federation.flower.worker import check_serve_args, serve
+    from fedlora.federation.flower.worker_main import run
 
-    check_serve_args(args.port, args.data_dir)
-    apply_safe_env()
-    warm_imports()  # before listening: the first request does not pay the torch import
-
-    def ready(port: int) -> None:
-        if args.port_file:
-            tmp = Path(args.port_file).with_suffix(".tmp")
-            tmp.write_text(f"{port}\n", encoding="utf-8")
-            tmp.replace(args.port_file)
-
-    serve(args.port, data_dir=args.data_dir, ready=ready)
+    run(args.port, data_dir=args.data_dir, port_file=args.port_file)
     return 0
 
 
@@ -168,10 +156,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     import importlib.util
 
     from fedlora.errors import ConfigError
-    from fedlora.federation.engine import prepare_run_dir
     from fedlora.federation.flower.common import FlowerOptions, check_flower_method
     from fedlora.federation.flower.simulation import ray_backend_config, run_simulation
-    from fedlora.federation.rundir import resume_config
+    from fedlora.federation.rundir import prepare_run_dir, resume_config
 
     if bool(args.out) == bool(args.resume):
         raise ConfigError(

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from fedlora.files import load_problem
-    from fedlora.system.planner import check_plan, plan
+    from fedlora.system.planner.alternation import check_plan, plan
 
     overrides: dict[str, object] = {}
     if args.solver:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fedlora.commands.arguments import add_experiment_arguments
-from fedlora.config import apply_overrides, config_from_dict, load_config, read_toml
+from fedlora.config.experiment import config_from_dict
+from fedlora.config.toml_io import apply_overrides, load_config, read_toml
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedlora.config import toml_string
+    from fedlora.config.toml_io import toml_string
     from fedlora.errors import ConfigError
     from fedlora.federation.progress import describe
     from fedlora.federation.run import run as run_entry

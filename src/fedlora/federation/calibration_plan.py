@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
 from fedlora.federation.replan import plan_for, planning_t_full
 from fedlora.federation.runfiles import ClientRow

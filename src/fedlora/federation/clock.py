@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
-from fedlora.federation.methods import Method, RoundPlan
+from fedlora.config.experiment import ExperimentConfig
+from fedlora.federation.methods.base import Method, RoundPlan
 from fedlora.system.network import ClientProfiles, rayleigh_gains, round_time, spectral_efficiency
 from fedlora.system.seeding import derive_rng
 

@@ -30,34 +30,26 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation import replan
+from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
 from fedlora.federation.clock import round_cost
-from fedlora.federation.methods import Plan, RoundPlan
+from fedlora.federation.methods.base import RoundPlan
+from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.profiles import write_clients_csv
 from fedlora.federation.progress import (
     Progress,
     Reporter,
-    describe,  # noqa: F401  (re-exported: `fedlora run` and older callers)
     end_reason,
     stop_before_round,
     summarize,
 )
-from fedlora.federation.rundir import (
-    append_metrics,
-    load_checkpoint,
-    load_run_config,  # noqa: F401  (re-exported for older callers)
-    prepare_run_dir,  # noqa: F401  (re-exported for older callers)
-    restore_metrics,
-    run_dir_lock,
-    save_checkpoint,
-)
-from fedlora.federation.runfiles import write_summary
+from fedlora.federation.rundir import run_dir_lock
+from fedlora.federation.runfiles import append_metrics, restore_metrics, write_summary
 from fedlora.federation.runstate import (
     Run,
     build_run,
     checkpoint_state,
-    device_slots_per_pass,  # noqa: F401  (re-exported for older callers)
     restore_state,
     to_numpy,
     to_torch,
@@ -66,7 +58,6 @@ from fedlora.federation.scoring import (
     eval_fields,
     evaluate_tasks,
     mean_over_tasks,
-    write_predictions,  # noqa: F401  (re-exported for older callers)
 )
 from fedlora.federation.tracking import open_trackers
 from fedlora.federation.trainer import (
@@ -74,7 +65,6 @@ from fedlora.federation.trainer import (
     Trained,
     Trainer,
     TrainingDiverged,
-    train_participants,  # noqa: F401  (re-exported for older callers)
 )
 from fedlora.llm.device import Resolution, synchronize
 from fedlora.system.seeding import derive_rng

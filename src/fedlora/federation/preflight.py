@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError, DataError, bad_value
 
 # The linear modules of a decoder layer in the model families fedlora is tested on.
@@ -32,11 +32,11 @@ SMOLLM2_LAYERS = 30  # SmolLM2-135M, when its converted copy is not there yet
 def model_config(spec: str, cache_dir: str = "") -> dict[str, Any] | None:
     """The model's config.json as a dict, read without loading weights (None if unknown
     without a download, e.g. a hub id not in the local cache). Bad specs raise ConfigError."""
+    from fedlora.files import default_cache_dir
     from fedlora.llm.models import (
         ACCEPTED_FORMS,
         SMOLLM2_SPEC,
         TINY_MODELS,
-        default_cache_dir,
         looks_like_hub_id,
         tiny_config,
     )
@@ -102,7 +102,7 @@ def check_model(cfg: ExperimentConfig) -> None:
 
 def check_data(cfg: ExperimentConfig) -> None:
     """Task names, the data directory, the eval tasks' test splits and the task files."""
-    from fedlora.llm.data import TASK_FOLDERS, resolve_data_dir, task_available, task_path
+    from fedlora.llm.tasks import TASK_FOLDERS, resolve_data_dir, task_available, task_path
 
     data = cfg.data
     allowed = ", ".join(TASK_FOLDERS)

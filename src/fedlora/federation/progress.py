@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
 from fedlora.federation.runfiles import write_plan
 

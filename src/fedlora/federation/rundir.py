@@ -15,8 +15,7 @@ completes or leaves the directory as it was:
 - `resume_config` is the saved config with only what the user gives on top; keys the
   checkpoints depend on cannot change (`FIXED_ON_RESUME`).
 
-What is written inside it lives next door, re-exported here (the engine and the Flower
-ServerApp import it from this module): atomic writes and metrics.jsonl in
+What is written inside it lives next door: atomic writes and metrics.jsonl in
 `fedlora.federation.runfiles`, checkpoints in `fedlora.federation.checkpoints`.
 """
 
@@ -30,30 +29,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import (
-    SECTIONS,
-    ExperimentConfig,
-    apply_overrides,
-    config_from_dict,
-    diff_configs,
-    dump_toml,
-    read_toml,
-)
+from fedlora.config.experiment import SECTIONS, ExperimentConfig, config_from_dict, diff_configs
+from fedlora.config.toml_io import apply_overrides, dump_toml, read_toml
 from fedlora.errors import ConfigError, DataError
-from fedlora.federation.checkpoints import (
-    CHECKPOINT_FORMAT,
-    checkpoint_paths,
-    load_checkpoint,
-    save_checkpoint,
-)
-from fedlora.federation.runfiles import (
-    append_metrics,
-    atomic_write,
-    os_error_message,
-    read_metrics_lines,
-    restore_metrics,
-    truncate_metrics,
-)
+from fedlora.federation.runfiles import atomic_write
 from fedlora.federation.runmarker import (
     MANIFEST,
     MARKER_NAME,
@@ -64,33 +43,22 @@ from fedlora.federation.runmarker import (
     write_marker,
 )
 
-__all__ = [  # what the run directory's users import from here, the moved names included
-    "CHECKPOINT_FORMAT",
+__all__ = [
     "FIXED_EXCEPTIONS",
     "FIXED_ON_RESUME",
     "LEGACY_DEFAULTS",
     "LOCK_NAME",
-    "MARKER_NAME",
-    "append_metrics",
-    "atomic_write",
     "check_run_dir",
-    "checkpoint_paths",
     "config_changes",
-    "load_checkpoint",
     "load_run_config",
     "load_saved_config",
     "make_run_dir",
     "never_started",
-    "os_error_message",
     "prepare_run_dir",
-    "read_metrics_lines",
-    "restore_metrics",
     "resume_config",
     "resume_given",
     "run_dir_for",
     "run_dir_lock",
-    "save_checkpoint",
-    "truncate_metrics",
     "write_run_dir",
 ]
 

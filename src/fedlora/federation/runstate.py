@@ -10,26 +10,24 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
 from fedlora.federation.clientmemory import ClientMemory
-from fedlora.federation.methods import Method, Plan, make_method
+from fedlora.federation.methods import make_method
+from fedlora.federation.methods.base import Method
+from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.profiles import build_profiles
 from fedlora.federation.progress import Progress
+from fedlora.federation.trainable import Trainable
 from fedlora.llm.device import Resolution
 from fedlora.system.network import ClientProfiles
 from fedlora.system.seeding import derive_rng, derive_seed
 
 
 @dataclass
-class Run:
-    """Everything a run holds in memory between rounds."""
+class Run(Trainable):
+    """Everything a run holds in memory between rounds: what it trains (`Trainable`: cfg,
+    model, tokenizer, lora, fed) and the rest."""
 
-    cfg: ExperimentConfig
     run_dir: Path
-    model: Any
-    tokenizer: Any
-    lora: Any
-    fed: Any
     profiles: ClientProfiles
     method: Method
     shapes: dict[str, tuple[int, int]]
@@ -41,7 +39,7 @@ class Run:
 
 def load_trainable(
     runtime: Resolution, *, slots: int, progress: bool = True, log=None
-) -> tuple[ExperimentConfig, Any, Any, Any, Any]:
+) -> Trainable:
     """What the engine and a Flower node build alike, from a config whose device and dtype
     were resolved (`fedlora.llm.device.resolve_runtime`, once, by the caller): the config
     (evaluation.format made concrete), the model and tokenizer, LoRA with `slots` client
@@ -82,14 +80,15 @@ def load_trainable(
                 f"training examples (llm-adapters format): {fed.train.cut} of {len(fed.train)} "
                 f"prompts cut from the left to data.max_seq_len = {cfg.data.max_seq_len} tokens"
             )
-    return cfg, model, tokenizer, lora, fed
+    return Trainable(cfg, model, tokenizer, lora, fed)
 
 
 def build_run(runtime: Resolution, run_dir: Path, log=print, plan: Plan | None = None) -> Run:
     """Model, LoRA slots, federated data, client profiles and the method of one run, on the
     device and in the dtype `runtime` resolved."""
     slots = runtime.cfg.training.slots
-    cfg, model, tokenizer, lora, fed = load_trainable(runtime, slots=slots, log=log)
+    t = load_trainable(runtime, slots=slots, log=log)
+    cfg, model, tokenizer, lora, fed = t.cfg, t.model, t.tokenizer, t.lora, t.fed
     shapes = lora.layer_shapes()
     full_bits = cfg.lora.rank * sum(o + i for o, i in shapes.values()) * cfg.network.bits_per_param
     profiles = build_profiles(cfg, full_bits)
@@ -104,7 +103,7 @@ def build_run(runtime: Resolution, run_dir: Path, log=print, plan: Plan | None =
     initial = method.initial_state(start)  # e.g. Fed-SB's frozen factors and R
     if initial is not start:
         lora.load_global(to_torch(initial))
-    run = Run(cfg, run_dir, model, tokenizer, lora, fed, profiles, method, shapes)
+    run = Run(cfg, model, tokenizer, lora, fed, run_dir, profiles, method, shapes)
     run.memory = ClientMemory(method.is_local, initial)
     run.device = cfg.model.device
     run.slots_per_pass = device_slots_per_pass(run, log)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.federation.progress import Progress
-from fedlora.federation.rundir import atomic_write
+from fedlora.federation.runfiles import atomic_write
 from fedlora.federation.runstate import Run
 
 

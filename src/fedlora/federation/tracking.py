@@ -28,7 +28,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import ExperimentConfig, dump_toml
+from fedlora.config.experiment import ExperimentConfig
+from fedlora.config.toml_io import dump_toml
 from fedlora.errors import ConfigError
 
 MLFLOW_RUN_FILE = "mlflow_run.json"

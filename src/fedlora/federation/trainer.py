@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import FedloraError
-from fedlora.federation.methods import RoundPlan
+from fedlora.federation.methods.base import RoundPlan
 from fedlora.federation.runstate import Run, to_numpy
+from fedlora.federation.trainable import Trainable
 from fedlora.system.seeding import derive_rng, derive_seed
 
 
@@ -109,7 +110,7 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
 
 
 def train_clients(
-    holder: Any,
+    holder: Trainable,
     round_index: int,
     clients: list[int],
     scales: np.ndarray,
@@ -120,8 +121,8 @@ def train_clients(
     overlays: list[dict[str, np.ndarray]] | None = None,
 ) -> Any:
     """H local steps of `clients` on slots 0..c-1 (each starts from the global adapter);
-    returns their losses (c, H). `holder`: a `Run`, or a Flower node's state (the same
-    cfg, model, tokenizer, lora and fed). The draws: batches from
+    returns their losses (c, H). `holder`: what trains, the in-process `Run` or a Flower
+    node's state (`Trainable`: cfg, model, tokenizer, lora, fed). The draws: batches from
     ``derive_rng(seed, "data", r, client)``, torch seeded by ``derive_seed(seed, "torch", r,
     torch_id)`` (torch_id: the first client's position in the round's plan). `trains`: the
     factors that move (`SlotLora.set_trainable`); `overlays[i]`: slot i's own tensors (a
@@ -129,7 +130,8 @@ def train_clients(
     import torch
 
     from fedlora.llm.data import client_batches
-    from fedlora.llm.train import local_train, step_sizes_for
+    from fedlora.llm.step_sizes import step_sizes_for
+    from fedlora.llm.train import local_train
 
     cfg, seed = holder.cfg, holder.cfg.training.seed
     scales = np.asarray(scales, dtype=np.float32)  # (c, γ)

@@ -25,20 +25,18 @@ import numpy as np
 from fedlora.errors import DataError
 from fedlora.llm.prompts import TokenizedSet, collate, tokenize_examples
 from fedlora.llm.tasks import (
-    TASK_FOLDERS,  # noqa: F401 (re-exported: federation/preflight.py imports it from here)
     Example,
     check_task,
     load_task,
     load_task_file,
     resolve_data_dir,
     task_available,
-    task_path,  # noqa: F401 (re-exported: federation/preflight.py imports it from here)
 )
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from fedlora.config import DataConfig
+    from fedlora.config.sections import DataConfig
 
 # ----------------------------------------------------------------------------- mixes
 

@@ -28,15 +28,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import DEVICE_FORMS, check_device_spec
+from fedlora.config.checks import check_device_spec
 from fedlora.errors import bad_value
 
 __all__ = [
-    "DEVICE_FORMS",
     "BF16_CPU_FLAGS",
     "BF16_MIN_SPEEDUP",
     "Resolution",
-    "check_device_spec",
     "available_devices",
     "resolve_device",
     "cpu_flags",

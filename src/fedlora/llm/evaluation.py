@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import SCORINGS
+from fedlora.config.sections import SCORINGS
 from fedlora.errors import DataError
 from fedlora.llm.harness import (
     HarnessRequest,

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedlora.config import LoraConfig
 from fedlora.config.checks import check_fits_in_memory
+from fedlora.config.sections import LoraConfig
 from fedlora.errors import ConfigError, bad_value
 from fedlora.llm.device import autocast_state
 from fedlora.llm.lora_targets import find_targets

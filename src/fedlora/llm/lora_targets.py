@@ -7,7 +7,7 @@ import re
 
 from torch import nn
 
-from fedlora.config import LoraConfig
+from fedlora.config.sections import LoraConfig
 from fedlora.errors import bad_value
 
 __all__ = ["find_targets", "layer_index"]

@@ -39,7 +39,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "TINY_MODELS",
     "SMOLLM2_SPEC",
-    "default_cache_dir",
     "load_model",
     "tiny_config",
     "build_tiny_tokenizer",

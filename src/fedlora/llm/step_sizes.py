@@ -26,7 +26,7 @@ def client_step_sizes(lr: float, scales: np.ndarray, sketch_step: str = "paper")
     "paper": η for everyone (Eq. 4). "scaled": η·s_n^(-3/2) with s_n = max(scale_n), the
     sketch's γ/k_n (so η·(k_n/γ)^(3/2)); a full adapter or a rank truncation (s_n = 1) keeps η.
     """
-    from fedlora.config import SKETCH_STEPS
+    from fedlora.config.sections import SKETCH_STEPS
 
     if sketch_step not in SKETCH_STEPS:
         raise bad_value("training.sketch_step", sketch_step, ", ".join(SKETCH_STEPS))

@@ -34,7 +34,7 @@ from fedlora.llm.layer_cache import (
 )
 from fedlora.llm.lora import SlotLora
 from fedlora.llm.prompts import IGNORE_INDEX
-from fedlora.llm.step_sizes import check_step_sizes, step_sizes_for
+from fedlora.llm.step_sizes import check_step_sizes
 
 __all__ = [
     "TrainingError",
@@ -42,10 +42,6 @@ __all__ = [
     "local_train",
     "collate_clients",
     "target_token_loss",
-    # moved with issue 11; re-exported for federation/engine.py, flower/node.py (step_sizes_for)
-    # and bench/layer_cache.py (LayerCache)
-    "LayerCache",
-    "step_sizes_for",
 ]
 
 

@@ -22,7 +22,7 @@ Targets by a rule from a pilot seed (issue 14) instead of `targets`:
     target_rule = {budget_fraction = 0.6, floor_se = 4, text = "the level ..."}
 
 `fedlora compare --pilot` runs every baseline label with the pilot seed in DIR/pilot/, applies the
-rule (`fedlora.studies.powered.rule_targets`) and writes DIR/targets.toml (targets, target_losses and
+rule (`fedlora.studies.target_rule.rule_targets`) and writes DIR/targets.toml (targets, target_losses and
 the numbers behind them); the main runs then read their targets from it.
 
 Its directory holds one run directory per (label, seed), `<label>-seed<s>/`, and suite.toml
@@ -40,15 +40,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import (
-    ExperimentConfig,
-    config_from_dict,
-    parse_override,
-    read_toml,
-)
+from fedlora.config.experiment import ExperimentConfig, config_from_dict
+from fedlora.config.toml_io import parse_override, read_toml
 from fedlora.errors import ConfigError, FedloraError, bad_value
-from fedlora.federation.methods import check_method_config
-from fedlora.studies.report import SUITE_FILE, collect_runs
+from fedlora.federation.methods.registry import check_method_config
+from fedlora.studies.runs import SUITE_FILE, collect_runs
 from fedlora.studies.suite_report import report_suite
 from fedlora.studies.suites import SUITES, TITLES
 
@@ -136,7 +132,7 @@ def load_suite(
             raise bad_value(f"suite.target_losses.{task}", value, "an eval_loss > 0")
     rule = None
     if "target_rule" in suite:
-        from fedlora.studies.powered import check_rule
+        from fedlora.studies.target_rule import check_rule
 
         rule = check_rule(suite["target_rule"])
     margin = suite.get("similar_margin", 0.02)
@@ -236,7 +232,7 @@ def pilot_targets(spec: SuiteSpec, out: Path, *, quiet: bool = True, log=None) -
     """Run every baseline label (not `proposed*`: the rule reads only baselines) with
     suite.pilot_seed in out/pilot/ (resumable), apply suite.target_rule and write
     out/targets.toml; returns its path."""
-    from fedlora.studies.powered import rule_targets, targets_toml
+    from fedlora.studies.target_rule import rule_targets, targets_toml
 
     if spec.rule is None or spec.pilot_seed is None:
         raise ConfigError(

@@ -10,9 +10,6 @@ spends `training.time_budget_s`). Paired difference proposed − baseline per se
 t interval and the two-sided paired t test's p value; and McNemar's exact test on the
 questions, pooled over seeds (the discordant counts summed over the seeds' run pairs,
 `fedlora.studies.predictions.pooled_mcnemar`).
-
-`SIMILAR_MARGIN`, `check_rule`, `rule_targets`, `targets_toml` and `plot_bands` are imported
-from here by `studies.experiments`.
 """
 
 from __future__ import annotations
@@ -30,19 +27,12 @@ from fedlora.studies.claims import (
     reference_group,
     times_to,
 )
-from fedlora.studies.plots import plot_bands
 from fedlora.studies.predictions import pooled_mcnemar
 from fedlora.studies.runs import RunRecord, final_value
 from fedlora.studies.seeds import paired_ratio, summarize
-from fedlora.studies.target_rule import check_rule, rule_targets, targets_toml
 
 __all__ = [
-    "SIMILAR_MARGIN",
-    "check_rule",
-    "plot_bands",
     "render",
-    "rule_targets",
-    "targets_toml",
 ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import LoraConfig, NetworkConfig
+from fedlora.config.sections import LoraConfig, NetworkConfig
 from fedlora.errors import ConfigError, bad_value
 from fedlora.federation.runfiles import CLIENTS_FILE, METRICS_FILE, read_clients, read_metrics
 from fedlora.studies.runs import RunRecord, read_toml

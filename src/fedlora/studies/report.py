@@ -17,8 +17,7 @@ from pathlib import Path
 
 from fedlora.errors import ConfigError, DataError, bad_value
 from fedlora.studies.plots import plot_losses, plot_runs
-from fedlora.studies.reclock import reclock
-from fedlora.studies.runs import REFERENCE, SUITE_FILE, RunRecord, collect_runs
+from fedlora.studies.runs import REFERENCE, RunRecord
 from fedlora.studies.tables import (
     baseline_section,
     format_accuracy,
@@ -29,7 +28,7 @@ from fedlora.studies.tables import (
     summarize,
 )
 
-__all__ = ["SUITE_FILE", "collect_runs", "reclock", "render_markdown", "write_report"]
+__all__ = ["render_markdown", "write_report"]
 
 
 def render_markdown(

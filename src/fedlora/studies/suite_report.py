@@ -13,7 +13,9 @@ from typing import Any
 from fedlora.errors import ConfigError, bad_value
 from fedlora.studies.figures import plot_paired
 from fedlora.studies.html import write_html
-from fedlora.studies.report import collect_runs, reclock, write_report
+from fedlora.studies.reclock import reclock
+from fedlora.studies.report import write_report
+from fedlora.studies.runs import collect_runs
 
 
 def report_suite(
@@ -32,7 +34,7 @@ def report_suite(
     suite directories (metrics files only). `reference`: the label the paired-difference
     plots subtract (default FSLoRA's; `fedlora.studies.figures.pick_reference`).
 
-    `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.studies.report.reclock`).
+    `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.studies.reclock.reclock`).
     """
     runs, suite = collect_runs(paths)
     _check_reference(runs, reference)
@@ -107,6 +109,8 @@ def _append_powered(
     with the suite's pilot runs, the eval_loss targets also as decreases from round 0
     (`fedlora.studies.target_rule.loss_drops`)."""
     from fedlora.studies import powered
+    from fedlora.studies.claims import SIMILAR_MARGIN
+    from fedlora.studies.plots import plot_bands
     from fedlora.studies.target_rule import loss_drops
 
     runs = [r for r in runs if r.lines]
@@ -119,13 +123,13 @@ def _append_powered(
         target_drops=drops,
         suite=str(suite.get("suite", "")),
         order=suite.get("labels"),
-        margin=float(suite.get("similar_margin", powered.SIMILAR_MARGIN)),
+        margin=float(suite.get("similar_margin", SIMILAR_MARGIN)),
         rule=str(suite.get("target_rule", "")),
     )
     images = []
     for metric, name in (("accuracy", "accuracy_bands.png"), ("loss", "eval_loss_bands.png")):
-        drawn = powered.plot_bands(runs, targets, metric, path.parent / name, title=title,
-                                   order=suite.get("labels"), target_losses=losses)  # fmt: skip
+        drawn = plot_bands(runs, targets, metric, path.parent / name, title=title,
+                           order=suite.get("labels"), target_losses=losses)  # fmt: skip
         if drawn is not None:
             images.append(f"![{metric} over seeds against simulated time]({name})")
     for metric, name in (("accuracy", "accuracy_paired.png"), ("loss", "eval_loss_paired.png")):

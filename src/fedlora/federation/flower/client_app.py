@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig, dump_toml
+from fedlora.config.experiment import ExperimentConfig
+from fedlora.config.toml_io import dump_toml
 from fedlora.errors import ConfigError
 from fedlora.federation.flower import node
 from fedlora.federation.flower.common import adapter_to_record, apply_safe_env, record_to_adapter

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig, load_config
+from fedlora.config.experiment import ExperimentConfig
+from fedlora.config.toml_io import load_config
 from fedlora.errors import ConfigError, bad_value
 
 SAFE_ENV = {
@@ -128,7 +129,7 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
     `fedsalora` (its evaluation view needs every client's B) and `proposed` without a plan
     file (the calibration runs of Algorithm 2 are engine runs). FedEx-LoRA's base merges
     travel to the nodes with every train message (the ``base`` ArrayRecord)."""
-    from fedlora.federation.methods import check_method_config
+    from fedlora.federation.methods.registry import check_method_config
 
     check_method_config(cfg)
     m = cfg.method

@@ -24,6 +24,8 @@ from fedlora.errors import bad_value
 from fedlora.federation.flower.common import safe_env
 from fedlora.federation.flower.worker import LOOPBACK, check_loopback, wait_ready
 
+WORKER_MODULE = "fedlora.federation.flower.worker_main"  # python -m WORKER_MODULE --port P
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
@@ -103,6 +105,12 @@ def watchdog(argv: Sequence[str] | None = None, poll_s: float = 0.2) -> None:
     _signal_pids(tree, signal.SIGKILL)
 
 
+def worker_argv(port: int, data_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """The command line of one node worker: its own module, not the `fedlora` CLI."""
+    args = [sys.executable, "-m", WORKER_MODULE, "--port", str(port)]
+    return args + (["--data-dir", str(data_dir)] if data_dir else [])
+
+
 def _bin(name: str) -> str:
     """A console script of the running interpreter's environment."""
     path = Path(sys.executable).parent / name
@@ -112,7 +120,7 @@ def _bin(name: str) -> str:
 class LocalDeployment:
     """A SuperLink and one SuperNode per partition, all on 127.0.0.1, started with Popen;
     with `workers` (default), one persistent fedlora worker per SuperNode
-    (`fedlora flower worker`, node_config ``worker-address``) that keeps the model and the
+    (`WORKER_MODULE`, node_config ``worker-address``) that keeps the model and the
     tokenized partition loaded across rounds.
 
     Everything is stopped by PID only: `stop()` (or leaving the `with` block) sends SIGTERM to
@@ -201,11 +209,8 @@ class LocalDeployment:
     def _start_workers(self) -> None:
         for i in range(self.n_nodes if self.use_workers else 0):
             address = f"{LOOPBACK}:{free_port()}"
-            args = [sys.executable, "-m", "fedlora.cli", "flower", "worker"]
-            args += ["--port", address.rpartition(":")[2]]
-            data_dir = self.node_config[i].get("data-dir")
-            if data_dir:
-                args += ["--data-dir", str(data_dir)]
+            port = int(address.rpartition(":")[2])
+            args = worker_argv(port, self.node_config[i].get("data-dir"))
             self.workers.append(self._popen(args, f"worker-{i}.log"))
             self.worker_addresses.append(address)
 

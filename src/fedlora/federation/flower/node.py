@@ -11,27 +11,15 @@ load on the first `client_state` call (through `fedlora.federation.runstate` and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tomllib
 
-from fedlora.config import ExperimentConfig, config_from_dict
+from fedlora.config.experiment import ExperimentConfig, config_from_dict
+from fedlora.federation.trainable import Trainable
 
-
-@dataclass
-class ClientState:
-    """What a node keeps between messages: model, one-slot LoRA, data."""
-
-    cfg: ExperimentConfig
-    model: Any
-    tokenizer: Any
-    lora: Any
-    fed: Any
-
-
-_CACHE: dict[str, ClientState] = {}
+_CACHE: dict[str, Trainable] = {}  # what a node keeps between messages (one experiment)
 BASE_PREFIX = "base/"  # arrays named so are the server's sum of merges into the frozen base
 
 
@@ -58,9 +46,9 @@ def config_from_toml(
     return config_from_dict(raw, source=source)
 
 
-def client_state(cfg: ExperimentConfig) -> ClientState:
+def client_state(cfg: ExperimentConfig) -> Trainable:
     """Build (or reuse) this process's model, one-slot LoRA and federated data (as the
-    engine's `build_run` does, with one slot)."""
+    engine's `build_run` does, with one slot): the same `Trainable` as the engine's `Run`."""
     key = _cache_key(cfg)
     if key not in _CACHE:
         from fedlora.federation.runstate import load_trainable
@@ -68,21 +56,18 @@ def client_state(cfg: ExperimentConfig) -> ClientState:
 
         _CACHE.clear()  # one experiment per process: free the previous model first
         # this node's device and dtype (auto made concrete)
-        cfg, model, tokenizer, lora, fed = load_trainable(
-            resolve_runtime(cfg), slots=1, progress=False
-        )
-        _CACHE[key] = ClientState(cfg, model, tokenizer, lora, fed)
+        _CACHE[key] = load_trainable(resolve_runtime(cfg), slots=1, progress=False)
     return _CACHE[key]
 
 
-def n_examples(state: ClientState, partition_id: int) -> int:
+def n_examples(state: Trainable, partition_id: int) -> int:
     """|D_n| of partition `partition_id` (0 for a partition the data has no room for)."""
     indices = state.fed.client_indices
     return len(indices[partition_id]) if partition_id < len(indices) else 0
 
 
 def train_one(
-    state: ClientState, global_adapter: Mapping[str, np.ndarray], task: Mapping[str, Any]
+    state: Trainable, global_adapter: Mapping[str, np.ndarray], task: Mapping[str, Any]
 ) -> tuple[dict[str, np.ndarray], float]:
     """Local training of one participant on slot 0; returns (adapter, mean loss over H).
     Arrays named ``base/<layer>`` set the frozen base to its initial value plus them

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError, DataError
 from fedlora.federation.engine import run_rounds
 from fedlora.federation.flower.common import (
@@ -45,14 +45,14 @@ from fedlora.federation.flower.common import (
     record_to_adapter,
 )
 from fedlora.federation.flower.measured import NODE_TIMES, append_node_times, measured_row
-from fedlora.federation.methods import RoundPlan
+from fedlora.federation.methods.base import RoundPlan
 from fedlora.federation.rundir import (
-    atomic_write,
     load_run_config,
     prepare_run_dir,
     run_dir_for,
     run_dir_lock,
 )
+from fedlora.federation.runfiles import atomic_write
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import Trained, Trainer, TrainingDiverged
 from fedlora.llm.device import resolve_runtime
@@ -98,7 +98,7 @@ def exchange(
 
 
 def _fedlora_record(cfg: ExperimentConfig) -> ConfigRecord:
-    from fedlora.config import dump_toml
+    from fedlora.config.toml_io import dump_toml
 
     return ConfigRecord({"config-toml": dump_toml(cfg)})
 

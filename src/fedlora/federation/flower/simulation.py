@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError, bad_value
 from fedlora.federation.flower.common import SAFE_ENV, FlowerOptions
 from fedlora.federation.flower.worker import LOOPBACK

@@ -12,41 +12,11 @@ import pkgutil
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
-from fedlora.federation.methods.base import (
-    Aggregation,
-    ClientTask,
-    Method,
-    MethodContext,
-    Payload,
-    RoundPlan,
-)
+from fedlora.config.experiment import ExperimentConfig
+from fedlora.federation.methods.base import Method, MethodContext
 from fedlora.federation.methods.proposed import Plan
-from fedlora.federation.methods.registry import (
-    ENTRY_POINT_GROUP,
-    check_method_config,
-    method_class,
-    method_names,
-    register_method,
-)
+from fedlora.federation.methods.registry import check_method_config
 from fedlora.federation.methods.server_opt import ServerOptimizer
-
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "Aggregation",
-    "ClientTask",
-    "Method",
-    "MethodContext",
-    "Payload",
-    "Plan",
-    "RoundPlan",
-    "ServerOptimizer",
-    "check_method_config",
-    "make_method",
-    "method_class",
-    "method_names",
-    "register_method",
-]
 
 for _module in pkgutil.iter_modules(__path__):  # a method is one file: its decorator runs
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.methods.ranks import resolve_ranks
 
 Adapter = dict[str, np.ndarray]

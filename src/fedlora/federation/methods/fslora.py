@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig, check_choice
+from fedlora.config.checks import check_choice
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.methods.base import (
     Adapter,
     Aggregation,

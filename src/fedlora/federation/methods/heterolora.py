@@ -42,7 +42,7 @@ import math
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import bad_value
 from fedlora.federation.methods.base import (
     Adapter,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedlora.config import MethodConfig
+from fedlora.config.sections import MethodConfig
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import MethodContext
 from fedlora.federation.methods.registry import register_method

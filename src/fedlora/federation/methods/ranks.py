@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedlora.config import RANK_STRATEGIES, REFERENCE_RANK_STRATEGIES
+from fedlora.config.sections import RANK_STRATEGIES, REFERENCE_RANK_STRATEGIES
 from fedlora.errors import ConfigError, bad_value
 from fedlora.federation.methods.strategies import resolve_k
 

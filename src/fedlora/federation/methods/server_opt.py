@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedlora.config import SERVER_OPTIMIZERS, MethodConfig
+from fedlora.config.sections import SERVER_OPTIMIZERS, MethodConfig
 
 Arrays = dict[str, np.ndarray]
 
