@@ -44,7 +44,7 @@ KNOWN_CYCLES: set[tuple[str, ...]] = set()
 # planner as pl; pl.plan(...)`): (importer, face). Issue 23: import from the defining modules.
 KNOWN_FACE_NAMESPACES: set[tuple[str, str]] = {
     ("fedlora.federation.replan", "fedlora.system.planner"),
-    ("fedlora.studies.planning", "fedlora.system.planner"),
+    ("fedlora.federation.calibration_plan", "fedlora.system.planner"),
 }
 # Imports of another module's private name: (importer, module, name); none since issue 11.
 KNOWN_PRIVATE: set[tuple[str, str, str]] = set()

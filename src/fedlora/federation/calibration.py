@@ -51,7 +51,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fedlora.config import ExperimentConfig, dump_toml
+from fedlora.config.experiment import ExperimentConfig
+from fedlora.config.toml_io import dump_toml
 from fedlora.errors import ConfigError
 from fedlora.federation.calibration_plan import client_arrays, plan_from_calibration
 from fedlora.federation.methods.proposed import Plan, plan_file

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedlora.config import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import DataError
 from fedlora.federation.calibration import plan_outcome, prepare_proposed
 from fedlora.federation.checkpoints import checkpoint_paths
