@@ -264,3 +264,33 @@ def test_derived_streams_are_independent_and_reproducible():
     b = derive_rng(0, "sampling", 3).random(4)
     c = derive_rng(0, "sketch", 3).random(4)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_q_and_k_are_checked_once_at_construction_never_per_round(monkeypatch):
+    """The walk of method.q goes one way: checked where the method is built
+    (`strategies.resolve_q` / `resolve_k`), trusted by `plan_round` every round."""
+    import fedlora.federation.methods.strategies as strategies
+    import fedlora.system.sketch as sketch
+
+    calls = {"q": 0, "k": 0}
+
+    def counting(name, real):
+        def check(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return check
+
+    for mod in (strategies, sketch):
+        monkeypatch.setattr(mod, "check_q", counting("q", sketch.check_q))
+        monkeypatch.setattr(mod, "check_k", counting("k", sketch.check_k))
+    cfg = load_config(
+        None, ["data.n_clients=3", "lora.rank=4", "method.q=[0.5, 1.0, 0.25]", "method.k=[1, 4, 2]"]
+    )
+    method = make_method(cfg, np.full(3, 1 / 3), np.random.default_rng(0))
+    assert calls == {"q": 1, "k": 1}
+    tasks = 0
+    for r in range(20):
+        plan = method.plan_round(r, derive_rng(0, "sampling", r), derive_rng(0, "sketch", r))
+        tasks += len(plan.tasks)
+    assert tasks > 0 and calls == {"q": 1, "k": 1}
