@@ -47,12 +47,18 @@ class Sketched(Method):
         """`q`, `k`: (N,) checked vectors (`resolve_q` / `resolve_k`, or `check_q` /
         `check_k` of `fedlora.system.sketch`); asserted, not re-checked."""
         self.a = np.asarray(a, dtype=float)
+        self.gamma = gamma
+        self.set_sampling(q, k)
+
+    def set_sampling(self, q: np.ndarray, k: np.ndarray) -> None:
+        """The (N,) q and k the next rounds use: at construction, and between rounds when
+        `fedlora.federation.replan` puts a probe's or a new plan's setting in force (values
+        from the planner, already checked: asserted here)."""
         self.q = np.asarray(q, dtype=float)
         self.k = np.asarray(k, dtype=np.int64)
-        self.gamma = gamma
         assert self.q.shape == self.k.shape == self.a.shape, "one q_n, k_n per client"
         assert np.all((self.q > 0) & (self.q <= 1)), f"unchecked q: {self.q}"
-        assert np.all((self.k >= 1) & (self.k <= gamma)), f"unchecked k: {self.k}"
+        assert np.all((self.k >= 1) & (self.k <= self.gamma)), f"unchecked k: {self.k}"
 
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
