@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.clock import round_cost
 from fedlora.federation.methods import make_method
 from fedlora.federation.profiles import build_profiles
@@ -35,6 +36,11 @@ METHODS = {  # label -> overrides of the suite's config
     "fedstacklora": ("method.name=fedstacklora",),
     "sketched (q = 0.2, k uniform)": ("method.name=sketched", "method.q=fixed", "method.k=uniform"),
 }
+
+
+def _cost_fields(cfg: ExperimentConfig) -> dict:
+    """`round_cost`'s config fields (it takes the fields, not the whole config)."""
+    return {"net": cfg.network, "gamma": cfg.lora.rank, "seed": cfg.training.seed}
 
 
 def smollm2_shapes(layers: int) -> dict[str, tuple[int, int]]:
@@ -78,8 +84,8 @@ def main() -> None:
         rows = []
         for r in range(args.rounds):
             plan = method.plan_round(r, derive_rng(0, "sampling", r), derive_rng(0, "sketch", r))
-            paid = round_cost(cfg, profiles, plan, method, shapes, r)
-            unpaid = round_cost(free, profiles, plan, method, shapes, r)
+            paid = round_cost(profiles, plan, method, shapes, r, **_cost_fields(cfg))
+            unpaid = round_cost(profiles, plan, method, shapes, r, **_cost_fields(free))
             rank = sum(t.rank_used for t in plan.tasks)
             rows.append((len(plan.tasks), rank, paid.uplink_bits / 1e6, paid.downlink_bits / 1e6,
                          paid.downlink_s, paid.round_time_s, unpaid.round_time_s))  # fmt: skip

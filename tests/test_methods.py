@@ -206,6 +206,11 @@ def test_payload_params_formula():
     assert sketch_payload_params(3, SHAPES) == 24
 
 
+def _cost_fields(cfg):
+    """`round_cost`'s config fields (it takes the fields, not the whole config)."""
+    return {"net": cfg.network, "gamma": cfg.lora.rank, "seed": cfg.training.seed}
+
+
 @pytest.mark.parametrize("comm_cost", ["exact", "linear", "quadratic"])
 def test_round_cost_matches_hand_computation(comm_cost):
     # Prepare: γ = 4, two participants with k = 1 and 4; comp_cost linear
@@ -224,7 +229,7 @@ def test_round_cost_matches_hand_computation(comm_cost):
     plan = method.plan_round(0, np.random.default_rng(0), np.random.default_rng(0))
     profiles = _profiles([2.0, 4.0], [80.0, 40.0])
     # Execute
-    cost = round_cost(cfg, profiles, plan, method, SHAPES, 0)
+    cost = round_cost(profiles, plan, method, SHAPES, 0, **_cost_fields(cfg))
     # Assert: full adapter = 4 · 8 params · 16 bits = 512 bits; client 0 sends 1/4 of it
     assert cost.uplink_bits == (8 + 32) * 16
     ratio0 = {"exact": 0.25, "linear": 0.25, "quadratic": 1 / 16}[comm_cost]
@@ -238,7 +243,9 @@ def test_round_cost_matches_hand_computation(comm_cost):
 def test_round_cost_empty_round_is_free():
     cfg = load_config(None, ["data.n_clients=2"])
     method = Sketched(a=np.array([0.5, 0.5]), q=np.array([1.0, 1.0]), k=np.array([1, 1]), gamma=16)
-    cost = round_cost(cfg, _profiles([1, 1], [1, 1]), RoundPlan(0, ()), method, SHAPES, 0)
+    cost = round_cost(
+        _profiles([1, 1], [1, 1]), RoundPlan(0, ()), method, SHAPES, 0, **_cost_fields(cfg)
+    )
     assert (cost.round_time_s, cost.uplink_bits, cost.downlink_bits) == (0.0, 0, 0)
 
 
@@ -246,7 +253,7 @@ def test_round_cost_downlink_broadcast_time():
     cfg = load_config(None, ["lora.rank=4", "data.n_clients=1", "network.downlink_rate_bps=64.0"])
     method = Sketched(a=np.array([1.0]), q=np.array([1.0]), k=np.array([4]), gamma=4)
     plan = method.plan_round(0, np.random.default_rng(0), np.random.default_rng(0))
-    with_dl = round_cost(cfg, _profiles([1.0], [0.0]), plan, method, SHAPES, 0)
+    with_dl = round_cost(_profiles([1.0], [0.0]), plan, method, SHAPES, 0, **_cost_fields(cfg))
     # 32 params · 16 bits = 512 bits at 64 bit/s = 8 s, plus τ = 1 s, upload free (t = 0)
     assert with_dl.round_time_s == pytest.approx(9.0)
     assert with_dl.downlink_s == pytest.approx(8.0)  # recorded per round (re-clocking)
@@ -257,3 +264,33 @@ def test_derived_streams_are_independent_and_reproducible():
     b = derive_rng(0, "sampling", 3).random(4)
     c = derive_rng(0, "sketch", 3).random(4)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
+
+
+def test_q_and_k_are_checked_once_at_construction_never_per_round(monkeypatch):
+    """The walk of method.q goes one way: checked where the method is built
+    (`strategies.resolve_q` / `resolve_k`), trusted by `plan_round` every round."""
+    import fedlora.federation.methods.strategies as strategies
+    import fedlora.system.sketch as sketch
+
+    calls = {"q": 0, "k": 0}
+
+    def counting(name, real):
+        def check(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return check
+
+    for mod in (strategies, sketch):
+        monkeypatch.setattr(mod, "check_q", counting("q", sketch.check_q))
+        monkeypatch.setattr(mod, "check_k", counting("k", sketch.check_k))
+    cfg = load_config(
+        None, ["data.n_clients=3", "lora.rank=4", "method.q=[0.5, 1.0, 0.25]", "method.k=[1, 4, 2]"]
+    )
+    method = make_method(cfg, np.full(3, 1 / 3), np.random.default_rng(0))
+    assert calls == {"q": 1, "k": 1}
+    tasks = 0
+    for r in range(20):
+        plan = method.plan_round(r, derive_rng(0, "sampling", r), derive_rng(0, "sketch", r))
+        tasks += len(plan.tasks)
+    assert tasks > 0 and calls == {"q": 1, "k": 1}

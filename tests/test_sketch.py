@@ -19,12 +19,16 @@ from fedlora.system.sketch import (
     algorithm1_literal_aggregate,
     check_k,
     check_q,
+    draw_participants,
+    draw_sketch_scales,
     sample_participants,
     sketch_indices,
     sketch_masks,
     sketch_scale_vectors,
     truncation_scale_vectors,
+    truncation_scales,
     unbiased_aggregate,
+    unbiased_weights,
 )
 
 
@@ -352,3 +356,33 @@ def test_literal_algorithm1_aggregation_is_biased():
             a[n] * (x[name] - clients[n][name]) / q[n] for n in range(a.size)
         )
         assert np.all(np.abs(mean - predicted) < 4 * se)
+
+
+# ----------------------------------------------------------------------------- round kernels
+
+
+def test_round_kernels_equal_their_checked_forms_draw_for_draw():
+    """The kernels the methods call each round (no checks) give what the checked public
+    functions give, from the same generator state."""
+    q, a = check_q([0.3, 1.0, 0.7, 0.05]), np.array([0.1, 0.2, 0.3, 0.4])
+    k = check_k([1, 8, 3, 5], 8)
+    for seed in range(5):
+        np.testing.assert_array_equal(
+            draw_participants(q, rng(seed)), sample_participants(q, rng(seed))
+        )
+        np.testing.assert_array_equal(
+            draw_sketch_scales(8, k, rng(seed)), sketch_scale_vectors(8, k, rng(seed))
+        )
+    part = np.array([0, 2, 3])
+    np.testing.assert_array_equal(unbiased_weights(a, q, part), aggregation_weights(a, q, part))
+    np.testing.assert_array_equal(truncation_scales(8, k), truncation_scale_vectors(8, k))
+
+
+def test_round_kernels_assert_on_unchecked_input():
+    """A bug that hands a kernel an unchecked vector trips an assertion, not a silent draw."""
+    with pytest.raises(AssertionError):
+        draw_participants(np.array([1, 0]), rng())  # integers: never through check_q
+    with pytest.raises(AssertionError, match="outside"):
+        draw_sketch_scales(4, np.array([0, 2]), rng())
+    with pytest.raises(AssertionError):
+        truncation_scales(4, np.array([5]))

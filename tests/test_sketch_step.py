@@ -63,9 +63,9 @@ def test_step_sizes_hand_computed():
         client_step_sizes(0.2, scales, "scaled"), [0.003125, 0.025, 0.2, 0.2], rtol=1e-12
     )
     # the config path: "paper" hands local_train the scalar η (the unchanged plain-SGD path)
-    assert step_sizes_for(TrainingConfig(lr=0.2, sketch_step="paper"), scales) == 0.2
+    assert step_sizes_for(0.2, "paper", scales) == 0.2
     np.testing.assert_allclose(
-        step_sizes_for(TrainingConfig(lr=0.2, sketch_step="scaled"), scales),
+        step_sizes_for(0.2, "scaled", scales),
         [0.003125, 0.025, 0.2, 0.2],
     )
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedlora.config.experiment import ExperimentConfig
-from fedlora.federation.methods.base import Method, RoundPlan
+from fedlora.config.sections import NetworkConfig
+from fedlora.federation.methods.base import LayerShapes, Method, RoundPlan
 from fedlora.system.network import ClientProfiles, rayleigh_gains, round_time, spectral_efficiency
 from fedlora.system.seeding import derive_rng
 
@@ -23,12 +23,15 @@ class RoundCost:
 
 
 def round_cost(
-    cfg: ExperimentConfig,
     profiles: ClientProfiles,
     plan: RoundPlan,
     method: Method,
-    shapes: dict[str, tuple[int, int]],
+    shapes: LayerShapes,
     round_index: int,
+    *,
+    net: NetworkConfig,
+    gamma: int,
+    seed: int,
 ) -> RoundCost:
     """Round time from the exact payload of every participant (PAPER_NOTES #4–#6, #15).
 
@@ -36,7 +39,6 @@ def round_cost(
     for comm_cost = exact (scaled by the faded spectral efficiency with Rayleigh fading), or
     t_full · comm_factor(k_n) for the paper's `quadratic` / the `linear` model.
     """
-    net, gamma = cfg.network, cfg.lora.rank
     if not plan.tasks:
         return RoundCost(0.0, 0, 0, [])
     clients = np.array(plan.participants)
@@ -47,7 +49,7 @@ def round_cost(
     full_bits = gamma * sum(o + i for o, i in shapes.values()) * net.bits_per_param
     efficiency = None
     if net.fading == "rayleigh" and profiles.has_channel:
-        gains = rayleigh_gains(profiles.n, derive_rng(cfg.training.seed, "fading", round_index))
+        gains = rayleigh_gains(profiles.n, derive_rng(seed, "fading", round_index))
         gains = np.maximum(gains, net.fading_floor)  # the outage floor (0: none)
         faded = spectral_efficiency(profiles.snr_db, gains)[clients]
         efficiency = (profiles.spectral_efficiency[clients], faded)

@@ -98,8 +98,7 @@ def before_round(run: Any, round_index: int) -> None:
     sched = st["schedule"]
     idx = sched[round_index] if round_index < len(sched) else st["current"]
     setting = st["settings"][idx]
-    run.method.q = np.asarray(setting["q"], dtype=float)
-    run.method.k = np.asarray(setting["k"], dtype=np.int64)
+    run.method.set_sampling(setting["q"], setting["k"])
     st["in_force"] = idx
 
 

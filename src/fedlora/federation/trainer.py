@@ -156,7 +156,7 @@ def train_clients(
         holder.model,
         holder.lora,
         batches,
-        step_sizes_for(cfg.training, scales),
+        step_sizes_for(cfg.training.lr, cfg.training.sketch_step, scales),
         autocast_bf16=cfg.model.dtype == "bf16",
         cache=cache,
         momentum=cfg.training.momentum,

@@ -2,6 +2,14 @@
 
 Pure numpy; every random draw takes an explicit `numpy.random.Generator`.
 
+Validation happens once, at the boundary: `check_q` / `check_k` (called where a config's
+q and k become vectors, `fedlora.federation.methods.strategies`). The round kernels
+(`draw_participants`, `unbiased_weights`, `draw_sketch_scales`, `truncation_scales`) trust
+checked vectors and only assert what a bug could break. `sample_participants`,
+`aggregation_weights`, `sketch_scale_vectors`, `sketch_masks`, `truncation_scale_vectors`
+and `sketch_indices` are the same kernels behind the checks, for callers holding unchecked
+values (a script, a benchmark).
+
 A sketch of size k out of rank γ is a uniformly random index set Γ ⊆ {0..γ-1}, |Γ| = k,
 with scale γ/k, so that S = (γ/k) Σ_{j∈Γ} e_j e_jᵀ has E[S] = I (each index is included
 with probability k/γ).
@@ -24,6 +32,10 @@ __all__ = [
     "truncation_scale_vectors",
     "sample_participants",
     "aggregation_weights",
+    "draw_participants",
+    "unbiased_weights",
+    "draw_sketch_scales",
+    "truncation_scales",
     "unbiased_aggregate",
     "algorithm1_literal_aggregate",
 ]
@@ -70,12 +82,13 @@ def sketch_indices(gamma: int, k: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def sketch_masks(gamma: int, k: Sequence[int] | np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """0/1 masks for many clients at once: (C, γ) with exactly k_c ones in row c.
+    """0/1 masks for many clients at once: (C, γ) with exactly k_c ones in row c (checked k)."""
+    return _masks(gamma, check_k(k, gamma), rng)
 
-    Vectorised: one uniform key per (client, index); the k_c smallest keys of a row form a
-    uniformly random k_c-subset (all orderings of i.i.d. keys are equally likely).
-    """
-    k = check_k(k, gamma)
+
+def _masks(gamma: int, k: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Vectorised: one uniform key per (client, index); the k_c smallest keys of a row form a
+    uniformly random k_c-subset (all orderings of i.i.d. keys are equally likely)."""
     keys = rng.random((k.size, gamma))  # (C, γ)
     ranks = np.argsort(np.argsort(keys, axis=1), axis=1)  # (C, γ): rank of each key in its row
     return (ranks < k[:, None]).astype(np.float64)
@@ -84,35 +97,64 @@ def sketch_masks(gamma: int, k: Sequence[int] | np.ndarray, rng: np.random.Gener
 def sketch_scale_vectors(
     gamma: int, k: Sequence[int] | np.ndarray, rng: np.random.Generator
 ) -> np.ndarray:
-    """The diagonals of S_n (C, γ): γ/k_n on the sketched indices, 0 elsewhere. E = ones."""
-    k = check_k(k, gamma)
-    return sketch_masks(gamma, k, rng) * (gamma / k)[:, None]
+    """`draw_sketch_scales` for an unchecked k (`check_k` first)."""
+    return draw_sketch_scales(gamma, check_k(k, gamma), rng)
+
+
+def draw_sketch_scales(gamma: int, k: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The diagonals of S_n (C, γ): γ/k_n on the sketched indices, 0 elsewhere. E = ones.
+
+    Trusts `k`: a checked (C,) integer vector in 1..γ (`check_k`)."""
+    assert k.ndim == 1 and k.dtype.kind in "iu", f"k must be a checked integer vector: {k!r}"
+    assert k.size == 0 or (k.min() >= 1 and k.max() <= gamma), f"k outside 1..γ: {k}"
+    return _masks(gamma, k, rng) * (gamma / k)[:, None]
 
 
 def truncation_scale_vectors(gamma: int, ranks: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Rank truncation (HeteroLoRA-style) as a scale vector (C, γ): 1 on the first r_n, unscaled."""
-    r = check_k(ranks, gamma, name="rank")
-    return (np.arange(gamma)[None, :] < r[:, None]).astype(np.float64)
+    """`truncation_scales` for unchecked ranks (`check_k` first, name "rank")."""
+    return truncation_scales(gamma, check_k(ranks, gamma, name="rank"))
+
+
+def truncation_scales(gamma: int, ranks: np.ndarray) -> np.ndarray:
+    """Rank truncation (HeteroLoRA-style) as a scale vector (C, γ): 1 on the first r_n, unscaled.
+
+    Trusts `ranks`: a checked (C,) integer vector in 1..γ (`check_k`)."""
+    assert ranks.ndim == 1 and ranks.dtype.kind in "iu", f"ranks unchecked: {ranks!r}"
+    assert ranks.size == 0 or (ranks.min() >= 1 and ranks.max() <= gamma), f"ranks: {ranks}"
+    return (np.arange(gamma)[None, :] < ranks[:, None]).astype(np.float64)
 
 
 def sample_participants(q: Sequence[float] | np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """`draw_participants` for an unchecked q (`check_q` first)."""
+    return draw_participants(check_q(q), rng)
+
+
+def draw_participants(q: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Independent Bernoulli participation 𝕀_n ~ Bernoulli(q_n): sorted participant indices.
 
-    The result can be empty (PAPER_NOTES #13): the caller records a round with no update.
+    Trusts `q`: a checked (N,) float vector in (0, 1] (`check_q`). The result can be empty
+    (PAPER_NOTES #13): the caller records a round with no update.
     """
-    q = check_q(q)
+    assert q.ndim == 1 and q.dtype.kind == "f", f"q must be a checked float vector: {q!r}"
     return np.flatnonzero(rng.random(q.size) < q)
 
 
 def aggregation_weights(
     a: Sequence[float] | np.ndarray, q: Sequence[float] | np.ndarray, participants: np.ndarray
 ) -> np.ndarray:
-    """a_n / q_n for each participant (the unbiased weights of Eq. 6)."""
+    """`unbiased_weights` for unchecked a, q (`check_q`, and one a_n per q_n)."""
     a = np.asarray(a, dtype=float)
     q = check_q(q)
     if a.shape != q.shape:
         raise ConfigError(f"a and q must have one entry per client: got {a.size} and {q.size}")
-    participants = np.asarray(participants, dtype=np.int64)
+    return unbiased_weights(a, q, np.asarray(participants, dtype=np.int64))
+
+
+def unbiased_weights(a: np.ndarray, q: np.ndarray, participants: np.ndarray) -> np.ndarray:
+    """a_n / q_n for each participant (the unbiased weights of Eq. 6).
+
+    Trusts its inputs: (N,) float a and checked q (`check_q`), integer participant indices."""
+    assert a.shape == q.shape, f"one a_n per q_n: {a.shape} vs {q.shape}"
     return a[participants] / q[participants]
 
 

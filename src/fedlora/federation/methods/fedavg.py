@@ -17,7 +17,7 @@ from fedlora.federation.methods.base import (
     RoundPlan,
 )
 from fedlora.federation.methods.registry import register_method
-from fedlora.system.sketch import check_k, truncation_scale_vectors
+from fedlora.system.sketch import check_k, truncation_scales
 
 
 def uniform_subset(n: int, m: int, rng: np.random.Generator) -> np.ndarray:
@@ -41,7 +41,7 @@ def truncated_rank_plan(
     baselines. Each participant's weight is its data weight a_n.
     """
     chosen = uniform_subset(a.size, clients_per_round, rng)
-    scales = truncation_scale_vectors(gamma, ranks[chosen])  # (m, γ)
+    scales = truncation_scales(gamma, ranks[chosen])  # (m, γ)
     tasks = tuple(
         ClientTask(int(n), scales[i], int(ranks[n]), float(a[n])) for i, n in enumerate(chosen)
     )

@@ -24,28 +24,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.federation.methods.base import (
-    Adapter,
-    Aggregation,
-    ClientTask,
-    LayerShapes,
-    Method,
-    MethodContext,
-    Payload,
-    RoundPlan,
-)
+from fedlora.federation.methods.base import Adapter, Aggregation, MethodContext, RoundPlan
 from fedlora.federation.methods.factors import lora_modules, normalized_weights, stack_factors
-from fedlora.federation.methods.partial import (
-    average_parts,
-    factor_params,
-    full_rank_plan,
-)
+from fedlora.federation.methods.partial import PartialMethod, average_parts
 from fedlora.federation.methods.registry import register_method
 
 
 @register_method("fedexlora")
-class FedExLoRA(Method):
+class FedExLoRA(PartialMethod):
     name = "fedexlora"
+    trains = averages = uplink = "AB"
+    downlink = "ABW"  # (B̄, Ā) and the dense residual
     delta_aggregate = False  # its residual is exact only for the plain means B̄, Ā
 
     @classmethod
@@ -60,17 +49,8 @@ class FedExLoRA(Method):
     def __init__(
         self, *, a: np.ndarray, gamma: int, scaling: float, clients_per_round: int = 0
     ) -> None:
-        self.a = np.asarray(a, dtype=float)
-        self.gamma = gamma
+        super().__init__(a=a, gamma=gamma, clients_per_round=clients_per_round)
         self.scaling = float(scaling)
-        self.clients_per_round = clients_per_round
-
-    def plan_round(
-        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
-    ) -> RoundPlan:
-        return full_rank_plan(
-            round_index, self.a, self.gamma, self.clients_per_round, rng_sampling, "AB"
-        )
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
@@ -90,9 +70,3 @@ class FedExLoRA(Method):
             base_delta[mod] = residual.astype(global_state[kb].dtype)
             norms[mod] = float(np.linalg.norm(residual))
         return Aggregation(out, base_delta=base_delta, info={"residual_norm": norms})
-
-    def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
-        return Payload(
-            uplink_params=factor_params("AB", shapes, self.gamma),
-            downlink_params=factor_params("ABW", shapes, self.gamma),
-        )

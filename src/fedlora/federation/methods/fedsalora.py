@@ -23,53 +23,16 @@ Payload per participant: A of every LoRA module, γ·in parameters, up and down.
 
 from __future__ import annotations
 
-import numpy as np
-
-from fedlora.federation.methods.base import (
-    Adapter,
-    Aggregation,
-    ClientTask,
-    LayerShapes,
-    Method,
-    MethodContext,
-    Payload,
-    RoundPlan,
-)
-from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.partial import PartialMethod
 from fedlora.federation.methods.registry import register_method
 
 
 @register_method("fedsalora")
-class FedSALoRA(Method):
+class FedSALoRA(PartialMethod):
     name = "fedsalora"
+    trains = "AB"
+    averages = uplink = downlink = "A"
     delta_aggregate = True  # A ← A + Σ p_n (A_n − A)
-
-    @classmethod
-    def from_config(cls, ctx: MethodContext) -> FedSALoRA:
-        return cls(a=ctx.a, gamma=ctx.gamma, clients_per_round=ctx.cfg.method.clients_per_round)
-
-    def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
-        self.a = np.asarray(a, dtype=float)
-        self.gamma = gamma
-        self.clients_per_round = clients_per_round
 
     def is_local(self, name: str) -> bool:
         return name.endswith(".lora_B")
-
-    def plan_round(
-        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
-    ) -> RoundPlan:
-        return full_rank_plan(
-            round_index, self.a, self.gamma, self.clients_per_round, rng_sampling, "AB"
-        )
-
-    def aggregate(
-        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
-    ) -> Aggregation:
-        if not client_states:
-            return Aggregation(dict(global_state))
-        return Aggregation(average_parts(global_state, plan, client_states, "A"))
-
-    def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
-        params = factor_params("A", shapes, self.gamma)
-        return Payload(uplink_params=params, downlink_params=params)

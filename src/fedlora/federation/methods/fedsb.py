@@ -25,18 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedlora.federation.methods.base import (
-    Adapter,
-    Aggregation,
-    ClientTask,
-    LayerShapes,
-    Method,
-    MethodContext,
-    Payload,
-    RoundPlan,
-)
+from fedlora.federation.methods.base import Adapter, MethodContext
 from fedlora.federation.methods.factors import lora_modules
-from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.partial import PartialMethod
 from fedlora.federation.methods.registry import register_method
 
 INIT_STREAM = 0x5B5B  # keeps the frozen factors' draws apart from the engine's streams
@@ -50,8 +41,9 @@ def orthonormal(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
 
 
 @register_method("fedsb")
-class FedSB(Method):
+class FedSB(PartialMethod):
     name = "fedsb"
+    trains = averages = uplink = downlink = "R"
     delta_aggregate = True  # R ← R + Σ p_n (R_n − R); B R A is linear in R: exact for any step
 
     @classmethod
@@ -66,9 +58,7 @@ class FedSB(Method):
     def __init__(
         self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0, seed: int = 0
     ) -> None:
-        self.a = np.asarray(a, dtype=float)
-        self.gamma = gamma
-        self.clients_per_round = clients_per_round
+        super().__init__(a=a, gamma=gamma, clients_per_round=clients_per_round)
         self.seed = seed
 
     def initial_state(self, global_state: Adapter) -> Adapter:
@@ -82,21 +72,3 @@ class FedSB(Method):
             out[ka] = orthonormal(g, n_in, rng).astype(global_state[ka].dtype)
             out[f"{mod}.lora_R"] = np.zeros((g, g), dtype=global_state[ka].dtype)
         return out
-
-    def plan_round(
-        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
-    ) -> RoundPlan:
-        return full_rank_plan(
-            round_index, self.a, self.gamma, self.clients_per_round, rng_sampling, "R"
-        )
-
-    def aggregate(
-        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
-    ) -> Aggregation:
-        if not client_states:
-            return Aggregation(dict(global_state))
-        return Aggregation(average_parts(global_state, plan, client_states, "R"))
-
-    def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
-        params = factor_params("R", shapes, self.gamma)
-        return Payload(uplink_params=params, downlink_params=params)

@@ -17,52 +17,13 @@ lora.alpha: the paper's larger α for a frozen A is a config choice, not a rule.
 
 from __future__ import annotations
 
-import numpy as np
-
-from fedlora.federation.methods.base import (
-    Adapter,
-    Aggregation,
-    ClientTask,
-    LayerShapes,
-    Method,
-    MethodContext,
-    Payload,
-    RoundPlan,
-)
-from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.partial import PartialMethod
 from fedlora.federation.methods.registry import register_method
 
 
 @register_method("ffalora")
-class FFALoRA(Method):
+class FFALoRA(PartialMethod):
     name = "ffalora"
-    delta_aggregate = (
-        True  # B ← B + Σ p_n (B_n − B): a server optimizer keeps it exact (linear in B)
-    )
-
-    @classmethod
-    def from_config(cls, ctx: MethodContext) -> FFALoRA:
-        return cls(a=ctx.a, gamma=ctx.gamma, clients_per_round=ctx.cfg.method.clients_per_round)
-
-    def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
-        self.a = np.asarray(a, dtype=float)
-        self.gamma = gamma
-        self.clients_per_round = clients_per_round
-
-    def plan_round(
-        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
-    ) -> RoundPlan:
-        return full_rank_plan(
-            round_index, self.a, self.gamma, self.clients_per_round, rng_sampling, "B"
-        )
-
-    def aggregate(
-        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
-    ) -> Aggregation:
-        if not client_states:
-            return Aggregation(dict(global_state))
-        return Aggregation(average_parts(global_state, plan, client_states, "B"))
-
-    def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
-        params = factor_params("B", shapes, self.gamma)
-        return Payload(uplink_params=params, downlink_params=params)
+    trains = averages = uplink = downlink = "B"
+    # B ← B + Σ p_n (B_n − B): a server optimizer keeps it exact (linear in B)
+    delta_aggregate = True

@@ -32,7 +32,7 @@ from fedlora.federation.methods.base import (
 )
 from fedlora.federation.methods.fedavg import uniform_subset
 from fedlora.federation.methods.registry import register_method
-from fedlora.system.sketch import check_k, sketch_scale_vectors, unbiased_aggregate
+from fedlora.system.sketch import check_k, draw_sketch_scales, unbiased_aggregate
 
 FSLORA_K = ("reference", "ranks")  # method.fslora_k
 
@@ -66,7 +66,7 @@ class FSLoRA(Method):
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
     ) -> RoundPlan:
         chosen = uniform_subset(self.k.size, self.clients_per_round, rng_sampling)
-        scales = sketch_scale_vectors(self.gamma, self.k[chosen], rng_sketch)  # (m, γ)
+        scales = draw_sketch_scales(self.gamma, self.k[chosen], rng_sketch)  # (m, γ)
         weight = 1.0 / chosen.size
         tasks = tuple(
             ClientTask(int(n), scales[i], int(self.k[n]), weight) for i, n in enumerate(chosen)

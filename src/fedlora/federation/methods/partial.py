@@ -2,6 +2,12 @@
 rolora, fedsb, fedexlora): a full-rank round plan whose tasks name the factors they train,
 the weighted mean of chosen factors, and payloads counted per factor.
 
+`PartialMethod` is their base: m clients sampled uniformly each round on the whole rank-γ
+adapter; a subclass says in class attributes what a participant trains (`trains`), what the
+server averages (`averages`) and what a participant receives and sends (`downlink`,
+`uplink`), and keeps only what differs (Fed-SB's init, FedSA-LoRA's local B, FedEx-LoRA's
+residual).
+
 An adapter holds, per LoRA module, ``<module>.lora_A`` (γ, in), ``<module>.lora_B``
 (out, γ) and, for Fed-SB, ``<module>.lora_R`` (γ, γ).
 """
@@ -12,7 +18,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fedlora.federation.methods.base import Adapter, ClientTask, LayerShapes, RoundPlan
+from fedlora.federation.methods.base import (
+    Adapter,
+    Aggregation,
+    ClientTask,
+    LayerShapes,
+    Method,
+    MethodContext,
+    Payload,
+    RoundPlan,
+)
 from fedlora.federation.methods.factors import normalized_weights
 from fedlora.federation.methods.fedavg import uniform_subset
 
@@ -60,3 +75,45 @@ def average_parts(
             acc = sum(w * s[name].astype(np.float64) for w, s in zip(p, client_states))
             out[name] = np.asarray(acc).astype(x.dtype)
     return out
+
+
+class PartialMethod(Method):
+    """m clients uniformly (``method.clients_per_round``; 0 = all) on the rank-γ adapter, each
+    training the factors `trains`; the server replaces the factors `averages` by the
+    participants' mean Σ p_n X_n (p_n = a_n / Σ_K a_m; `average_parts`). Payload per
+    participant: the factors `uplink` up, `downlink` down (letters of ``ABRW``)."""
+
+    trains = "AB"
+    averages = "AB"
+    uplink = "AB"
+    downlink = "AB"
+    delta_aggregate = True  # X ← X + Σ p_n (X_n − X) on the averaged factors
+
+    @classmethod
+    def from_config(cls, ctx: MethodContext) -> PartialMethod:
+        return cls(a=ctx.a, gamma=ctx.gamma, clients_per_round=ctx.cfg.method.clients_per_round)
+
+    def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
+        self.a = np.asarray(a, dtype=float)
+        self.gamma = gamma
+        self.clients_per_round = clients_per_round
+
+    def plan_round(
+        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
+    ) -> RoundPlan:
+        return full_rank_plan(
+            round_index, self.a, self.gamma, self.clients_per_round, rng_sampling, self.trains
+        )
+
+    def aggregate(
+        self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
+    ) -> Aggregation:
+        if not client_states:
+            return Aggregation(dict(global_state))
+        return Aggregation(average_parts(global_state, plan, client_states, self.averages))
+
+    def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
+        return Payload(
+            uplink_params=factor_params(self.uplink, shapes, self.gamma),
+            downlink_params=factor_params(self.downlink, shapes, self.gamma),
+        )
