@@ -73,6 +73,14 @@ def _write(rel: str, data: bytes | str) -> Setup:
     return setup
 
 
+def _append(rel: str, data: bytes) -> Setup:
+    def setup(tmp: Path) -> None:
+        with open(tmp / rel, "ab") as f:
+            f.write(data)
+
+    return setup
+
+
 def _chain(*setups: Setup) -> Setup:
     def setup(tmp: Path):
         cleanups = [s(tmp) for s in setups]
@@ -761,6 +769,14 @@ CASES: list[Case] = [
         [*EVAL, "--model", "tiny-llama", "--adapter", "{run}/adapter"],
         "adapter_model.safetensors is not a readable safetensors file",
         _write("run/adapter/adapter_model.safetensors", bytes(range(256)) * 16),
+        needs_run=True,
+    ),
+    # issue 24 (r24d): resume with a damaged predictions.jsonl
+    Case(
+        "--resume a run whose predictions.jsonl is not UTF-8",
+        ["run", "--resume", "{run}", "-q"],
+        "predictions.jsonl is not UTF-8 (line 4, byte 0xff)",
+        _append("run/predictions.jsonl", b"\xff\xfe\n"),
         needs_run=True,
     ),
     Case(

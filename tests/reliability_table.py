@@ -89,6 +89,19 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
 - **Checkpoints hold finite numbers.** A checkpoint with NaN or ±inf in a weight or in its
   clock (`progress.sim_time_s`) is refused naming the round and the field; one without a
   `progress` record counts as damaged.
+- **A full disk loses nothing.** Checkpoints, the adapter's three files, metrics.jsonl,
+  summary.json and config.toml are written through a temporary file that is fsynced and
+  renamed (the tensors serialized by fedlora, not by safetensors' `save_file`, whose error
+  names neither the file nor the errno): a full disk is exit 2 with one line naming the
+  file and "no space left", the temporary file is removed, the previous checkpoint and
+  adapter are kept byte for byte, and the same command resumes once there is space
+  (`tests/test_reliability_disk.py`, with a real ENOSPC from /dev/full).
+- **A damaged predictions.jsonl is the user's to decide.** fedlora writes it as ASCII JSON
+  and rewrites it from its earlier lines at each evaluation, so a non-UTF-8 byte means it
+  was changed elsewhere. `--resume` refuses it before any work (exit 2, naming the file,
+  the line and the byte) rather than dropping lines silently: restore it, or move it away
+  to resume without the earlier rounds' per-question predictions (metrics.jsonl keeps their
+  scores); that remedy is tested to work.
 - **Sizes are checked before allocating.** The adapter's size (`lora.rank`,
   `training.slots`, the target modules' widths, in exact integers) is compared with the
   memory available (`MemAvailable`) before any tensor is allocated.
