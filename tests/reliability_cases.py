@@ -658,7 +658,7 @@ CASES: list[Case] = [
     Case(
         "--resume a run whose checkpoint has no progress record",
         ["run", "--resume", "{run}", "-q"],
-        "no usable checkpoint",
+        "(round-000002.safetensors: damaged: no 'progress' record)",
         _rewrite_checkpoint(_no_progress),
         needs_run=True,
     ),

@@ -147,6 +147,7 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
     import pickle
 
     paths = checkpoint_paths(Path(run_dir))
+    why: dict[str, str] = {}  # file name -> why it is unusable (for the final error)
     for path in paths:
         try:
             if path.suffix == ".safetensors":
@@ -164,9 +165,11 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
                 f"never holds and loading them could run code ({first[:200]}); "
                 "trying the previous one"
             )
+            why[path.name] = "could not be loaded safely"
             continue
         except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
             warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
+            why[path.name] = "damaged: " + (str(e).splitlines() or [type(e).__name__])[0][:200]
             continue
         bad = non_finite(state)
         if bad:
@@ -179,7 +182,7 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
     if paths:
         raise DataError(
             f"no usable checkpoint in {str(Path(run_dir) / 'checkpoints')!r} "
-            f"({', '.join(p.name for p in paths)} could not be loaded safely): remove them to "
+            f"({'; '.join(f'{n}: {w}' for n, w in why.items())}): remove them to "
             "start this run over from round 0, or start a new run"
         )
     return None
