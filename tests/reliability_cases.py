@@ -585,41 +585,31 @@ CASES: list[Case] = [
             _write("P/checkpoints/model.pt", "weights\n"),
         ),
     ),
-    Case(
-        "--overwrite a run holding the user's evaluation_scripts/ folder",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "evaluation_scripts/",
-        _run_plus("evaluation_scripts/score.py"),
-        needs_run=True,
-    ),
-    Case(
-        "--overwrite a run holding the user's predictions_v2.csv",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "predictions_v2.csv",
-        _run_plus("predictions_v2.csv"),
-        needs_run=True,
-    ),
-    Case(
-        "--overwrite a run holding the user's chapter3.tmp",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "chapter3.tmp",
-        _run_plus("chapter3.tmp"),
-        needs_run=True,
-    ),
-    Case(
-        "--overwrite a run with the user's file in checkpoints/",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "checkpoints/notes.txt",
-        _run_plus("checkpoints/notes.txt"),
-        needs_run=True,
-    ),
-    Case(
-        "--overwrite a run with the user's file in adapter/",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "adapter/my_eval.py",
-        _run_plus("adapter/my_eval.py"),
-        needs_run=True,
-    ),
+    # a run plus a user's file whose name merely looks like fedlora's: (case, file, expect)
+    *[
+        Case(
+            f"--overwrite a run {what}",
+            [*RUN, "--out", "{run}", "--overwrite"],
+            expect,
+            _run_plus(rel),
+            needs_run=True,
+        )
+        for what, rel, expect in [
+            (
+                "holding the user's evaluation_scripts/ folder",
+                "evaluation_scripts/score.py",
+                "evaluation_scripts/",
+            ),
+            ("holding the user's predictions_v2.csv", "predictions_v2.csv", "predictions_v2.csv"),
+            ("holding the user's chapter3.tmp", "chapter3.tmp", "chapter3.tmp"),
+            (
+                "with the user's file in checkpoints/",
+                "checkpoints/notes.txt",
+                "checkpoints/notes.txt",
+            ),
+            ("with the user's file in adapter/", "adapter/my_eval.py", "adapter/my_eval.py"),
+        ]
+    ],
     Case(
         "--overwrite a run whose marker is damaged",
         [*RUN, "--out", "{run}", "--overwrite"],
