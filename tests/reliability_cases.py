@@ -761,7 +761,14 @@ CASES: list[Case] = [
         _write("run/adapter/adapter_model.safetensors", bytes(range(256)) * 16),
         needs_run=True,
     ),
-    # issue 24 (r24d): resume with a damaged predictions.jsonl
+    # issue 24 (r24d): simulate takes the lock too; resume with a damaged predictions.jsonl
+    Case(
+        "flower simulate --overwrite a run another process is running",
+        ["flower", "simulate", *TINY, "--out", "{run}", "--overwrite"],
+        "is in use by process",
+        _hold_lock,
+        needs_run=True,
+    ),
     Case(
         "--resume a run whose predictions.jsonl is not UTF-8",
         ["run", "--resume", "{run}", "-q"],
