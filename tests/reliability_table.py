@@ -116,8 +116,8 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
   group it started (workers, SuperLink, SuperNodes) and their descendants (the ServerApp);
   SIGTERM of run-local (`kill`, `timeout`) unwinds like Ctrl-C. `--timeout-s` and
   `--round-timeout-s` must be finite and > 0. `tests/test_reliability_flower.py` SIGKILLs,
-  and SIGTERMs, a training run-local and checks, by PID, that nothing of its tree is alive
-  10 s later and that the run's lock is free. Overrides reach the ServerApp unchanged,
+  SIGTERMs, and times out (`--timeout-s`) a training run-local and checks, by PID, that
+  nothing of its tree is alive 10 s later and that the run's lock is free. Overrides reach the ServerApp unchanged,
   whatever they hold (`lora.layers="all"`: Flower's `--run-config` parser cuts a quoted
   value at any `"`, so fedlora sends quotes and control characters as `\\uXXXX`).
 - **Usage errors are one line.** argparse's errors print `fedlora <command>: error: ...`

@@ -1,9 +1,9 @@
 """Issue 24: `fedlora flower run-local` owns its process tree and checks its timeouts.
 
 The slow tests SIGKILL and SIGTERM run-local mid-training (tiny model, two clients, started
-with the docs' override lora.layers="all") and check, by PID, that no process of its tree
-(workers, SuperLink, SuperNodes, the ServerApp) is alive 10 s later and that the run
-directory's lock is free."""
+with the docs' override lora.layers="all"), or let its --timeout-s expire, and check, by PID,
+that no process of its tree (workers, SuperLink, SuperNodes, the ServerApp) is alive 10 s
+later and that the run directory's lock is free."""
 
 from __future__ import annotations
 
@@ -106,6 +106,44 @@ def test_kill_of_run_local_leaves_nothing_running(sig, tmp_path: Path) -> None:
         while any(_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.2)
         # Assert: nothing of its tree runs, and the run directory is free again
+        assert [p for p in tree if _alive(p)] == []
+        with open(out / ".lock", "a+") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@needs_data
+def test_timeout_of_run_local_leaves_nothing_running(tmp_path: Path) -> None:
+    # Prepare: a run far longer than its --timeout-s
+    cfg = write_config(tmp_path, rounds=200, q="[1.0, 1.0]")
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FEDLORA_DATA": DATA}
+    cmd = [sys.executable, "-m", "fedlora.cli", "flower", "run-local", "--config", str(cfg)]
+    cmd += ["--out", str(out), "--timeout-s", "20"]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+    tree: set[int] = set()  # every process seen below run-local while it ran
+    try:
+        # Execute: let --timeout-s expire
+        deadline = time.monotonic() + 300
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "run-local did not time out"
+            tree.update(descendants(proc.pid))
+            time.sleep(0.2)
+        # Assert: exit 2 with one line, then nothing of its tree runs and the lock is free
+        text = (tmp_path / "stderr.txt").read_text()
+        assert proc.returncode == 2 and "Traceback" not in text, text
+        assert "did not appear within 20.0 s" in text.strip().splitlines()[-1]
+        assert len(tree) >= 5  # watchdog, 2 workers, SuperLink, 2 SuperNodes (+ ServerApp...)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert [p for p in tree if _alive(p)] == []
         with open(out / ".lock", "a+") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
