@@ -73,6 +73,14 @@ def _write(rel: str, data: bytes | str) -> Setup:
     return setup
 
 
+def _append(rel: str, data: bytes) -> Setup:
+    def setup(tmp: Path) -> None:
+        with open(tmp / rel, "ab") as f:
+            f.write(data)
+
+    return setup
+
+
 def _chain(*setups: Setup) -> Setup:
     def setup(tmp: Path):
         cleanups = [s(tmp) for s in setups]
@@ -582,41 +590,31 @@ CASES: list[Case] = [
             _write("P/checkpoints/model.pt", "weights\n"),
         ),
     ),
-    Case(
-        "--overwrite a run holding the user's evaluation_scripts/ folder",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "evaluation_scripts/",
-        _run_plus("evaluation_scripts/score.py"),
-        needs_run=True,
-    ),
-    Case(
-        "--overwrite a run holding the user's predictions_v2.csv",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "predictions_v2.csv",
-        _run_plus("predictions_v2.csv"),
-        needs_run=True,
-    ),
-    Case(
-        "--overwrite a run holding the user's chapter3.tmp",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "chapter3.tmp",
-        _run_plus("chapter3.tmp"),
-        needs_run=True,
-    ),
-    Case(
-        "--overwrite a run with the user's file in checkpoints/",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "checkpoints/notes.txt",
-        _run_plus("checkpoints/notes.txt"),
-        needs_run=True,
-    ),
-    Case(
-        "--overwrite a run with the user's file in adapter/",
-        [*RUN, "--out", "{run}", "--overwrite"],
-        "adapter/my_eval.py",
-        _run_plus("adapter/my_eval.py"),
-        needs_run=True,
-    ),
+    # a run plus a user's file whose name merely looks like fedlora's: (case, file, expect)
+    *[
+        Case(
+            f"--overwrite a run {what}",
+            [*RUN, "--out", "{run}", "--overwrite"],
+            expect,
+            _run_plus(rel),
+            needs_run=True,
+        )
+        for what, rel, expect in [
+            (
+                "holding the user's evaluation_scripts/ folder",
+                "evaluation_scripts/score.py",
+                "evaluation_scripts/",
+            ),
+            ("holding the user's predictions_v2.csv", "predictions_v2.csv", "predictions_v2.csv"),
+            ("holding the user's chapter3.tmp", "chapter3.tmp", "chapter3.tmp"),
+            (
+                "with the user's file in checkpoints/",
+                "checkpoints/notes.txt",
+                "checkpoints/notes.txt",
+            ),
+            ("with the user's file in adapter/", "adapter/my_eval.py", "adapter/my_eval.py"),
+        ]
+    ],
     Case(
         "--overwrite a run whose marker is damaged",
         [*RUN, "--out", "{run}", "--overwrite"],
@@ -662,7 +660,7 @@ CASES: list[Case] = [
     Case(
         "--resume a run whose checkpoint has no progress record",
         ["run", "--resume", "{run}", "-q"],
-        "no usable checkpoint",
+        "(round-000002.safetensors: damaged: no 'progress' record)",
         _rewrite_checkpoint(_no_progress),
         needs_run=True,
     ),
@@ -773,6 +771,21 @@ CASES: list[Case] = [
         [*EVAL, "--model", "tiny-llama", "--adapter", "{run}/adapter"],
         "adapter_model.safetensors is not a readable safetensors file",
         _write("run/adapter/adapter_model.safetensors", bytes(range(256)) * 16),
+        needs_run=True,
+    ),
+    # issue 24 (r24d): simulate takes the lock too; resume with a damaged predictions.jsonl
+    Case(
+        "flower simulate --overwrite a run another process is running",
+        ["flower", "simulate", *TINY, "--out", "{run}", "--overwrite"],
+        "is in use by process",
+        _hold_lock,
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose predictions.jsonl is not UTF-8",
+        ["run", "--resume", "{run}", "-q"],
+        "predictions.jsonl is not UTF-8 (line 4, byte 0xff)",
+        _append("run/predictions.jsonl", b"\xff\xfe\n"),
         needs_run=True,
     ),
     Case(

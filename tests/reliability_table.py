@@ -89,6 +89,19 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
 - **Checkpoints hold finite numbers.** A checkpoint with NaN or ±inf in a weight or in its
   clock (`progress.sim_time_s`) is refused naming the round and the field; one without a
   `progress` record counts as damaged.
+- **A full disk loses nothing.** Checkpoints, the adapter's three files, metrics.jsonl,
+  summary.json and config.toml are written through a temporary file that is fsynced and
+  renamed (the tensors serialized by fedlora, not by safetensors' `save_file`, whose error
+  names neither the file nor the errno): a full disk is exit 2 with one line naming the
+  file and "no space left", the temporary file is removed, the previous checkpoint and
+  adapter are kept byte for byte, and the same command resumes once there is space
+  (`tests/test_reliability_disk.py`, with a real ENOSPC from /dev/full).
+- **A damaged predictions.jsonl is the user's to decide.** fedlora writes it as ASCII JSON
+  and rewrites it from its earlier lines at each evaluation, so a non-UTF-8 byte means it
+  was changed elsewhere. `--resume` refuses it before any work (exit 2, naming the file,
+  the line and the byte) rather than dropping lines silently: restore it, or move it away
+  to resume without the earlier rounds' per-question predictions (metrics.jsonl keeps their
+  scores); that remedy is tested to work.
 - **Sizes are checked before allocating.** The adapter's size (`lora.rank`,
   `training.slots`, the target modules' widths, in exact integers) is compared with the
   memory available (`MemAvailable`) before any tensor is allocated.
@@ -102,9 +115,11 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
   that, when run-local dies (SIGKILL included), SIGTERMs and then SIGKILLs every process
   group it started (workers, SuperLink, SuperNodes) and their descendants (the ServerApp);
   SIGTERM of run-local (`kill`, `timeout`) unwinds like Ctrl-C. `--timeout-s` and
-  `--round-timeout-s` must be finite and > 0. `tests/test_reliability_flower.py` SIGKILLs a
-  training run-local and checks, by PID, that nothing of its tree is alive 10 s later and
-  that the run's lock is free.
+  `--round-timeout-s` must be finite and > 0. `tests/test_reliability_flower.py` SIGKILLs,
+  SIGTERMs, and times out (`--timeout-s`) a training run-local and checks, by PID, that
+  nothing of its tree is alive 10 s later and that the run's lock is free. Overrides reach the ServerApp unchanged,
+  whatever they hold (`lora.layers="all"`: Flower's `--run-config` parser cuts a quoted
+  value at any `"`, so fedlora sends quotes and control characters as `\\uXXXX`).
 - **Usage errors are one line.** argparse's errors print `fedlora <command>: error: ...`
   without the usage block (exit 2); `--help` still shows it.
 

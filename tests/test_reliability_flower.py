@@ -1,6 +1,7 @@
 """Issue 24: `fedlora flower run-local` owns its process tree and checks its timeouts.
 
-The slow test SIGKILLs run-local mid-training (tiny model, two clients) and checks, by PID,
+The slow tests SIGKILL and SIGTERM run-local mid-training (tiny model, two clients, started
+with the docs' override lora.layers="all"), or let its --timeout-s expire, and check, by PID,
 that no process of its tree (workers, SuperLink, SuperNodes, the ServerApp) is alive 10 s
 later and that the run directory's lock is free."""
 
@@ -57,15 +58,35 @@ def test_missing_app_dir_is_one_line(tmp_path, capsys) -> None:
     assert "Traceback" not in err and not out.exists()
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        "'lora.layers=\"all\"' 'method.q=[0.5, 0.5]'",  # the docs' own override, shell-quoted
+        'a\\b"c\nd\te',
+        "é ü",
+        "",
+    ],
+)
+def test_run_config_strings_reach_the_server_app_unchanged(value) -> None:
+    from flwr.common.config import parse_config_args
+
+    from fedlora.federation.flower.deploy import _toml_scalar
+
+    parsed = parse_config_args([f"fedlora-overrides={_toml_scalar(value)} round-timeout-s=5.0"])
+    assert parsed == {"fedlora-overrides": value, "round-timeout-s": 5.0}
+
+
 @pytest.mark.slow
 @needs_data
-def test_sigkill_of_run_local_leaves_nothing_running(tmp_path: Path) -> None:
-    # Prepare: a run long enough to be mid-training when killed
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_kill_of_run_local_leaves_nothing_running(sig, tmp_path: Path) -> None:
+    # Prepare: a run long enough to be mid-training when killed; the override with '"' (the
+    # docs' lora.layers="all", the config's own value) has to reach the ServerApp intact
     cfg = write_config(tmp_path, rounds=200, q="[1.0, 1.0]")
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FEDLORA_DATA": DATA}
     cmd = [sys.executable, "-m", "fedlora.cli", "flower", "run-local", "--config", str(cfg)]
-    cmd += ["--out", str(out), "--timeout-s", "600"]
+    cmd += ["--out", str(out), "--timeout-s", "600", 'lora.layers="all"']
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -78,13 +99,51 @@ def test_sigkill_of_run_local_leaves_nothing_running(tmp_path: Path) -> None:
             time.sleep(0.5)
         tree = descendants(proc.pid)
         assert len(tree) >= 5  # watchdog, 2 workers, SuperLink, 2 SuperNodes (+ ServerApp...)
-        # Execute: SIGKILL the parent only
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        # Execute: signal the parent only
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=10)
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.2)
         # Assert: nothing of its tree runs, and the run directory is free again
+        assert [p for p in tree if _alive(p)] == []
+        with open(out / ".lock", "a+") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@needs_data
+def test_timeout_of_run_local_leaves_nothing_running(tmp_path: Path) -> None:
+    # Prepare: a run far longer than its --timeout-s
+    cfg = write_config(tmp_path, rounds=200, q="[1.0, 1.0]")
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FEDLORA_DATA": DATA}
+    cmd = [sys.executable, "-m", "fedlora.cli", "flower", "run-local", "--config", str(cfg)]
+    cmd += ["--out", str(out), "--timeout-s", "20"]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+    tree: set[int] = set()  # every process seen below run-local while it ran
+    try:
+        # Execute: let --timeout-s expire
+        deadline = time.monotonic() + 300
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "run-local did not time out"
+            tree.update(descendants(proc.pid))
+            time.sleep(0.2)
+        # Assert: exit 2 with one line, then nothing of its tree runs and the lock is free
+        text = (tmp_path / "stderr.txt").read_text()
+        assert proc.returncode == 2 and "Traceback" not in text, text
+        assert "did not appear within 20.0 s" in text.strip().splitlines()[-1]
+        assert len(tree) >= 5  # watchdog, 2 workers, SuperLink, 2 SuperNodes (+ ServerApp...)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert [p for p in tree if _alive(p)] == []
         with open(out / ".lock", "a+") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedlora.errors import DataError
-from fedlora.federation.runfiles import METRICS_FILE, read_metrics_lines
+from fedlora.federation.runfiles import METRICS_FILE, atomic_write, read_metrics_lines
 
 CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
 # stored as tensors "<group>/<key>": FedStackLoRA's / FedEx-LoRA's base merges, the server
@@ -54,7 +53,7 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
     tensors; everything else is JSON in the header, with the first
     ``progress.metrics_lines`` lines of metrics.jsonl (for `restore_metrics`)."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     run_dir = Path(run_dir)
     ckpt_dir = run_dir / "checkpoints"
@@ -68,11 +67,9 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
     rest["metrics"] = read_metrics_lines(run_dir / METRICS_FILE)[:n_lines]
     meta = {"format": CHECKPOINT_FORMAT, "state": json.dumps(rest, default=_json_default)}
     path = ckpt_dir / f"round-{state['round']:06d}.safetensors"
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # serialized here and written by atomic_write: a full disk is an OSError naming the file
+    # (safetensors' save_file reports it as a SafetensorError without errno or path)
+    atomic_write(path, save(tensors, metadata=meta))
     for old in checkpoint_paths(run_dir)[keep:]:
         old.unlink(missing_ok=True)
     return path
@@ -150,6 +147,7 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
     import pickle
 
     paths = checkpoint_paths(Path(run_dir))
+    why: dict[str, str] = {}  # file name -> why it is unusable (for the final error)
     for path in paths:
         try:
             if path.suffix == ".safetensors":
@@ -167,9 +165,11 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
                 f"never holds and loading them could run code ({first[:200]}); "
                 "trying the previous one"
             )
+            why[path.name] = "could not be loaded safely"
             continue
         except Exception as e:  # noqa: BLE001 - any unreadable file falls back to the previous
             warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
+            why[path.name] = "damaged: " + (str(e).splitlines() or [type(e).__name__])[0][:200]
             continue
         bad = non_finite(state)
         if bad:
@@ -182,7 +182,7 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
     if paths:
         raise DataError(
             f"no usable checkpoint in {str(Path(run_dir) / 'checkpoints')!r} "
-            f"({', '.join(p.name for p in paths)} could not be loaded safely): remove them to "
+            f"({'; '.join(f'{n}: {w}' for n, w in why.items())}): remove them to "
             "start this run over from round 0, or start a new run"
         )
     return None

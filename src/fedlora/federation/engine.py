@@ -55,6 +55,7 @@ from fedlora.federation.runstate import (
     to_torch,
 )
 from fedlora.federation.scoring import (
+    check_predictions,
     eval_fields,
     evaluate_tasks,
     mean_over_tasks,
@@ -159,6 +160,7 @@ def run_rounds(
     metrics_path = run_dir / "metrics.jsonl"
     progress = Progress(sim_time_s=calibration_s or 0.0)  # the calibration's clock counts
     if resume:
+        check_predictions(run_dir)  # a damaged predictions.jsonl is refused before any work
         state = load_checkpoint(run_dir, warn=log)
         if state is not None:
             progress = restore_state(run, state)

@@ -47,6 +47,7 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
+        tmp.unlink(missing_ok=True)  # a full disk gets its space back
         raise _named(e, path) from None
     os.replace(tmp, path)
 

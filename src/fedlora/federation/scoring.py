@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from fedlora.errors import DataError
 from fedlora.federation.progress import Progress
 from fedlora.federation.runfiles import atomic_write
 from fedlora.federation.runstate import Run
@@ -51,7 +52,7 @@ def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) 
     path = run_dir / PREDICTIONS_FILE
     kept = []
     if path.exists():
-        for raw in path.read_text(encoding="utf-8").splitlines():
+        for raw in _read_predictions(path):
             try:
                 if json.loads(raw)["round"] < round_index:
                     kept.append(raw)
@@ -71,6 +72,29 @@ def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) 
         }
         kept.append(json.dumps(line))
     atomic_write(path, "".join(line + "\n" for line in kept).encode())
+
+
+def _read_predictions(path: Path) -> list[str]:
+    """The lines of predictions.jsonl; a DataError naming the file, the line and the remedy
+    when it is not UTF-8 (fedlora writes it as ASCII JSON: someone else changed it)."""
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path} is not UTF-8 (line {line}, byte {e.object[e.start]:#04x}); fedlora writes "
+            "it as JSON, so it was changed elsewhere: restore it, or move it away to resume "
+            "without the earlier rounds' per-question predictions (metrics.jsonl keeps their "
+            "scores)"
+        ) from None
+
+
+def check_predictions(run_dir: Path) -> None:
+    """Refuse a resume whose predictions.jsonl cannot be read back, before any work is done
+    (each evaluation rewrites the file from its earlier lines)."""
+    path = Path(run_dir) / PREDICTIONS_FILE
+    if path.exists():
+        _read_predictions(path)
 
 
 def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[str, Any]) -> dict:

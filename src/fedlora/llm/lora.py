@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -310,7 +311,7 @@ class SlotLora:
         all scales 1 (slot 0 = the global adapter).
         """
         from peft import LoraConfig as PeftLoraConfig
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         state = self._global if state is None else state
         self._check_state(state, "export state")
@@ -326,12 +327,13 @@ class SlotLora:
             base_model_name_or_path=base_model_name_or_path,
             use_rslora=self.cfg.rslora,
         )
-        config.save_pretrained(str(out))
-        # PEFT keeps target_modules as a set (hash order): sorted, the file is reproducible
-        cfg_path = out / "adapter_config.json"
-        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
+        # PEFT's save_pretrained, written through a temporary file; PEFT keeps target_modules
+        # as a set (hash order): sorted, the file is reproducible
+        saved = {k: list(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
         saved["target_modules"] = sorted(saved["target_modules"])
-        cfg_path.write_text(json.dumps(saved, indent=2, sort_keys=True), encoding="utf-8")
+        _write_file(
+            out / "adapter_config.json", json.dumps(saved, indent=2, sort_keys=True).encode()
+        )
         tensors = {}
         for n in self.names:
             for part in ("lora_A", "lora_B"):
@@ -339,9 +341,30 @@ class SlotLora:
                 if part == "lora_B" and f"{n}.lora_R" in state:  # PEFT's B = B R (Fed-SB)
                     t = t @ torch.as_tensor(state[f"{n}.lora_R"]).detach().float().cpu()
                 tensors[f"base_model.model.{n}.{part}.weight"] = t.contiguous()
-        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        # serialized here, not by save_file: a full disk is an OSError naming the file
+        weights = save(tensors, metadata={"format": "pt"})
+        _write_file(out / "adapter_model.safetensors", weights)
         meta: dict[str, Any] = {"rank": self.rank, "alpha": self.cfg.alpha, "layers": self.names}
-        (out / "fedlora_adapter.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _write_file(out / "fedlora_adapter.json", (json.dumps(meta, indent=2) + "\n").encode())
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """`e` with the file named (a failed write does not name it)."""
+    return e if e.filename else OSError(e.errno, e.strerror, str(path))
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file (a reader never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _named(e, path) from None
+    os.replace(tmp, path)
 
 
 def inject_lora(model: nn.Module, cfg: LoraConfig, slots: int, *, seed: int = 0) -> SlotLora:

@@ -339,7 +339,12 @@ def _toml_scalar(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    # a TOML basic string without a raw quote inside: Flower's --run-config parser cuts a
+    # quoted value at the next '"', escaped or not (an override like lora.layers="all")
+    text = "".join(
+        f"\\u{ord(c):04x}" if c == '"' or ord(c) < 0x20 or ord(c) == 0x7F else c
+        for c in str(value).replace("\\", "\\\\")
+    )
     return f'"{text}"'
 
 
