@@ -42,10 +42,7 @@ KNOWN_OVERSIZE: set[str] = set()
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 # Modules that read names of a face through it as a namespace (`from fedlora.system import
 # planner as pl; pl.plan(...)`): (importer, face). Issue 23: import from the defining modules.
-KNOWN_FACE_NAMESPACES: set[tuple[str, str]] = {
-    ("fedlora.federation.replan", "fedlora.system.planner"),
-    ("fedlora.federation.calibration_plan", "fedlora.system.planner"),
-}
+KNOWN_FACE_NAMESPACES: set[tuple[str, str]] = set()
 # Imports of another module's private name: (importer, module, name); none since issue 11.
 KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
 

@@ -157,9 +157,10 @@ def test_quick_suite_writes_a_report_with_every_method(tmp_path, suite, capsys, 
     # the estimate alone is replaced by known constants (tested above with known R_i): the
     # calibration runs, the plan and the training with it are real.
     from fedlora.system import planner
+    from fedlora.system.planner import estimate
 
     known = planner.Constants(105.0, 1.0, 0.05, 0.0125)
-    monkeypatch.setattr(planner, "estimate_constants", lambda *a, **k: known)
+    monkeypatch.setattr(estimate, "estimate_constants", lambda *a, **k: known)
     methods = ", ".join(f'"{m}"' for m in QUICK[suite])
     cfg = _suite_file(tmp_path, f"[suite]\nmethods = [{methods}]\n")
     out = tmp_path / suite
@@ -259,9 +260,10 @@ def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch
     # a common simulated-time budget. As in the quick suites, the random-init model's
     # calibration is noise, so the estimate alone is replaced by known constants.
     from fedlora.system import planner
+    from fedlora.system.planner import estimate
 
     known = planner.Constants(105.0, 1.0, 0.05, 0.0125)
-    monkeypatch.setattr(planner, "estimate_constants", lambda *a, **k: known)
+    monkeypatch.setattr(estimate, "estimate_constants", lambda *a, **k: known)
     cfg = _suite_file(
         tmp_path,
         '[suite]\nmethods = ["proposed", "fslora"]\nseeds = [0, 1]\npilot_seed = 7\n'

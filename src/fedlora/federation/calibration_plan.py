@@ -39,7 +39,7 @@ def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray
     """
     from scipy.optimize import nnls
 
-    from fedlora.system import planner as pl
+    from fedlora.system.planner.problem import Constants
 
     a2 = np.asarray(a, dtype=float) ** 2
     rows = []
@@ -54,22 +54,30 @@ def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray
             "no information); raise planner.calibration_rounds or set planner.calibration_loss"
         )
     x = np.maximum(x, 1e-9 * x.max())
-    return pl.Constants(A=float(x[0]), B=1.0, C=float(x[1]), D=float(x[2]))
+    return Constants(A=float(x[0]), B=1.0, C=float(x[1]), D=float(x[2]))
 
 
 def plan_from_calibration(
     cfg: ExperimentConfig, clients: dict[str, np.ndarray], records: list[dict]
 ) -> dict:
     """plan.json's fields beside the calibration: fit, degeneracy, q, k, constants, ..."""
-    from fedlora.system import planner as pl
+    from fedlora.system.planner.estimate import calibration_fit, estimate_constants
+    from fedlora.system.planner.fit import constrained_fit
+    from fedlora.system.planner.objective import (
+        expected_rounds,
+        p2_objective,
+        plan_degeneracy,
+        sketched_round_weights,
+    )
+    from fedlora.system.planner.problem import Observation, PlanOptions, PlanProblem
 
     n, gamma = cfg.data.n_clients, cfg.lora.rank
     a = clients["a"] / clients["a"].sum()
     observations = [
-        pl.Observation(np.full(n, r["q"]), np.full(n, r["k"]), float(r["rounds"])) for r in records
+        Observation(np.full(n, r["q"]), np.full(n, r["k"]), float(r["rounds"])) for r in records
     ]
-    options = pl.PlanOptions.from_config(cfg.planner, cfg.network)
-    problem = pl.PlanProblem(
+    options = PlanOptions.from_config(cfg.planner, cfg.network)
+    problem = PlanProblem(
         gamma=gamma,
         f_tot=cfg.network.f_tot_hz,
         a=a,
@@ -79,7 +87,7 @@ def plan_from_calibration(
     )
     floors: dict[str, str] = {}
     try:
-        constants = pl.estimate_constants(observations, gamma, a, options.estimation_matrix)
+        constants = estimate_constants(observations, gamma, a, options.estimation_matrix)
         fit = "svd"
     except ConfigError as e:
         if cfg.planner.calibration_fit == "refuse":
@@ -91,15 +99,15 @@ def plan_from_calibration(
             yz = np.array([[np.sum(a**2 / o.q),
                             np.sum(a**2 / o.q * gamma**2 / o.k.astype(float) ** 2)]
                            for o in observations])  # fmt: skip
-            result = pl.constrained_fit([1.0 / o.rounds for o in observations], yz[:, 0],
-                                        yz[:, 1], floor_share=cfg.planner.fit_floor_share)  # fmt: skip
+            result = constrained_fit([1.0 / o.rounds for o in observations], yz[:, 0],
+                                     yz[:, 1], floor_share=cfg.planner.fit_floor_share)  # fmt: skip
             constants, floors = result.constants, result.floors
             fit = f"constrained (the SVD fit was refused: {e})"
     q, k, extra = plan_for(cfg, problem, constants, options, a)
-    weights = pl.sketched_round_weights(problem, np.asarray(k), options)
-    degeneracy = pl.plan_degeneracy(problem, constants, q, k, options)
+    weights = sketched_round_weights(problem, np.asarray(k), options)
+    degeneracy = plan_degeneracy(problem, constants, q, k, options)
     return {
-        "fit": pl.calibration_fit(observations, gamma, a, constants),
+        "fit": calibration_fit(observations, gamma, a, constants),
         "degeneracy": degeneracy,
         "q": [float(x) for x in q],
         "k": [int(x) for x in k],
@@ -107,8 +115,8 @@ def plan_from_calibration(
         "constants": constants.to_dict(),
         "constants_fit": fit,
         "floors": floors,
-        "objective": float(pl.p2_objective(problem, constants, q, k, options)),
-        "expected_rounds": float(pl.expected_rounds(problem, constants, q, k)),
+        "objective": float(p2_objective(problem, constants, q, k, options)),
+        "expected_rounds": float(expected_rounds(problem, constants, q, k)),
         "expected_round_time_s": float(np.dot(q, weights)),
         **extra,
     }

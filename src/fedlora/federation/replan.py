@@ -142,25 +142,31 @@ def _yz(a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> tuple[float,
 def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
     """Fit from every round so far, plan, and adopt the plan (always after the probes; after
     a re-plan only if its predicted time gain exceeds planner.replan_margin)."""
-    from fedlora.system import planner as pl
+    from fedlora.system.planner.fit import constrained_fit, progress_rates
+    from fedlora.system.planner.objective import (
+        expected_rounds,
+        p2_objective,
+        sketched_round_weights,
+    )
+    from fedlora.system.planner.problem import PlanOptions, PlanProblem
 
     cfg, gamma = run.cfg, run.cfg.lora.rank
     a, tau, t_full = _problem_inputs(run)
     settings = [(np.asarray(s["q"], float), np.asarray(s["k"], np.int64)) for s in st["settings"]]
-    rates, counts = pl.progress_rates(st["log_loss"], st["of_round"])
+    rates, counts = progress_rates(st["log_loss"], st["of_round"])
     yz = np.array([_yz(a, q, k, gamma) for q, k in settings])
-    options = pl.PlanOptions.from_config(cfg.planner, cfg.network)
+    options = PlanOptions.from_config(cfg.planner, cfg.network)
     entry: dict[str, Any] = {
         "kind": "calibration" if initial else "replan",
         "rates": [None if not math.isfinite(x) else float(x) for x in rates],
         "rounds_per_setting": [int(c) for c in counts],
     }
     try:
-        fit = pl.constrained_fit(
+        fit = constrained_fit(
             rates, yz[:, 0], yz[:, 1], weights=counts, floor_share=cfg.planner.fit_floor_share
         )
-        problem = pl.PlanProblem(gamma=gamma, f_tot=cfg.network.f_tot_hz, a=a, tau_full_s=tau,
-                                 t_full=t_full, constants=fit.constants)  # fmt: skip
+        problem = PlanProblem(gamma=gamma, f_tot=cfg.network.f_tot_hz, a=a, tau_full_s=tau,
+                              t_full=t_full, constants=fit.constants)  # fmt: skip
         q, k, _ = plan_for(cfg, problem, fit.constants, options, a)
     except ConfigError as e:
         entry["error"] = str(e)
@@ -172,17 +178,17 @@ def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
         else:
             entry["adopted"] = False
         return entry
-    new = pl.p2_objective(problem, fit.constants, q, k, options)
+    new = p2_objective(problem, fit.constants, q, k, options)
     cur_q, cur_k = settings[st["current"]]
-    current = math.inf if initial else pl.p2_objective(problem, fit.constants, cur_q, cur_k,
-                                                       options)  # fmt: skip
+    current = math.inf if initial else p2_objective(problem, fit.constants, cur_q, cur_k,
+                                                    options)  # fmt: skip
     gain = 1.0 - new / current if math.isfinite(current) and current > 0 else 1.0
     adopt = initial or gain > cfg.planner.replan_margin
     entry.update(
         fit=fit.to_dict(),
         plan={"q": [float(x) for x in q], "k": [int(x) for x in k], "objective": float(new),
-              "expected_rounds": float(pl.expected_rounds(problem, fit.constants, q, k)),
-              "expected_round_time_s": float(np.dot(q, pl.sketched_round_weights(
+              "expected_rounds": float(expected_rounds(problem, fit.constants, q, k)),
+              "expected_round_time_s": float(np.dot(q, sketched_round_weights(
                   problem, np.asarray(k), options)))},
         current_objective=None if not math.isfinite(current) else float(current),
         predicted_gain=float(gain),
@@ -199,11 +205,12 @@ def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
 
 def _best_probe(run, st, rates, a, tau, t_full, options) -> int:
     """The probe with the lowest expected round time / progress rate (0 if none progressed)."""
-    from fedlora.system import planner as pl
+    from fedlora.system.planner.objective import sketched_round_weights
+    from fedlora.system.planner.problem import Constants, PlanProblem
 
-    problem = pl.PlanProblem(gamma=run.cfg.lora.rank, f_tot=run.cfg.network.f_tot_hz, a=a,
-                             tau_full_s=tau, t_full=t_full,
-                             constants=pl.Constants(1.0, 1.0, 1.0, 1.0))  # fmt: skip
+    problem = PlanProblem(gamma=run.cfg.lora.rank, f_tot=run.cfg.network.f_tot_hz, a=a,
+                          tau_full_s=tau, t_full=t_full,
+                          constants=Constants(1.0, 1.0, 1.0, 1.0))  # fmt: skip
     best, best_j = math.inf, 0
     for j in range(4):
         rho = rates[j] if j < len(rates) else math.nan
@@ -211,7 +218,7 @@ def _best_probe(run, st, rates, a, tau, t_full, options) -> int:
             continue
         s = st["settings"][j]
         k = np.asarray(s["k"], np.int64)
-        t = float(np.dot(s["q"], pl.sketched_round_weights(problem, k, options)))
+        t = float(np.dot(s["q"], sketched_round_weights(problem, k, options)))
         if t / rho < best:
             best, best_j = t / rho, j
     return best_j
@@ -220,11 +227,13 @@ def _best_probe(run, st, rates, a, tau, t_full, options) -> int:
 def plan_for(cfg: ExperimentConfig, problem: Any, constants: Any, options: Any, a: np.ndarray):
     """(q, k, details) of `planner.optimize`: both (multi-start), q only with k from method.k, or k
     only with q from method.q (Figures 2 and 3). Shared with the separate calibration."""
-    from fedlora.system import planner as pl
+    from fedlora.system.planner.alternation import multi_start
+    from fedlora.system.planner.kstep import greedy_k
+    from fedlora.system.planner.qstep import q_step
 
     n, gamma = problem.n, problem.gamma
     if cfg.planner.optimize == "qk":
-        result = pl.multi_start(problem, constants, options)
+        result = multi_start(problem, constants, options)
         return result.q, result.k, {"iterations": result.iterations,
                                     "stop_reason": result.stop_reason,
                                     "start": result.start, "starts": result.starts}  # fmt: skip
@@ -233,9 +242,9 @@ def plan_for(cfg: ExperimentConfig, problem: Any, constants: Any, options: Any, 
 
     if cfg.planner.optimize == "q":
         k = resolve_k(cfg.method.k, n=n, gamma=gamma, rng=derive_rng(cfg.training.seed, "strategy"))
-        return pl.q_step(problem, constants, k, options).q, np.asarray(k), {}
+        return q_step(problem, constants, k, options).q, np.asarray(k), {}
     q = resolve_q(cfg.method.q, a=a, q_fixed=cfg.method.q_fixed)  # given: max_weight not applied
-    return np.asarray(q), pl.greedy_k(problem, constants, q, options), {}
+    return np.asarray(q), greedy_k(problem, constants, q, options), {}
 
 
 def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
