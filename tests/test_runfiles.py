@@ -11,11 +11,11 @@ import pytest
 from fedlora.errors import DataError
 from fedlora.federation.runfiles import (
     append_metrics,
-    atomic_write,
     os_error_message,
     read_metrics_lines,
     restore_metrics,
 )
+from fedlora.files import atomic_write
 
 R0, R1 = '{"round": 0, "sim_time_s": 0.0}', '{"round": 1, "sim_time_s": 1.0}'
 

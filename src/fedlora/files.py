@@ -4,7 +4,9 @@ error style: a ConfigError naming the config key or the file, and what is wrong)
 The client profiles (`network.profiles_file`), the q / k vector files (`method.q`,
 `method.k`) and the planner's problem files (`fedlora plan PROBLEM.json`); and where fedlora
 keeps its own files (`default_cache_dir`). Each reader reads and parses; what the content
-means is checked by the system layer (`profiles_from_rows`, `problem_from_dict`).
+means is checked by the system layer (`profiles_from_rows`, `problem_from_dict`). And the
+one way fedlora writes a whole file (`atomic_write`), shared by the run directory and the
+adapter export.
 """
 
 from __future__ import annotations
@@ -25,6 +27,27 @@ def default_cache_dir() -> Path:
     """``$FEDLORA_CACHE`` if set, else ``~/.cache/fedlora`` (converted models, the bf16 probe)."""
     env = os.environ.get("FEDLORA_CACHE", "").strip()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "fedlora"
+
+
+def with_filename(e: OSError, path: Path) -> OSError:
+    """`e` with the file named (a failed write or fsync does not name it)."""
+    return e if e.filename else OSError(e.errno, e.strerror, str(path))
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a fsynced temporary file renamed over it: a reader sees
+    the old content or the new, never half of it; on failure the temporary file is removed
+    (a full disk gets its space back) and the error names `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise with_filename(e, path) from None
+    os.replace(tmp, path)
 
 
 def _read_text(path: Path, key: str | None = None) -> str:

@@ -62,12 +62,12 @@ from fedlora.federation.runfiles import (
     CLIENTS_FILE,
     METRICS_FILE,
     PLAN_FILE,
-    atomic_write,
     read_clients,
     read_metrics,
     read_plan,
     write_plan,
 )
+from fedlora.files import atomic_write
 
 AUTO_LOSS_FRACTION = 0.5
 SMOOTHING_ROUNDS = 3

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import DataError
-from fedlora.federation.runfiles import METRICS_FILE, atomic_write, read_metrics_lines
+from fedlora.federation.runfiles import METRICS_FILE, read_metrics_lines
+from fedlora.files import atomic_write
 
 CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
 # stored as tensors "<group>/<key>": FedStackLoRA's / FedEx-LoRA's base merges, the server

@@ -32,7 +32,6 @@ from typing import Any
 from fedlora.config.experiment import SECTIONS, ExperimentConfig, config_from_dict, diff_configs
 from fedlora.config.toml_io import apply_overrides, dump_toml, read_toml
 from fedlora.errors import ConfigError, DataError
-from fedlora.federation.runfiles import atomic_write
 from fedlora.federation.runmarker import (
     MANIFEST,
     MARKER_NAME,
@@ -42,6 +41,7 @@ from fedlora.federation.runmarker import (
     sort_entries,
     write_marker,
 )
+from fedlora.files import atomic_write
 
 __all__ = [
     "FIXED_EXCEPTIONS",

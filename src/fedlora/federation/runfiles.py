@@ -1,8 +1,8 @@
 """The run directory's files, owned here: each written so that a crash leaves it whole, and
 read back by one rule (issue 23: one reader and one writer per file).
 
-- `atomic_write` writes a temporary file next to the target, fsyncs it and renames it over
-  the target: a reader sees the old content or the new, never half of it.
+- every whole file is written by `fedlora.files.atomic_write` (a temporary file next to the
+  target, fsynced, renamed over it): a reader sees the old content or the new, never half.
 - metrics.jsonl gets one JSON line per round, fsynced (`append_metrics`); it is read back by
   one torn-line rule (`read_metrics`, `read_metrics_lines`: only the last line may be torn,
   and is dropped), and a resume cuts it back to the lines its checkpoint recorded
@@ -27,29 +27,12 @@ from types import MappingProxyType
 from typing import Any
 
 from fedlora.errors import DataError
+from fedlora.files import atomic_write, with_filename
 
 METRICS_FILE = "metrics.jsonl"
 CLIENTS_FILE = "clients.csv"
 PLAN_FILE = "plan.json"
 SUMMARY_FILE = "summary.json"
-
-
-def _named(e: OSError, path: Path) -> OSError:
-    """`e` with the file named (a failed write or fsync does not name it)."""
-    return e if e.filename else OSError(e.errno, e.strerror, str(path))
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        tmp.unlink(missing_ok=True)  # a full disk gets its space back
-        raise _named(e, path) from None
-    os.replace(tmp, path)
 
 
 def os_error_message(e: OSError) -> str:
@@ -70,7 +53,7 @@ def append_metrics(path: Path, line: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        raise _named(e, path) from None
+        raise with_filename(e, path) from None
 
 
 # ----------------------------------------------------------------------------- metrics.jsonl

@@ -28,13 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, DataError
-from fedlora.federation.runfiles import (
-    METRICS_FILE,
-    SUMMARY_FILE,
-    atomic_write,
-    is_metrics_line,
-    read_summary,
-)
+from fedlora.federation.runfiles import METRICS_FILE, SUMMARY_FILE, is_metrics_line, read_summary
+from fedlora.files import atomic_write
 
 MARKER_NAME = ".fedlora-run.json"
 MARKER_FORMAT = 1

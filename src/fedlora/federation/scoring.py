@@ -13,8 +13,8 @@ import numpy as np
 
 from fedlora.errors import DataError
 from fedlora.federation.progress import Progress
-from fedlora.federation.runfiles import atomic_write
 from fedlora.federation.runstate import Run
+from fedlora.files import atomic_write
 
 
 def evaluate_tasks(run: Run) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch import nn
 from fedlora.config.checks import check_fits_in_memory
 from fedlora.config.sections import LoraConfig
 from fedlora.errors import ConfigError, bad_value
+from fedlora.files import atomic_write
 from fedlora.llm.device import autocast_state
 from fedlora.llm.lora_targets import find_targets
 
@@ -331,7 +331,7 @@ class SlotLora:
         # as a set (hash order): sorted, the file is reproducible
         saved = {k: list(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
         saved["target_modules"] = sorted(saved["target_modules"])
-        _write_file(
+        atomic_write(
             out / "adapter_config.json", json.dumps(saved, indent=2, sort_keys=True).encode()
         )
         tensors = {}
@@ -343,28 +343,9 @@ class SlotLora:
                 tensors[f"base_model.model.{n}.{part}.weight"] = t.contiguous()
         # serialized here, not by save_file: a full disk is an OSError naming the file
         weights = save(tensors, metadata={"format": "pt"})
-        _write_file(out / "adapter_model.safetensors", weights)
+        atomic_write(out / "adapter_model.safetensors", weights)
         meta: dict[str, Any] = {"rank": self.rank, "alpha": self.cfg.alpha, "layers": self.names}
-        _write_file(out / "fedlora_adapter.json", (json.dumps(meta, indent=2) + "\n").encode())
-
-
-def _named(e: OSError, path: Path) -> OSError:
-    """`e` with the file named (a failed write does not name it)."""
-    return e if e.filename else OSError(e.errno, e.strerror, str(path))
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file (a reader never sees half of it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _named(e, path) from None
-    os.replace(tmp, path)
+        atomic_write(out / "fedlora_adapter.json", (json.dumps(meta, indent=2) + "\n").encode())
 
 
 def inject_lora(model: nn.Module, cfg: LoraConfig, slots: int, *, seed: int = 0) -> SlotLora:

@@ -52,9 +52,9 @@ from fedlora.federation.rundir import (
     run_dir_for,
     run_dir_lock,
 )
-from fedlora.federation.runfiles import atomic_write
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import Trained, Trainer, TrainingDiverged
+from fedlora.files import atomic_write
 from fedlora.llm.device import resolve_runtime
 
 apply_safe_env()
