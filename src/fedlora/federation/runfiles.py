@@ -91,7 +91,7 @@ def _scan_metrics(path: Path, warn: Callable[[str], Any] | None) -> list[tuple[s
     """(text, line) of every metrics line of `path`, by the one rule above."""
     if not path.exists():
         return []
-    text = _read_run_file(path, "metrics file")
+    text = read_run_text(path, "metrics file")
     numbered = [(i + 1, raw) for i, raw in enumerate(text.split("\n")) if raw.strip()]
     out = []
     for j, (number, raw) in enumerate(numbered):
@@ -215,7 +215,7 @@ def write_clients(run_dir: Path, rows: Sequence[ClientRow]) -> None:
 def read_clients(path: Path) -> list[ClientRow]:
     """The rows of a run's clients.csv; a missing file, column or number is a DataError naming
     the file (and the row and column)."""
-    text = _read_run_file(path, "clients file")
+    text = read_run_text(path, "clients file")
     rows = list(csv.DictReader(text.splitlines()))
     header = list(rows[0]) if rows else []
     missing = [c for c in _REQUIRED_CLIENT_COLUMNS if c not in header]
@@ -346,7 +346,8 @@ def read_summary(path: Path) -> RunSummary:
     return summary_from_dict(_read_json_object(path, "summary file"), f"summary file {str(path)!r}")
 
 
-def _read_run_file(path: Path, what: str) -> str:
+def read_run_text(path: Path, what: str) -> str:
+    """A run file's text; unreadable or non-UTF-8: a DataError naming `what` and the file."""
     try:
         return path.read_bytes().decode("utf-8")
     except OSError as e:
@@ -357,7 +358,7 @@ def _read_run_file(path: Path, what: str) -> str:
 
 def _read_json_object(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(_read_run_file(path, what))
+        data = json.loads(read_run_text(path, what))
     except ValueError as e:
         raise DataError(f"{what} {str(path)!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):

@@ -26,6 +26,7 @@ from fedlora.federation.runfiles import (
     SUMMARY_FILE,
     RunSummary,
     read_metrics,
+    read_run_text,
     read_summary,
     summary_from_dict,
 )
@@ -93,20 +94,10 @@ class RunRecord:
         return []
 
 
-def _read_text(path: Path, what: str) -> str:
-    """A run file's text; unreadable or non-UTF-8 files raise `DataError` naming them."""
-    try:
-        return path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise DataError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"{what} {str(path)!r} is not UTF-8 text (byte {e.start})") from None
-
-
 def read_toml(path: Path) -> dict[str, Any]:
     """A run's config.toml; unreadable or invalid files raise `DataError` naming them."""
     try:
-        return tomllib.loads(_read_text(path, "config file"))
+        return tomllib.loads(read_run_text(path, "config file"))
     except tomllib.TOMLDecodeError as e:
         raise DataError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 
