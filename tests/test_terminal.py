@@ -15,6 +15,20 @@ from fedlora.commands.terminal import _show_own_warnings
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+# Another library's warning, raised while `fedlora eval` runs (when it imports its evaluation
+# module: after the command line has set up the terminal), from a file outside fedlora.
+FOREIGN_WARNING = """import sys, warnings
+
+def _hook(event, args):
+    if event == "import" and args[0] == "fedlora.llm.evaluation" and not _hook.done:
+        _hook.done = True
+        warnings.warn("a foreign library's deprecation", FutureWarning)
+
+_hook.done = False
+sys.addaudithook(_hook)
+"""
+
+
 def _eval(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
     recs = [
         {"instruction": f"Please choose the correct answer to the question: q{i}?\n\n"
@@ -28,7 +42,10 @@ def _eval(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS",
                         "PYTHONWARNINGS")}  # fmt: skip
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(FOREIGN_WARNING)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(site), env.get("PYTHONPATH", "")])
     argv = [*flags, "eval", "--model", "tiny-llama", "--task-file", str(path), "--json"]
     cmd = [sys.executable, "-m", "fedlora.cli", *argv]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -41,7 +58,7 @@ def test_eval_prints_no_foreign_warning_unless_verbose(tmp_path: Path) -> None:
     assert quiet.stderr == ""
     loud = _eval(tmp_path, "--verbose")  # the same run shows what was silenced
     assert loud.returncode == 0
-    assert "past_key_values" in loud.stderr and "Warning" in loud.stderr
+    assert "a foreign library's deprecation" in loud.stderr and "FutureWarning" in loud.stderr
 
 
 def test_own_warnings_still_show(capsys) -> None:
