@@ -26,12 +26,15 @@ from fedlora.federation.methods.base import (
     Aggregation,
     ClientTask,
     LayerShapes,
-    Method,
-    MethodContext,
     Payload,
     RoundPlan,
 )
-from fedlora.federation.methods.partial import average_parts, factor_params, full_rank_plan
+from fedlora.federation.methods.partial import (
+    PartialMethod,
+    average_parts,
+    factor_params,
+    full_rank_plan,
+)
 from fedlora.federation.methods.registry import register_method
 
 
@@ -41,18 +44,12 @@ def rolora_factor(round_index: int) -> str:
 
 
 @register_method("rolora")
-class RoLoRA(Method):
+class RoLoRA(PartialMethod):
+    """`PartialMethod` (its construction and sampling) with the trained, averaged and sent
+    factor alternating by round (`rolora_factor`)."""
+
     name = "rolora"
     delta_aggregate = True  # the moving factor ← it + Σ p_n (X_n − X); exact for any step
-
-    @classmethod
-    def from_config(cls, ctx: MethodContext) -> RoLoRA:
-        return cls(a=ctx.a, gamma=ctx.gamma, clients_per_round=ctx.cfg.method.clients_per_round)
-
-    def __init__(self, *, a: np.ndarray, gamma: int, clients_per_round: int = 0) -> None:
-        self.a = np.asarray(a, dtype=float)
-        self.gamma = gamma
-        self.clients_per_round = clients_per_round
 
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
