@@ -30,6 +30,36 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie runs nothing
 
 
+def _start_run_local(tmp_path: Path, *args: str, stderr=subprocess.DEVNULL):  # noqa: ANN001, ANN202
+    """`fedlora flower run-local` on a run far longer than the test (its own session), and
+    its run directory."""
+    cfg = write_config(tmp_path, rounds=200, q="[1.0, 1.0]")
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FEDLORA_DATA": DATA}
+    cmd = [sys.executable, "-m", "fedlora.cli", "flower", "run-local", "--config", str(cfg)]
+    cmd += ["--out", str(out), *args]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+    )
+    return proc, out
+
+
+def _assert_gone_and_unlocked(tree: set[int] | list[int], out: Path) -> None:
+    """Within 10 s no process of `tree` runs, and the run directory's lock is free."""
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in tree if _alive(p)] == []
+    with open(out / ".lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _kill_what_is_left(proc: subprocess.Popen) -> None:
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
@@ -82,15 +112,7 @@ def test_run_config_strings_reach_the_server_app_unchanged(value) -> None:
 def test_kill_of_run_local_leaves_nothing_running(sig, tmp_path: Path) -> None:
     # Prepare: a run long enough to be mid-training when killed; the override with '"' (the
     # docs' lora.layers="all", the config's own value) has to reach the ServerApp intact
-    cfg = write_config(tmp_path, rounds=200, q="[1.0, 1.0]")
-    out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FEDLORA_DATA": DATA}
-    cmd = [sys.executable, "-m", "fedlora.cli", "flower", "run-local", "--config", str(cfg)]
-    cmd += ["--out", str(out), "--timeout-s", "600", 'lora.layers="all"']
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
+    proc, out = _start_run_local(tmp_path, "--timeout-s", "600", 'lora.layers="all"')
     try:
         deadline = time.monotonic() + 300
         while not (out / "metrics.jsonl").exists():  # the ServerApp is training
@@ -102,32 +124,18 @@ def test_kill_of_run_local_leaves_nothing_running(sig, tmp_path: Path) -> None:
         # Execute: signal the parent only
         os.kill(proc.pid, sig)
         proc.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
         # Assert: nothing of its tree runs, and the run directory is free again
-        assert [p for p in tree if _alive(p)] == []
-        with open(out / ".lock", "a+") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _assert_gone_and_unlocked(tree, out)
     finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_what_is_left(proc)
 
 
 @pytest.mark.slow
 @needs_data
 def test_timeout_of_run_local_leaves_nothing_running(tmp_path: Path) -> None:
     # Prepare: a run far longer than its --timeout-s
-    cfg = write_config(tmp_path, rounds=200, q="[1.0, 1.0]")
-    out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "FEDLORA_DATA": DATA}
-    cmd = [sys.executable, "-m", "fedlora.cli", "flower", "run-local", "--config", str(cfg)]
-    cmd += ["--out", str(out), "--timeout-s", "20"]
     with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
-        )
+        proc, out = _start_run_local(tmp_path, "--timeout-s", "20", stderr=err)
     tree: set[int] = set()  # every process seen below run-local while it ran
     try:
         # Execute: let --timeout-s expire
@@ -141,13 +149,6 @@ def test_timeout_of_run_local_leaves_nothing_running(tmp_path: Path) -> None:
         assert proc.returncode == 2 and "Traceback" not in text, text
         assert "did not appear within 20.0 s" in text.strip().splitlines()[-1]
         assert len(tree) >= 5  # watchdog, 2 workers, SuperLink, 2 SuperNodes (+ ServerApp...)
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [p for p in tree if _alive(p)] == []
-        with open(out / ".lock", "a+") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _assert_gone_and_unlocked(tree, out)
     finally:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_what_is_left(proc)
