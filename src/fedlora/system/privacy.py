@@ -9,7 +9,8 @@ A client's history is a list of events ``(kind, rate, count)``:
                multiplier σ (sensitivity C)
     "uniform"  m of N clients without replacement, `rate` = m/N: the sampled-without-
                replacement Gaussian, replace-one adjacency, noise multiplier σ/2 (replacing a
-               client's data moves its clipped contribution by up to 2C)
+               client's data moves its clipped contribution by up to 2C); with m = N (every
+               client every round) the plain Gaussian, add-or-remove-one, multiplier σ
     "local"    the client added the noise to its own update and sent it (`rate` = 1): the
                Gaussian with multiplier σ/2 (any two of its data sets, 2C), once per round it
                took part; the server chose who takes part, so no amplification
@@ -53,8 +54,8 @@ def _dp_event(kind: str, rate: float, sigma: float, n_clients: int):  # -> a DpE
         return dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(sigma))
     if kind == "uniform":
         m = int(round(rate * n_clients))
-        if m >= n_clients:  # everyone every round: no sampling
-            return dpa.GaussianDpEvent(sigma / 2)
+        if m >= n_clients:  # everyone every round: no sampling, add-or-remove (C)
+            return dpa.GaussianDpEvent(sigma)
         return dpa.SampledWithoutReplacementDpEvent(n_clients, m, dpa.GaussianDpEvent(sigma / 2))
     if kind == "local":
         return dpa.GaussianDpEvent(sigma / 2)
@@ -102,13 +103,13 @@ def max_poisson_rate(
 ) -> float:
     """The largest q in (0, 1] whose `rounds` rounds keep ε(δ) <= `budget` (ε grows with q):
     1 when q = 1 does, 0 when not even `q_min` does; else a bisection on log q to a relative
-    1e-4, returning the lower end (a q that keeps the budget)."""
+    1e-3, returning the lower end (a q that keeps the budget)."""
     if rounds <= 0 or poisson_epsilon(1.0, sigma, rounds, delta) <= budget:
         return 1.0
     if poisson_epsilon(q_min, sigma, rounds, delta) > budget:
         return 0.0
     lo, hi = math.log(q_min), 0.0
-    while hi - lo > 1e-4:
+    while hi - lo > 1e-3:
         mid = (lo + hi) / 2
         if poisson_epsilon(math.exp(mid), sigma, rounds, delta) <= budget:
             lo = mid
