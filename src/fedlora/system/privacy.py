@@ -102,20 +102,24 @@ def max_poisson_rate(
     budget: float, sigma: float, rounds: int, delta: float, *, q_min: float = 1e-6
 ) -> float:
     """The largest q in (0, 1] whose `rounds` rounds keep ε(δ) <= `budget` (ε grows with q):
-    1 when q = 1 does, 0 when not even `q_min` does; else a bisection on log q to a relative
-    1e-3, returning the lower end (a q that keeps the budget)."""
+    1 when q = 1 does, 0 when not even `q_min` does; else the root of ε(q) = budget in log q
+    (Brent, to 1e-4), stepped down until it keeps the budget."""
+    from scipy.optimize import brentq
+
     if rounds <= 0 or poisson_epsilon(1.0, sigma, rounds, delta) <= budget:
         return 1.0
     if poisson_epsilon(q_min, sigma, rounds, delta) > budget:
         return 0.0
-    lo, hi = math.log(q_min), 0.0
-    while hi - lo > 1e-3:
-        mid = (lo + hi) / 2
-        if poisson_epsilon(math.exp(mid), sigma, rounds, delta) <= budget:
-            lo = mid
-        else:
-            hi = mid
-    return math.exp(lo)
+    root = brentq(
+        lambda t: poisson_epsilon(math.exp(t), sigma, rounds, delta) - budget,
+        math.log(q_min),
+        0.0,
+        xtol=1e-4,
+    )
+    t = root
+    while t > math.log(q_min) and poisson_epsilon(math.exp(t), sigma, rounds, delta) > budget:
+        t -= 1e-4
+    return math.exp(t)
 
 
 class PrivacyLedger:
