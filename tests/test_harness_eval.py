@@ -243,6 +243,9 @@ def test_engine_in_harness_format_logs_mc_loss(tmp_path: Path) -> None:
         line = lines[p["round"]]
         assert p["format"] == "harness" and len(p["mc_loss"]) == 10
         assert np.mean(p["mc_loss"]) == pytest.approx(line["eval_mc_losses"][p["task"]], abs=1e-5)
+        # per question under acc_norm too: its mean is the logged acc_norm
+        assert len(p["correct_norm"]) == 10 and set(p["correct_norm"]) <= {0, 1}
+        assert np.mean(p["correct_norm"]) == pytest.approx(line["eval_acc_norm"][p["task"]])
     assert summary["initial_mc_loss"] == pytest.approx(lines[0]["eval_mc_loss"])
     assert summary["final_mc_loss"] == pytest.approx(lines[-1]["eval_mc_loss"])
     assert summary["train_lengths"]["n"] == 40

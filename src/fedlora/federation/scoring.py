@@ -47,7 +47,8 @@ PREDICTIONS_FILE = "predictions.jsonl"
 
 def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) -> None:
     """One line per task of this evaluation in predictions.jsonl: question ids, predicted
-    label index, correct (0/1) and NLL per question. Lines of this or later rounds (left by
+    label index, correct (0/1; in the harness format also `correct_norm`, under acc_norm), NLL and
+    mc_loss per question. Lines of this or later rounds (left by
     an interrupted run that is being resumed) are replaced."""
     path = run_dir / PREDICTIONS_FILE
     kept = []
@@ -70,6 +71,8 @@ def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) 
             "mc_loss": [round(x, 6) for x in r.mc],
             "format": r.fmt,
         }
+        if r.correct_norm:  # the harness format: correct under lm-eval's acc_norm too
+            line["correct_norm"] = [int(c) for c in r.correct_norm]
         kept.append(json.dumps(line))
     atomic_write(path, "".join(line + "\n" for line in kept).encode())
 

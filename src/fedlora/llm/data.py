@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedlora.errors import DataError
+from fedlora.config.sections import parse_eval_exclude
+from fedlora.errors import ConfigError, DataError
 from fedlora.llm.prompts import TokenizedSet, collate, tokenize_examples
 from fedlora.llm.tasks import (
     Example,
@@ -167,12 +168,54 @@ def partition_keys(examples: Sequence[Example], key: str) -> list[str]:
     return [getters[key](e) for e in examples]
 
 
+def eval_questions(
+    examples: list[Example],
+    task: str,
+    limit: int,
+    seed: int,
+    exclude_seeds: Sequence[int] = (),
+) -> list[Example]:
+    """The evaluation questions of one task: a seeded subset of `limit` (0 = all) drawn with
+    the stream (seed, "eval", task) from the test split, after leaving out every question
+    that the subset of the same `limit` for each seed in `exclude_seeds` draws. With no
+    exclusions this is exactly the subset earlier versions drew."""
+    pool = list(range(len(examples)))
+    if exclude_seeds:
+        dropped: set[int] = set()
+        for s in exclude_seeds:
+            dropped.update(_subset_indices(len(examples), limit, stream_rng(s, "eval", task)))
+        pool = [i for i in pool if i not in dropped]
+        if not pool or len(pool) < limit:
+            raise ConfigError(
+                f"data.eval_exclude = {[f'{task}:{s}' for s in exclude_seeds]!r} leaves "
+                f"{len(pool)} of the {len(examples)} {task} test questions: fewer than "
+                f"data.eval_limit = {limit}; exclude fewer subsets or lower the limit"
+            )
+    keep = _subset_indices(len(pool), limit, stream_rng(seed, "eval", task))
+    return [examples[pool[i]] for i in keep]
+
+
+def _subset_indices(n: int, limit: int, rng: np.random.Generator) -> list[int]:
+    """The positions `seeded_subset` keeps of n items (the same draws), in order."""
+    if limit <= 0 or limit >= n:
+        return list(range(n))
+    return np.sort(rng.choice(n, size=limit, replace=False)).tolist()
+
+
 def load_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
-    """A seeded subset (`cfg.eval_limit`, 0 = all) of each eval task's test split."""
+    """Each eval task's questions (`eval_questions`): a subset of `cfg.eval_limit` of its test
+    split, drawn with `cfg.eval_seed` (-1: the training `seed`), leaving out the subsets
+    `cfg.eval_exclude` names."""
     data_dir = resolve_data_dir(cfg.data_dir)
+    eval_seed = seed if cfg.eval_seed < 0 else cfg.eval_seed
+    excluded = [parse_eval_exclude(e) for e in cfg.eval_exclude]
     return {
-        task: seeded_subset(
-            load_task(task, data_dir, "test"), cfg.eval_limit, stream_rng(seed, "eval", task)
+        task: eval_questions(
+            load_task(task, data_dir, "test"),
+            task,
+            cfg.eval_limit,
+            eval_seed,
+            [s for t, s in excluded if t == task],
         )
         for task in cfg.eval_tasks
     }

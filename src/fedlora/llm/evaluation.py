@@ -83,6 +83,7 @@ class EvalResult:
     mc_loss_ci95: tuple[float, float] = (math.nan, math.nan)  # normal interval over questions
     mc_chance: float = math.nan  # mc_loss of equal scores: mean ln(n_options)
     mc: list[float] = field(default_factory=list)  # per question
+    correct_norm: list[bool] = field(default_factory=list)  # harness: per question, acc_norm
 
 
 def question_id(ex: Example) -> str:
@@ -342,4 +343,5 @@ def evaluate(
         mc_loss_ci95=mc_ci,
         mc_chance=float(np.mean([math.log(len(w)) for w in where])),
         mc=mc,
+        correct_norm=[bool(c) for c in norm_correct],
     )
