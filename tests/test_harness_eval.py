@@ -249,8 +249,18 @@ def test_engine_in_harness_format_logs_mc_loss(tmp_path: Path) -> None:
     assert summary["initial_mc_loss"] == pytest.approx(lines[0]["eval_mc_loss"])
     assert summary["final_mc_loss"] == pytest.approx(lines[-1]["eval_mc_loss"])
     assert summary["train_lengths"]["n"] == 40
+    # the final evaluation paired with round 0 on the same questions, from predictions.jsonl
+    from fedlora.llm.evaluation import paired_change
+
+    last = max(p["round"] for p in preds)
+    for task, pair in summary["paired_eval"].items():
+        (p0,) = [p["correct"] for p in preds if p["round"] == 0 and p["task"] == task]
+        (p1,) = [p["correct"] for p in preds if p["round"] == last and p["task"] == task]
+        assert pair == paired_change(p0, p1)
+    assert set(summary["paired_eval"]) == set(lines[0]["eval_n"])
     text = describe(summary)
     assert "(n = 10) in the harness format" in text and "acc_norm" in text and "mc_loss" in text
+    assert "paired on the same 10 questions" in text and "exact McNemar p = " in text
 
 
 @needs_data

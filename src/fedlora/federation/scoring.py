@@ -15,6 +15,7 @@ from fedlora.errors import DataError
 from fedlora.federation.progress import Progress
 from fedlora.federation.runstate import Run
 from fedlora.files import atomic_write
+from fedlora.llm.evaluation import paired_change
 
 
 def evaluate_tasks(run: Run) -> dict[str, Any]:
@@ -141,8 +142,16 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
         }
         for t, r in results.items()
     }
+    correct = {t: [int(c) for c in r.correct] for t, r in results.items()}
     if progress.initial_eval is None:
         progress.initial_eval = details
+        progress.initial_correct = correct
+    elif progress.initial_correct:  # later evaluations: paired with round 0's on each task
+        progress.last_paired = {
+            t: paired_change(progress.initial_correct[t], c)
+            for t, c in correct.items()
+            if len(progress.initial_correct.get(t, ())) == len(c)
+        }
     progress.last_eval = details
     if run.cfg.evaluation.predictions:
         write_predictions(run.run_dir, round_index, results)

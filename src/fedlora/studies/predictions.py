@@ -14,22 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import DataError
+from fedlora.llm.evaluation import mcnemar_p
 from fedlora.studies.runs import RunRecord
 
 PREDICTIONS_FILE = "predictions.jsonl"
-
-
-def mcnemar_p(b: int, c: int) -> float:
-    """Exact two-sided McNemar p-value: b, c are the discordant pairs (only run A right, only
-    run B right); under H0 (equal accuracy) b ~ Binomial(b + c, 1/2)."""
-    for name, v in (("b", b), ("c", c)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise DataError(f"{name} = {v!r} is invalid: a count >= 0")
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2.0 * tail)
 
 
 def read_predictions(run_dir: Path) -> dict[str, dict[str, Any]]:
