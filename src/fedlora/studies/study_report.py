@@ -33,8 +33,12 @@ from fedlora.studies.study_stats import (
     metric_of,
 )
 
-CURVES_PNG = "metric_vs_time.png"
-PAIRED_PNG = "paired_difference_fslora.png"
+# the names `fedlora report` uses for the same two figures (a run directory's manifest knows
+# them): accuracy for acc/acc_norm, eval_loss for a loss metric
+FIGURES = {
+    True: ("accuracy_bands.png", "accuracy_paired.png"),
+    False: ("eval_loss_bands.png", "eval_loss_paired.png"),
+}
 
 
 def _p(p: float | None) -> str:
@@ -208,11 +212,12 @@ def render(
                 f"| {r.total_time_s:.1f} | {r.calibration_time_s:.1f} | "
                 f"{r.summary.stop_reason or r.summary.error or 'unfinished'} |"
             )
+    curves_png, paired_png = FIGURES[metric.higher]
     lines += [
         "",
-        f"![{metric.text} against simulated time]({CURVES_PNG})",
+        f"![{metric.text} against simulated time]({curves_png})",
         "",
-        f"![paired difference to FSLoRA]({PAIRED_PNG})",
+        f"![paired difference to FSLoRA]({paired_png})",
         "",
     ]
     return "\n".join(lines)
@@ -236,7 +241,9 @@ def figures(out: Path, rule: dict[str, Any], metric: Metric, cells: dict[str, li
     ax.set_xlabel("simulated time (min)")
     ax.set_ylabel(metric.text)
     ax.legend(fontsize=8)
-    save_figure(fig, out / CURVES_PNG, title=f"{metric.text}: mean over seeds, 95% t band")
+    save_figure(
+        fig, out / FIGURES[metric.higher][0], title=f"{metric.text}: mean over seeds, 95% t band"
+    )
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ref = curves.get(REFERENCE)
     for arm, cs in curves.items():
@@ -253,7 +260,9 @@ def figures(out: Path, rule: dict[str, Any], metric: Metric, cells: dict[str, li
     ax.set_xlabel("simulated time (min)")
     ax.set_ylabel(f"{metric.text}: arm - FSLoRA (same seed)")
     ax.legend(fontsize=8)
-    save_figure(fig, out / PAIRED_PNG, title="paired difference to FSLoRA, 95% t band")
+    save_figure(
+        fig, out / FIGURES[metric.higher][1], title="paired difference to FSLoRA, 95% t band"
+    )
 
 
 def write_study_report(out: str | Path) -> Path:
