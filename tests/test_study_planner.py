@@ -58,7 +58,8 @@ def write(root, name, evals, *, correct=None, extra=None):
 
 
 def pts(*pairs):
-    return [(t, {"arc-e": v}) for t, v in pairs]
+    """arc-e at the values given, arc-c 0.3 below (the secondary metric)."""
+    return [(t, {"arc-e": v, "arc-c": round(v - 0.3, 9)}) for t, v in pairs]
 
 
 def test_the_metric_is_one_task_not_the_mean_over_tasks(tmp_path):
@@ -139,6 +140,7 @@ def _study(root):
         {k: v[0] for k, v in curves.items()}, ACC, 100.0, 0.5, ["fixed-a", "fixed-b"]
     )
     rule.update(
+        secondary=["arc-c/acc"],
         seeds=[0, 1, 2],
         pilot_seed=9,
         arms=["fslora", "proposed-inrun", "fixed-best"],
@@ -196,6 +198,8 @@ def test_report_hand_checked_ratio_mcnemar_and_holm(tmp_path):
         "**inconclusive** |" in text
     )
     assert "| fslora | 3.35 | 3.20 | 4.23 | 3.83 | fslora: 0.67 |" in text
+    assert "## arc-c/acc at the budget, per seed (secondary" in text
+    assert "| proposed-inrun | 20.00 | 50.00 | 50.00 | 50.00 |" in text
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64") == 2
     # a rule.json that does not follow from the pilot's runs is refused
@@ -221,6 +225,8 @@ def test_study_config_refuses_a_pilot_without_a_grid_and_bad_tables():
 
 def test_resume_skips_finished_runs_resumes_partial_ones_and_retries_failed(tmp_path):
     spec = spec_from_dict(tomllib.loads(TINY_STUDY), "tiny")
+    with pytest.raises(ConfigError, match="run the pilot stage first"):
+        run_stage(spec, tmp_path, log=print)  # no rule.json: no analysed run
     calls = []
 
     def fake(cfg, run_dir, *, resume):
@@ -297,3 +303,23 @@ def test_tiny_runs_count_calibration_share_the_grid_and_resume(tiny_study):
     assert len((out / "ledger.jsonl").read_text().splitlines()) == 3 + 6
     report = write_study_report(out)
     assert "## Minutes to target, per seed" in report.read_text()
+
+
+def test_bench_runner_refuses_an_unfixed_protocol_and_reports(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "study_planner.py"
+    spec = importlib.util.spec_from_file_location("study_planner_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # the committed config: valid, protocol placeholders, so `pilot` refuses and writes nothing
+    assert bench.main(["check"]) == 0
+    assert "protocol_fixed = false" in capsys.readouterr().out
+    assert bench.main(["pilot", "--out", str(tmp_path / "p")]) == 2
+    assert "protocol_fixed = false" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+    assert bench.main(["report", "--out", str(tmp_path / "none")]) == 2
+    assert "no " in capsys.readouterr().err
+    assert bench.main(["report", "--out", str(_study(tmp_path / "s"))]) == 0
+    assert (tmp_path / "s" / "report.html").is_file()

@@ -17,7 +17,14 @@ from typing import Any
 from fedlora.errors import ConfigError, DataError
 from fedlora.studies.figures import mean_band, pyplot, save_figure
 from fedlora.studies.html import write_html
-from fedlora.studies.study_rule import EPS, Metric, level_on_grid, metric_points
+from fedlora.studies.study_rule import (
+    EPS,
+    Metric,
+    level_on_grid,
+    metric_points,
+    parse_metric,
+    value_at_budget,
+)
 from fedlora.studies.study_spec import REFERENCE
 from fedlora.studies.study_stats import (
     PAPER_TABLE1,
@@ -133,6 +140,8 @@ def render(
         s0 = f"{scale * sum(starts) / len(starts):.2f}" if starts else "-"
         vals = ["-" if c.at_budget is None else f"{scale * c.at_budget:.2f}" for c in row]
         lines.append(f"| {arm} | {s0} | " + " | ".join(vals) + " |")
+    for extra in rule.get("secondary", []):
+        lines += _secondary(extra, rule, cells)
     lines += [
         "",
         f"## Paired comparisons (best baseline: {best})",
@@ -221,6 +230,30 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+def _secondary(text: str, rule: dict[str, Any], cells: dict[str, list[Cell]]) -> list[str]:
+    """A secondary metric at the budget per arm and seed (reported beside, never deciding)."""
+    metric = parse_metric(text, "rule.json secondary")
+    scale = 100.0 if metric.field in ("acc", "acc_norm") else 1.0
+    out = [
+        "",
+        f"## {metric.text} at the budget, per seed (secondary: reported, never deciding)",
+        "",
+        "| arm | round-0 | " + " | ".join(f"seed {s}" for s in rule["seeds"]) + " |",
+        "|---" * (len(rule["seeds"]) + 2) + "|",
+    ]
+    for arm, row in cells.items():
+        curves = [metric_points(c.run, metric) for c in row]
+        starts = [p[0][1] for p in curves if p]
+        s0 = f"{scale * sum(starts) / len(starts):.2f}" if starts else "-"
+        vals = [value_at_budget(p, rule["budget_s"]) for p in curves]
+        out.append(
+            f"| {arm} | {s0} | "
+            + " | ".join("-" if v is None else f"{scale * v:.2f}" for v in vals)
+            + " |"
+        )
+    return out
 
 
 def figures(out: Path, rule: dict[str, Any], metric: Metric, cells: dict[str, list[Cell]]) -> None:

@@ -166,8 +166,10 @@ def spec_from_dict(raw: dict[str, Any], source: str) -> StudySpec:
         raw=raw,
         source=source,
     )
+    from fedlora.federation.methods.registry import check_method_config
+
     for overrides in [*arms.values(), *fixed.values()]:  # every run's config checks
-        spec.config([*overrides, "training.time_budget_s=100"])
+        check_method_config(spec.config([*overrides, "training.time_budget_s=100"]))
     return spec
 
 
