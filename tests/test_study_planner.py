@@ -278,7 +278,14 @@ def test_tiny_pilot_evaluates_on_its_own_grid_and_sets_a_target_above_round_0(ti
             first = next(x for x in lines if x["sim_time_s"] >= k * every)
             assert first.get("eval"), (d.name, k)
     assert rule["target_gain"] > 0 and rule["pilot_target"] < rule["pilot_start"]  # a loss
-    assert json.loads((out / "rule.json").read_text())["fixed_best"] in spec.fixed_rules
+    written = (out / "rule.json").read_text()
+    assert json.loads(written)["fixed_best"] in spec.fixed_rules
+    # a second pilot skips its runs and finds the same rule; a changed rule.json is refused
+    assert json.loads(json.dumps(pilot_stage(spec, out, log=lambda m: None))) == json.loads(written)
+    (out / "rule.json").write_text(json.dumps({**json.loads(written), "target_gain": 1.0}))
+    with pytest.raises(ConfigError, match="exists with another rule"):
+        pilot_stage(spec, out, log=lambda m: None)
+    (out / "rule.json").write_text(written)
 
 
 def test_tiny_runs_count_calibration_share_the_grid_and_resume(tiny_study):
