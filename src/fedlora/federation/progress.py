@@ -31,7 +31,7 @@ class Progress:
     last_eval_loss: float | None = None
     best_eval_loss: float | None = None
     time_to_target_loss_s: float | None = None
-    initial_mc_loss: float | None = None  # mean over tasks of mc_loss (issue 20)
+    initial_mc_loss: float | None = None  # mean over tasks of mc_loss
     last_mc_loss: float | None = None
     best_mc_loss: float | None = None
     time_to_target_mc_loss_s: float | None = None
