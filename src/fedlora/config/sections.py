@@ -135,7 +135,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class NetworkConfig:
-    """Client compute and wireless channel (paper §IV), and the cost models (PAPER_NOTES #4–6).
+    """Client compute, wireless channel (paper §IV) and cost models (docs/paper.md, rows 4–6).
 
     Profiles come from `profiles_file` (CSV or JSON, one row per client with `tau_full_s`,
     `t_full`) or are generated: lognormal per-step compute times and a path-loss channel.
