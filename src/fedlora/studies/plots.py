@@ -1,6 +1,6 @@
 """The figures of the reports (matplotlib, Agg backend): accuracy and eval_loss against the
 simulated wall-clock, one colour per label (`plot_runs`, `plot_losses`), and over seeds the
-mean with its 95% band (`plot_bands`, issue 14).
+mean with its 95% band (`plot_bands`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Paired tests on the questions: each evaluation writes, per task, which questions the adapter
-answered right (predictions.jsonl, issue 13); two runs' last evaluations pair on the question
+answered right (predictions.jsonl); two runs' last evaluations pair on the question
 ids they share, and McNemar's exact test compares them (one pair of runs, or pooled over the
 seeds of two methods).
 """
@@ -86,8 +86,8 @@ def paired_tests(run_a: Path, run_b: Path) -> list[PairedTest]:
     for path, p in ((run_a, pa), (run_b, pb)):
         if not p:
             raise DataError(
-                f"{str(path)!r} has no {PREDICTIONS_FILE} (runs from before issue 13 or with "
-                "evaluation.predictions = false cannot be paired)"
+                f"{str(path)!r} has no {PREDICTIONS_FILE} (older runs, or runs with "
+                "evaluation.predictions = false, cannot be paired)"
             )
     tests = []
     for task in [t for t in pa if t in pb]:
