@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
 import json
 import math
 import signal
@@ -44,7 +45,7 @@ from typing import Any, ClassVar
 
 from fedlora.config.experiment import ExperimentConfig
 from fedlora.config.toml_io import dump_toml
-from fedlora.errors import ConfigError, FedloraError, cut, shown, suggest_key
+from fedlora.errors import ConfigError, FedloraError, cut, shown
 from fedlora.federation.mlflow_store import (
     MLFLOW_RUN_FILE,
     check_store_uri,
@@ -167,9 +168,9 @@ class MlflowTracker(Tracker):
         self.field, uri = store_uri(cfg)
         is_own = not uri
         self.uri = uri = uri or own_store(run_dir)
+        stored = stored_run(self.field, uri, run_dir) if resume else None  # before any write
         with self._store():
             self.client = MlflowClient(tracking_uri=uri)
-            stored = stored_run(self.field, uri, run_dir) if resume else None
             if stored is not None:
                 self.run_id = stored
                 self.client.update_run(self.run_id, status="RUNNING")
@@ -256,9 +257,10 @@ def check_trackers(
     `resume` and `run_dir` the tracked run it continues. ConfigError naming the field."""
     for i, name in enumerate(cfg.output.trackers):
         if name not in TRACKERS:
+            close = difflib.get_close_matches(cut(name), list(TRACKERS), n=1, cutoff=0.5)
             raise ConfigError(
                 f"output.trackers[{i}] = {shown(name)} is invalid: allowed: "
-                f"{', '.join(TRACKERS)}{suggest_key(name, list(TRACKERS))}"
+                f"{', '.join(TRACKERS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
             )
     for name in cfg.output.trackers:
         TRACKERS[name].check(cfg, run_dir, resume)
