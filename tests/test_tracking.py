@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -231,26 +228,30 @@ def test_ctrl_c_in_round_0_leaves_the_mlflow_run_failed_at_exit(tmp_path, monkey
     assert run.info.status == "FAILED"
 
 
-def test_sigterm_leaves_the_mlflow_run_failed_and_exits_143(tmp_path):
+def test_sigterm_unwinds_the_run_and_leaves_the_mlflow_run_failed(tmp_path, monkeypatch):
+    """SIGTERM during a round raises SystemExit(143) while trackers are open (the CLI exits
+    143), the round loop's clean-up closes the MLflow run as FAILED, and the default SIGTERM
+    action is back afterwards."""
     from mlflow.tracking import MlflowClient
 
+    import fedlora.federation.engine as engine
+
+    one_round = engine._one_round
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` or `timeout` would
+        return one_round(*args, **kwargs)
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(engine, "_one_round", terminated)
+    cfg = load_config(None, [*TINY, "training.rounds=2", 'output.trackers=["mlflow"]'])
     run_dir = tmp_path / "r"
-    argv = ["-m", "fedlora.cli", "run", *TINY, "training.rounds=1000", "--quiet"]
-    argv += ['output.trackers=["mlflow"]', "--out", str(run_dir)]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    src = str(Path(tracking.__file__).parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen([sys.executable, *argv], env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)  # round 0 is written after the trackers opened
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, err
-    assert "Traceback" not in err, err
+    prepare_run_dir(cfg, run_dir)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with pytest.raises(SystemExit) as e:
+        run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)
+    assert e.value.code == 143 and not tracking._OPEN
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     record = json.loads((run_dir / "mlflow_run.json").read_text())
     run = MlflowClient(tracking_uri=record["tracking_uri"]).get_run(record["run_id"])
     assert run.info.status == "FAILED"
