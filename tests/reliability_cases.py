@@ -1027,6 +1027,14 @@ CASES += [
         absent=["p.csv"],
     ),
     Case(
+        "profiles fit on node_times.csv with train_s = inf",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "line 3: train_s = 'inf' is invalid: a number > 0",
+        _node_times("1,0,7,2,1,inf,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
         "profiles fit on node_times.csv with client 99 of 2",
         ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
         "line 4: client = '99' is invalid: an integer >= 0 and <= 1 (the run's data.n_clients = 2)",
