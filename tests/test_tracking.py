@@ -19,7 +19,7 @@ from fedlora.errors import ConfigError
 from fedlora.federation import tracking
 from fedlora.federation.engine import run_experiment
 from fedlora.federation.rundir import prepare_run_dir
-from fedlora.federation.tracking import TRACKERS, Tracker, check_trackers, scalars
+from fedlora.federation.tracking import TRACKERS, Tracker, Trackers, check_trackers, scalars
 from test_engine import TINY, _metrics
 
 pytest.importorskip("tensorboard")
@@ -87,6 +87,30 @@ def test_a_subclass_with_a_name_joins_the_table():
         assert TRACKERS["test_named"] is Named
     finally:
         del TRACKERS["test_named"]
+
+
+def test_a_tracker_failing_to_close_leaves_the_others_failed(tmp_path):
+    closed = []
+
+    class Broken(Tracker):
+        name = ""  # not in the table
+
+        def close(self, *, failed):
+            raise OSError("store gone")
+
+    class Fine(Tracker):
+        name = ""
+
+        def close(self, *, failed):
+            closed.append(failed)
+
+    (tmp_path / "summary.json").write_text("{}")
+    trackers = Trackers([Broken(), Fine()], tmp_path)
+    assert trackers in tracking._OPEN
+    with pytest.raises(OSError, match="store gone"):
+        trackers.finish()
+    assert closed == [True] and not tracking._OPEN
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 @pytest.mark.parametrize(

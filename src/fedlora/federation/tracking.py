@@ -255,6 +255,13 @@ def check_trackers(
     """Every tracker of ``output.trackers`` as far as it can be checked before anything is
     written: its name, its package, its settings (``output.mlflow_uri``'s form), and with
     `resume` and `run_dir` the tracked run it continues. ConfigError naming the field."""
+    check_tracker_names(cfg)
+    for name in cfg.output.trackers:
+        TRACKERS[name].check(cfg, run_dir, resume)
+
+
+def check_tracker_names(cfg: ExperimentConfig) -> None:
+    """Each name of ``output.trackers`` is in `TRACKERS` (ConfigError with a suggestion)."""
     for i, name in enumerate(cfg.output.trackers):
         if name not in TRACKERS:
             close = difflib.get_close_matches(cut(name), list(TRACKERS), n=1, cutoff=0.5)
@@ -262,8 +269,6 @@ def check_trackers(
                 f"output.trackers[{i}] = {shown(name)} is invalid: allowed: "
                 f"{', '.join(TRACKERS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
             )
-    for name in cfg.output.trackers:
-        TRACKERS[name].check(cfg, run_dir, resume)
 
 
 _OPEN: list[Trackers] = []  # opened and not yet finished: closed as FAILED at exit
@@ -289,25 +294,34 @@ class Trackers:
     def finish(self, run_dir: Path | None = None, *, failed: bool = False) -> None:
         """Close every tracker: finished (the run's files as artifacts: after summary.json
         and the adapter were written) or FAILED. A failure to close a FAILED run is said on
-        stderr, not raised (the run's own error is the one to see)."""
+        stderr, not raised (the run's own error is the one to see); when a finished run's
+        tracker fails, the others close as FAILED and the error is raised."""
         trackers, self.trackers = self.trackers, []
         if self in _OPEN:
             _OPEN.remove(self)
         run_dir = Path(run_dir or self.run_dir)
+        error: Exception | None = None  # the first failure of a finished run's close
         try:
             for t in trackers:
-                if not failed:
-                    for name in ARTIFACTS:
-                        if (run_dir / name).exists():
-                            t.log_artifact(run_dir / name)
                 try:
-                    t.close(failed=failed)
+                    if not failed and error is None:
+                        for name in ARTIFACTS:
+                            if (run_dir / name).exists():
+                                t.log_artifact(run_dir / name)
+                        t.close(failed=False)
+                    else:  # the others still close: as FAILED
+                        t.close(failed=True)
                 except Exception as e:  # noqa: BLE001 - see the docstring
-                    if not failed:
-                        raise
-                    print(
-                        f"fedlora: tracker {t.name} was not closed: {cut(str(e))}", file=sys.stderr
-                    )
+                    if failed or error is not None:
+                        print(
+                            f"fedlora: tracker {t.name} not closed: {cut(str(e))}", file=sys.stderr
+                        )
+                    else:
+                        error = e
+                        with contextlib.suppress(Exception):
+                            t.close(failed=True)
+            if error is not None:
+                raise error
         finally:
             if self._sigterm and signal.getsignal(signal.SIGTERM) is _terminated:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
