@@ -830,6 +830,244 @@ CASES: list[Case] = [
 ]
 
 
+# ------------------------------------------- hostile inputs: trackers, bounds, user files
+# (a separate block, appended to CASES: the setups it needs, then its cases)
+
+
+def _link(rel: str, target: str) -> Setup:
+    def setup(tmp: Path) -> None:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).symlink_to(target)
+
+    return setup
+
+
+NODE_TIMES_HEAD = "round,client,node_id,rank_used,local_steps,train_s,upload_params,upload_bytes\n"
+
+
+def _node_times(*rows: str) -> Setup:
+    """{run}/node_times.csv with a good first row and then `rows` (a Flower run's measures)."""
+    return _write("run/node_times.csv", NODE_TIMES_HEAD + "1,1,8,2,1,1.0,100,400\n" + "".join(rows))
+
+
+def _mlflow_resume(tmp: Path) -> None:
+    """{run} tracked by MLflow in its own store, whose mlflow_run.json names a run id that
+    store does not hold (the store is gone)."""
+    run = tmp / "run"
+    text = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(text.replace("trackers = []", 'trackers = ["mlflow"]'))
+    uri = "sqlite:///" + str((run / "mlflow.db").resolve())
+    record = {"tracking_uri": uri, "run_id": "0" * 32, "experiment_id": "1"}
+    (run / "mlflow_run.json").write_text(json.dumps(record))
+
+
+def _server_moments(value: float) -> Setup:
+    """{run} with method.server_optimizer = adam and its newest checkpoint holding server
+    optimizer moments m, v of `value` (NaN: a file altered or a run diverged)."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        run = tmp / "run"
+        text = (run / "config.toml").read_text()
+        (run / "config.toml").write_text(
+            text.replace('server_optimizer = "avg"', 'server_optimizer = "adam"')
+        )
+        path = sorted((run / "checkpoints").glob("round-*.safetensors"))[-1]
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        for k in [k for k in tensors if k.startswith("global/")]:
+            name = k[len("global/") :]
+            tensors[f"server_opt/m/{name}"] = torch.zeros(tensors[k].shape, dtype=torch.float64)
+            tensors[f"server_opt/v/{name}"] = torch.full(
+                tensors[k].shape, value, dtype=torch.float64
+            )
+        tensors["server_opt/t"] = torch.tensor([2], dtype=torch.int64)
+        save_file(tensors, str(path), metadata=meta)
+
+    return setup
+
+
+BIG_VALUE = "x" * 10_000_000  # a 10 MB value
+
+CASES += [
+    Case(
+        "network.tx_power_dbm = 1e300 (uploads would take no time)",
+        [*RUN, "--out", "{tmp}/o", "network.tx_power_dbm=1e300"],
+        "network.tx_power_dbm = 1e+300 is invalid: must be <= 100",
+        absent=["o"],
+    ),
+    Case(
+        "network.noise_psd_dbm_hz = 1e300",
+        [*RUN, "--out", "{tmp}/o", "network.noise_psd_dbm_hz=1e300"],
+        "network.noise_psd_dbm_hz = 1e+300 is invalid: must be <= 0",
+        absent=["o"],
+    ),
+    Case(
+        "--overwrite a run, with network.noise_psd_dbm_hz = 1e300",
+        [*RUN, "--out", "{run}", "--overwrite", "network.noise_psd_dbm_hz=1e300"],
+        "network.noise_psd_dbm_hz = 1e+300 is invalid",
+        needs_run=True,
+    ),
+    Case(
+        "a generated channel whose SNR rounds the upload rate to 0",
+        [*RUN, "--out", "{tmp}/o", "network.noise_psd_dbm_hz=-1", "network.tx_power_dbm=-100"],
+        "gives the generated clients an SNR of",
+        absent=["o"],
+    ),
+    Case(
+        "method.server_lr = 1e308 (adam)",
+        [*RUN, "--out", "{tmp}/o", "method.server_optimizer=adam", "method.server_lr=1e308"],
+        "method.server_lr = 1e+308 is invalid: must be <= 1000",
+        absent=["o"],
+    ),
+    Case(
+        "method.server_weight_decay flipping the adapter's sign",
+        [*RUN, "--out", "{tmp}/o", "method.server_optimizer=adam", "method.server_weight_decay=5"],
+        "method.server_weight_decay = 5.0 is invalid: server_lr × server_weight_decay must be <= 1",
+        absent=["o"],
+    ),
+    Case(
+        "--resume a run whose server-optimizer moments are NaN",
+        ["run", "--resume", "{run}", "-q"],
+        "holds a non-finite value in server_opt.v/",
+        _server_moments(float("nan")),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose server-optimizer second moment is negative",
+        ["run", "--resume", "{run}", "-q"],
+        "holds a negative server optimizer second moment in server_opt.v/",
+        _server_moments(-1.0),
+        needs_run=True,
+    ),
+    Case(
+        "output.mlflow_uri a plain path",
+        [*RUN, "--out", "{tmp}/o", 'output.trackers=["mlflow"]', 'output.mlflow_uri="{tmp}/store"'],
+        "output.mlflow_uri = '",
+        absent=["o", "store"],
+    ),
+    Case(
+        "output.mlflow_uri that does not parse",
+        [*RUN, "--out", "{tmp}/o", 'output.trackers=["mlflow"]', 'output.mlflow_uri="http://[::1"'],
+        "output.mlflow_uri = 'http://[::1' is invalid: it does not parse as a URI",
+        absent=["o"],
+    ),
+    Case(
+        "--overwrite a run, with an output.mlflow_uri that does not parse",
+        [
+            *RUN,
+            "--out",
+            "{run}",
+            "--overwrite",
+            'output.trackers=["mlflow"]',
+            'output.mlflow_uri="http://[::1"',
+        ],
+        "output.mlflow_uri = 'http://[::1' is invalid",
+        needs_run=True,
+    ),
+    Case(
+        "unknown tracker",
+        [*RUN, "--out", "{tmp}/o", 'output.trackers=["wandb"]'],
+        "output.trackers[0] = 'wandb' is invalid: allowed: tensorboard, mlflow",
+        absent=["o"],
+    ),
+    Case(
+        "--resume with an MLflow run id its store does not hold",
+        ["run", "--resume", "{run}", "-q"],
+        "output.mlflow_uri = 'sqlite:///",
+        _mlflow_resume,
+        needs_run=True,
+    ),
+    Case(
+        "--config a link to /dev/zero",
+        [*RUN, "--out", "{tmp}/o", "--config", "{tmp}/c.toml"],
+        "is not a regular file (a device, pipe or socket)",
+        _link("c.toml", "/dev/zero"),
+        absent=["o"],
+    ),
+    Case(
+        "q file a link to /dev/zero",
+        [*RUN, "--out", "{tmp}/o", 'method.q="{tmp}/q.json"'],
+        "method.q = '",
+        _link("q.json", "/dev/zero"),
+        absent=["o"],
+    ),
+    Case(
+        "profiles file /dev/zero",
+        [*RUN, "--out", "{tmp}/o", 'network.profiles_file="/dev/zero"'],
+        "network.profiles_file = '/dev/zero': '/dev/zero' is not a regular file",
+        absent=["o"],
+    ),
+    Case(
+        "a 10 MB value in a config file",
+        [*RUN, "--out", "{tmp}/o", "--config", "{tmp}/c.toml"],
+        "(10,000,002 characters) is invalid",
+        _write("c.toml", f'[training]\nlr = "{BIG_VALUE}"\n'),
+        absent=["o"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with train_s = nan",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "node_times.csv: line 3: train_s = 'nan' is invalid: a number > 0",
+        _node_times("1,0,7,2,1,nan,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with train_s < 0",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "train_s = '-2.5' is invalid",
+        _node_times("1,0,7,2,1,-2.5,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with train_s = inf",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "line 3: train_s = 'inf' is invalid: a number > 0",
+        _node_times("1,0,7,2,1,inf,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with client 99 of 2",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "line 4: client = '99' is invalid: an integer >= 0 and <= 1 (the run's data.n_clients = 2)",
+        _node_times("1,0,7,2,1,1.0,100,400\n2,99,7,2,1,1.0,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with client -1",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "client = '-1' is invalid",
+        _node_times("1,-1,7,2,1,1.0,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with upload_params = 1e999",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "upload_params = '1e999' is invalid: an integer >= 1",
+        _node_times("1,0,7,2,1,1.0,1e999,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on a node_times.csv of random bytes",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "node_times.csv is not UTF-8 text (line 1, byte 0x",
+        _write("run/node_times.csv", bytes(range(128, 256)) * 8),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+]
+
+
 # ----------------------------------------------------------------------------- running
 
 

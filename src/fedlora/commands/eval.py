@@ -275,7 +275,14 @@ def _run_lm_eval(args: argparse.Namespace, model, tokenizer, examples, task: str
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedlora-lm-eval-") as work:
-        res = run_lm_eval(model, tokenizer, examples, work, batch_size=args.batch_size)
+        res = run_lm_eval(
+            model,
+            tokenizer,
+            examples,
+            work,
+            batch_size=args.batch_size,
+            quiet=not getattr(args, "verbose", False),  # lm-eval's logs and bars: --verbose
+        )
     seconds = time.perf_counter() - t0
     qs = [res[i] for i in range(len(examples))]
     n, acc = len(qs), int(sum(q.acc for q in qs))

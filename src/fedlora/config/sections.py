@@ -3,6 +3,7 @@ the checks of every field in ``__post_init__`` (`fedlora.config.checks`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Union
 
@@ -11,6 +12,7 @@ from fedlora.config.checks import (
     check_device_spec,
     check_int,
     check_number,
+    check_snr_range,
     check_vector_or_strategy,
 )
 from fedlora.errors import bad_value
@@ -163,14 +165,24 @@ class NetworkConfig:
 
     def __post_init__(self) -> None:
         check_number("network.f_tot_hz", self.f_tot_hz, lo=0, lo_open=True)
-        check_number("network.step_time_median_s", self.step_time_median_s, lo=0, lo_open=True)
-        check_number("network.step_time_sigma", self.step_time_sigma, lo=0)
+        check_number(
+            "network.step_time_median_s", self.step_time_median_s, lo=0, hi=1e9, lo_open=True
+        )
+        check_number("network.step_time_sigma", self.step_time_sigma, lo=0, hi=10)
         check_number("network.distance_min_m", self.distance_min_m, lo=0, lo_open=True)
-        check_number("network.distance_max_m", self.distance_max_m, lo=self.distance_min_m)
-        check_number("network.path_loss_exponent", self.path_loss_exponent, lo=0)
-        check_number("network.path_loss_ref_db", self.path_loss_ref_db)
-        check_number("network.tx_power_dbm", self.tx_power_dbm)
-        check_number("network.noise_psd_dbm_hz", self.noise_psd_dbm_hz)
+        check_number("network.distance_max_m", self.distance_max_m, lo=self.distance_min_m, hi=1e9)
+        check_number("network.path_loss_exponent", self.path_loss_exponent, lo=0, hi=10)
+        check_number("network.path_loss_ref_db", self.path_loss_ref_db, lo=-100, hi=300)
+        check_number("network.tx_power_dbm", self.tx_power_dbm, lo=-100, hi=100)
+        check_number("network.noise_psd_dbm_hz", self.noise_psd_dbm_hz, lo=-300, hi=0)
+        if not self.profiles_file:  # the generated channel: finite, non-zero upload times
+            check_snr_range(
+                self.tx_power_dbm,
+                self.noise_psd_dbm_hz + 10.0 * math.log10(self.f_tot_hz),
+                self.path_loss_ref_db,
+                self.path_loss_exponent,
+                (self.distance_min_m, self.distance_max_m),
+            )
         check_choice("network.fading", self.fading, ("none", "rayleigh"))
         check_number("network.fading_floor", self.fading_floor, lo=0)
         check_int("network.bits_per_param", self.bits_per_param, lo=1, hi=64)
@@ -233,6 +245,8 @@ class TrainingConfig:
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
 SERVER_OPTIMIZERS = ("avg", "avgm", "adam", "yogi", "adagrad")  # method.server_optimizer
+# method.server_lr's bound: a larger server step overflows or diverges the adapter at once
+MAX_SERVER_LR = 1000.0
 # the FSLoRA authors' `generate_ranks` distributions on method.rank_range (docs/methods.md)
 REFERENCE_RANK_STRATEGIES = ("fslora_uniform", "fslora_normal", "fslora_heavy_tail_low")
 # method.ranks (fedlora.federation.methods.ranks)
@@ -287,7 +301,7 @@ class MethodConfig:
             check_int("method.rank_range[0]", self.rank_range[0], lo=1)
             check_int("method.rank_range[1]", self.rank_range[1], lo=self.rank_range[0])
         check_choice("method.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
-        check_number("method.server_lr", self.server_lr, lo=0, lo_open=True)
+        check_number("method.server_lr", self.server_lr, lo=0, hi=MAX_SERVER_LR, lo_open=True)
         check_number("method.server_momentum", self.server_momentum, lo=0, hi=1, hi_open=True)
         if len(self.server_betas) != 2:
             raise bad_value("method.server_betas", self.server_betas, "two numbers [β1, β2]")
@@ -299,9 +313,18 @@ class MethodConfig:
                 "method.server_bias_correction", self.server_bias_correction, "true or false"
             )
         check_number("method.server_weight_decay", self.server_weight_decay, lo=0)
+        if self.server_lr * self.server_weight_decay > 1:  # X <- (1 - ηλ) X flips X's sign
+            raise bad_value(
+                "method.server_weight_decay",
+                self.server_weight_decay,
+                f"server_lr × server_weight_decay must be <= 1 (the decay factor 1 - ηλ "
+                f">= 0); with server_lr = {self.server_lr}: at most {1 / self.server_lr:.6g}",
+            )
 
 
-TRACKERS = ("tensorboard", "mlflow")
+# output.trackers: names of fedlora.federation.tracking's table (checked there, by
+# check_trackers, as method.name by the method registry); these ship with fedlora
+TRACKERS = "tensorboard, mlflow"
 
 
 @dataclass(frozen=True)
@@ -318,8 +341,11 @@ class OutputConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
             raise bad_value("output.dir", self.dir, "a non-empty path")
-        for i, name in enumerate(self.trackers):
-            check_choice(f"output.trackers[{i}]", name, TRACKERS)
+        for i, name in enumerate(self.trackers):  # the names: fedlora.federation.tracking
+            if not isinstance(name, str) or not name.isidentifier():
+                raise bad_value(f"output.trackers[{i}]", name, f"a tracker name ({TRACKERS})")
+        if not isinstance(self.mlflow_uri, str):
+            raise bad_value("output.mlflow_uri", self.mlflow_uri, "a tracking URI string")
         if len(set(self.trackers)) != len(self.trackers):
             raise bad_value("output.trackers", list(self.trackers), "each tracker at most once")
         name = self.name if isinstance(self.name, str) else "/"

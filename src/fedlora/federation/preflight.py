@@ -160,8 +160,10 @@ def check_clients(cfg: ExperimentConfig) -> None:
 def check_inputs(cfg: ExperimentConfig) -> None:
     """Every check above; raises `ConfigError` / `DataError` naming the field and the value."""
     from fedlora.federation.methods.registry import check_method_config
+    from fedlora.federation.tracking import check_trackers
 
     check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    check_trackers(cfg)  # output.trackers: names, packages, output.mlflow_uri's form
     check_model(cfg)
     check_data(cfg)
     check_clients(cfg)
