@@ -126,11 +126,14 @@ class SlotAdamW:
             if p.grad is None:
                 continue  # a frozen factor (`SlotLora.set_trainable`): state kept as it is
             s = self.state[key]
+            on_mps = p.device.type == "mps"  # no float64 there
             rank_axis = 1 if key.endswith(".lora_A") else 2  # A: rows; B, R: columns
             mask = rows.unsqueeze(3 - rank_axis)  # (c, r, 1) or (c, 1, r)
             grad = p.grad[:c].float()
             s["step"].add_(rows.to(s["step"].dtype))
-            step = s["step"].clamp(min=1).double()  # (c, r); 0 only where nothing trains
+            # (c, r), in float64 as torch's Python-float bias corrections (MPS: float32);
+            # the count is 0 only where nothing trains
+            step = s["step"].clamp(min=1).to(torch.float32 if on_mps else torch.float64)
             bc1 = (1 - b1**step).float().unsqueeze(3 - rank_axis)
             bc2_sqrt = (1 - b2**step).sqrt().float().unsqueeze(3 - rank_axis)
             lr = lrs.to(device=p.device, dtype=torch.float32).view(c, 1, 1)

@@ -208,7 +208,7 @@ def local_train(
     )
     adam_lrs = None  # AdamW's (c,) step sizes
     if optimizer is not None:
-        adam_lrs = torch.tensor(np.broadcast_to(lrs if lrs is not None else lr, (c,)).copy())
+        adam_lrs = torch.tensor(lrs if lrs is not None else [float(lr)] * c, dtype=torch.float32)
     autocast = autocast_context(device.type, autocast_bf16)
     lora.train(True)
     try:
