@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fedlora.cli import main
-from fedlora.config import TrainingConfig, load_config
+from fedlora.config import TrainingConfig, dump_toml, load_config
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.methods.registry import method_names
@@ -395,7 +395,9 @@ def test_the_flower_node_trains_with_adamw_as_the_engine_and_refuses_keep(tmp_pa
     from fedlora.federation.flower.common import check_flower_method
     from fedlora.federation.trainer import train_clients
 
-    cfg = load_config(None, [*TINY, "training.slots=1", "method.k=[1, 2, 4, 3]"])
+    sent = load_config(None, [*TINY, "training.slots=1", "training.weight_decay=0.01"])
+    cfg = node.config_from_toml(dump_toml(sent))  # what the server sends, as the node reads it
+    assert cfg.training == sent.training and cfg.training.adam_betas == (0.9, 0.999)
     check_flower_method(cfg)  # reset: accepted
     state = node.client_state(cfg)
     start = {k: v.numpy().copy() for k, v in state.lora.global_state().items()}
