@@ -283,16 +283,15 @@ TINY = [
 ]
 
 
-def _run(tmp_path: Path, name: str, *extra: str, stop=None, resume: bool = False, plan=None):
+def _run(tmp_path: Path, name: str, *extra: str, stop=None, plan=None):
     from fedlora.federation.engine import run_experiment
     from fedlora.federation.rundir import prepare_run_dir
 
     cfg = load_config(None, [*TINY, *extra])
     run_dir = tmp_path / name
-    if not resume:
-        prepare_run_dir(cfg, run_dir)
+    prepare_run_dir(cfg, run_dir)
     log = lambda m: None  # noqa: E731
-    run_experiment(cfg, run_dir, quiet=True, log=log, stop=stop, resume=resume, plan=plan)
+    run_experiment(cfg, run_dir, quiet=True, log=log, stop=stop, plan=plan)
     return run_dir
 
 
@@ -340,8 +339,9 @@ def test_kept_adamw_states_are_checkpointed_and_a_resume_is_bit_identical(tmp_pa
 
     with pytest.raises(_Crash):
         _run(tmp_path, "cut", *keep, stop=crash)
-    # Execute
-    resumed = _run(tmp_path, "cut", *keep, resume=True)
+    # Execute: `fedlora run --resume` (the config comes back from the run's config.toml)
+    resumed = tmp_path / "cut"
+    assert main(["run", "--resume", str(resumed), "--quiet"]) == 0
     reset = _run(tmp_path, "reset", *extra)
     # Assert: the same adapter bit for bit and the same losses; reset differs
     ref, got, other = (_checkpoint_globals(d)[0] for d in (reference, resumed, reset))
