@@ -43,7 +43,7 @@ def _batches(tok, client: int, steps: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def _slices(lora, idx: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _slices(lora, idx: torch.Tensor) -> dict[str, torch.Tensor]:
     """key -> slot 0's sketched slice of that tensor (A: rows, B: columns), as a leaf."""
     out = {}
     for name, layer in lora.layers.items():
