@@ -192,56 +192,6 @@ class NetworkConfig:
         check_number("network.downlink_rate_bps", self.downlink_rate_bps, lo=0)
 
 
-SKETCH_STEPS = ("paper", "scaled")  # training.sketch_step (fedlora.llm.train.client_step_sizes)
-
-
-@dataclass(frozen=True)
-class TrainingConfig:
-    """The round loop: local SGD, evaluation, stopping and checkpoints."""
-
-    rounds: int = 8  # maximum rounds
-    local_steps: int = 5  # H
-    batch_size: int = 4  # b
-    lr: float = 0.2  # η (plain SGD, as in the paper's analysis)
-    slots: int = 5  # clients trained together in one forward/backward
-    eval_every: int = 8  # E (8 = the demo evaluates before and after training only)
-    seed: int = 0
-    target_accuracy: float = 0.0  # stop when reached; 0 = off
-    target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
-    target_mc_loss: float = 0.0  # stop when the mean mc_loss is <= this; 0 = off
-    time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
-    # also evaluate at the first round whose clock passes each multiple of this; 0 = off
-    eval_every_s: float = 0.0
-    checkpoint_every: int = 5
-    # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
-    layer_cache_mb: float = 2048.0  # memory bound of that cache in MB; 0 = off
-    layer_cache_dtype: str = "fp32"  # fp32 (exact) | bf16 (half the memory, rounded)
-    # "paper": every client steps with η (Eq. 4). "scaled": client n steps with
-    # η·(k_n/γ)^1.5, which makes the expected size of its first-step ΔW independent of k_n
-    # (docs/methods.md, "Sketch-scaled local steps"); no effect on unsketched clients.
-    sketch_step: str = "scaled"
-    momentum: float = 0.0  # local heavy-ball momentum μ (reset every round); 0 = plain SGD
-
-    def __post_init__(self) -> None:
-        check_int("training.rounds", self.rounds, lo=1)
-        check_int("training.local_steps", self.local_steps, lo=1)
-        check_int("training.batch_size", self.batch_size, lo=1)
-        check_number("training.lr", self.lr, lo=0, lo_open=True)
-        check_int("training.slots", self.slots, lo=1)
-        check_int("training.eval_every", self.eval_every, lo=1)
-        check_int("training.seed", self.seed, lo=0)
-        check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
-        check_number("training.target_loss", self.target_loss, lo=0)
-        check_number("training.target_mc_loss", self.target_mc_loss, lo=0)
-        check_number("training.time_budget_s", self.time_budget_s, lo=0)
-        check_number("training.eval_every_s", self.eval_every_s, lo=0)
-        check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
-        check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
-        check_choice("training.layer_cache_dtype", self.layer_cache_dtype, ("fp32", "bf16"))
-        check_choice("training.sketch_step", self.sketch_step, SKETCH_STEPS)
-        check_number("training.momentum", self.momentum, lo=0, hi=1, hi_open=True)
-
-
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
 SERVER_OPTIMIZERS = ("avg", "avgm", "adam", "yogi", "adagrad")  # method.server_optimizer

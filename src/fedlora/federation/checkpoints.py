@@ -23,8 +23,9 @@ from fedlora.files import atomic_write
 
 CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
 # stored as tensors "<group>/<key>": FedStackLoRA's / FedEx-LoRA's base merges, the server
-# optimizer's state, what clients keep across rounds (FedSA-LoRA's B_n)
-TENSOR_GROUPS = ("base_delta", "server_opt", "memory")
+# optimizer's state, what clients keep across rounds (FedSA-LoRA's B_n), the clients' kept
+# AdamW states (training.optimizer_state = "keep")
+TENSOR_GROUPS = ("base_delta", "server_opt", "memory", "client_optim")
 
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
@@ -66,7 +67,7 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
     ckpt_dir = run_dir / "checkpoints"
     ckpt_dir.mkdir(exist_ok=True)
     tensors = {f"global/{k}": v.detach().cpu().contiguous() for k, v in state["global"].items()}
-    for group in TENSOR_GROUPS:  # server_opt: its m, v, t; memory: FedSA-LoRA's B_n
+    for group in TENSOR_GROUPS:  # server_opt: its m, v, t; memory: FedSA-LoRA's B_n; ...
         for k, v in (state.get(group) or {}).items():
             tensors[f"{group}/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
     rest = {k: v for k, v in state.items() if k not in ("global", *TENSOR_GROUPS)}
