@@ -328,15 +328,25 @@ def main() -> int:
     ap.add_argument("--runs", default="runs/cpu_protocol", help="where the runs go")
     ap.add_argument("--results", default="results/cpu_protocol", help="where their files go")
     ap.add_argument("--summarize", action="store_true", help="apply the rule and exit")
-    ap.add_argument("--only", nargs="*", help="setting names to run (default: all, in order)")
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        help="setting names to run, in this order (default: all, in the rule's order)",
+    )
     args = ap.parse_args()
     results = Path(args.results)
     if args.summarize:
         print(summarize(results))
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    for name, overrides in SETTINGS:
-        if (results / name / "run_info.json").exists() or (args.only and name not in args.only):
+    settings = dict(SETTINGS)
+    for name in args.only or ():
+        if name not in settings:
+            ap.error(f"--only: unknown setting {name!r}; the settings: {', '.join(settings)}")
+    # --only runs the named settings in the order given; by default the rule's order
+    for name in args.only or list(settings):
+        overrides = settings[name]
+        if (results / name / "run_info.json").exists():
             continue
         if not due(name, results):
             print(f"{name}: not due by the rule (its condition is not met)", flush=True)
