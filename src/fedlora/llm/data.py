@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedlora.errors import DataError
+from fedlora.llm.harness import EvalFormat, tokenize_harness
 from fedlora.llm.prompts import TokenizedSet, collate, tokenize_examples
 from fedlora.llm.tasks import (
     Example,
@@ -152,7 +153,9 @@ class FederatedData:
     client_indices: list[np.ndarray]
     a: np.ndarray  # a_n = |D_n| / |D|
     eval_sets: dict[str, list[Example]]
-    fmt: str = "llm-adapters"  # the training (and evaluation) format: harness | llm-adapters
+    fmt: str = (
+        "llm-adapters"  # `EvalFormat`: the training (and evaluation) format: harness | llm-adapters
+    )
     lengths: Any = None  # harness: its `LengthReport` (p50/p99 tokens, examples dropped)
 
 
@@ -179,7 +182,7 @@ def load_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
 
 
 def build_federated_data(
-    cfg: DataConfig, tokenizer: Any, seed: int, fmt: str = "llm-adapters"
+    cfg: DataConfig, tokenizer: Any, seed: int, fmt: str | EvalFormat = "llm-adapters"
 ) -> FederatedData:
     """Training mix -> tokens -> Dirichlet partition over `cfg.n_clients`; plus eval sets.
 
@@ -187,11 +190,10 @@ def build_federated_data(
     and `cfg.response` (prompts cut from the left to `cfg.max_seq_len`); ``harness`` on the
     task's lm-eval context and correct continuation, dropping (never cutting) examples
     longer than `cfg.max_seq_len` (`fedlora.llm.harness.tokenize_harness`)."""
+    fmt = EvalFormat(fmt)
     examples = training_mix(cfg, seed)
     lengths = None
-    if fmt == "harness":
-        from fedlora.llm.harness import tokenize_harness
-
+    if fmt.harness:
         train, kept, lengths = tokenize_harness(examples, tokenizer, cfg.max_seq_len)
         examples = [examples[i] for i in kept]
         if not examples:
@@ -199,10 +201,8 @@ def build_federated_data(
                 f"data.max_seq_len = {cfg.max_seq_len}: every training example is longer "
                 f"({lengths.describe()})"
             )
-    elif fmt == "llm-adapters":
-        train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
     else:
-        raise DataError(f"evaluation.format = {fmt!r} is invalid: allowed: harness, llm-adapters")
+        train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
     clients = dirichlet_partition(
         partition_keys(examples, cfg.partition_key),
         cfg.n_clients,
