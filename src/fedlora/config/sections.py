@@ -95,10 +95,28 @@ class DataConfig:
     # what the training response names after "the correct answer is ": the label ("answer2",
     # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
     response: str = "option"
+    # your own multiple-choice questions (.json, .jsonl, .csv; docs/data.md "Your own data"):
+    # trained on (mc_files) and evaluated on (mc_eval_files) as task mc_task, read through
+    # the field map mc_question / mc_choices (one list field, or one column per choice) /
+    # mc_answer (mc_answer_type: index from 0, label A, B, ... or the column, text) / mc_context
+    mc_files: tuple[str, ...] = ()
+    mc_eval_files: tuple[str, ...] = ()
+    mc_task: str = "mine"
+    mc_question: str = "question"
+    mc_choices: tuple[str, ...] = ("choices",)
+    mc_answer: str = "answer"
+    mc_answer_type: str = "index"
+    mc_context: str = ""
 
     def __post_init__(self) -> None:
-        if not self.tasks and not self.task_files:
+        if not self.tasks and not self.task_files and not self.mc_files:
             raise bad_value("data.tasks", self.tasks, "at least one task or task file")
+        for name in ("mc_task", "mc_question", "mc_answer"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise bad_value(f"data.{name}", getattr(self, name), "a non-empty field name")
+        if not self.mc_choices or len(set(self.mc_choices)) != len(self.mc_choices):
+            raise bad_value("data.mc_choices", list(self.mc_choices), "distinct field names")
+        check_choice("data.mc_answer_type", self.mc_answer_type, ("index", "label", "text"))
         for name in ("tasks", "eval_tasks"):
             value = getattr(self, name)
             if len(set(value)) != len(value):

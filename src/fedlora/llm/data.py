@@ -33,6 +33,7 @@ from fedlora.llm.tasks import (
     resolve_data_dir,
     task_available,
 )
+from fedlora.llm.user_tasks import FieldMap, load_mc_files
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -73,12 +74,24 @@ def training_mix(cfg: DataConfig, seed: int) -> list[Example]:
     for path in cfg.task_files:
         exs = load_task_file(path)
         mix.extend(seeded_subset(exs, cfg.train_limit, stream_rng(seed, "train", path)))
+    if cfg.mc_files:
+        exs = load_mc_files(cfg.mc_files, FieldMap.of(cfg), cfg.mc_task)
+        mix.extend(seeded_subset(exs, cfg.train_limit, stream_rng(seed, "train", cfg.mc_task)))
     if not mix:
         raise DataError(
             f"data.tasks = {list(cfg.tasks)!r}: none has a train split in {data_dir!r} "
-            f"(skipped: {', '.join(skipped)}) and data.task_files is empty"
+            f"(skipped: {', '.join(skipped)}) and data.task_files and data.mc_files are empty"
         )
     return mix
+
+
+def own_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
+    """The user's multiple-choice eval set (`cfg.mc_eval_files`) as task `cfg.mc_task`: a
+    seeded subset of `cfg.eval_limit` questions (0 = all); empty without such files."""
+    if not cfg.mc_eval_files:
+        return {}
+    exs = load_mc_files(cfg.mc_eval_files, FieldMap.of(cfg), cfg.mc_task)
+    return {cfg.mc_task: seeded_subset(exs, cfg.eval_limit, stream_rng(seed, "eval", cfg.mc_task))}
 
 
 # ----------------------------------------------------------------------------- partition
@@ -215,7 +228,7 @@ def build_federated_data(
         examples,
         clients,
         client_weights(clients),
-        load_eval_sets(cfg, seed),
+        {**load_eval_sets(cfg, seed), **own_eval_sets(cfg, seed)},
         fmt=fmt,
         lengths=lengths,
     )

@@ -215,12 +215,13 @@ TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in BUILTIN_TASKS}
 
 def register_task(spec: TaskSpec) -> TaskSpec:
     """Add a task (or declare the same one again). A different declaration under a name
-    already taken, or a folder another task uses, raises `DataError`."""
+    already taken, or a folder another task uses, raises `DataError`. A task without a
+    folder (`folder=""`) has no LLM-Adapters files: its examples come from elsewhere."""
     old = TASKS.get(spec.name)
     if old is not None and old != spec:
         raise DataError(f"task {spec.name!r} is already declared differently")
     for other in TASKS.values():
-        if other.name != spec.name and other.folder == spec.folder:
+        if spec.folder and other.name != spec.name and other.folder == spec.folder:
             raise DataError(f"task {spec.name!r}: folder {spec.folder!r} is task {other.name!r}'s")
     TASKS[spec.name] = spec
     return spec

@@ -149,6 +149,8 @@ def task_path(name: str, data_dir: str, split: str) -> Path:
     root = Path(data_dir)
     if not root.is_dir():
         raise DataError(f"data directory {str(root)!r} does not exist")
+    if not TASKS[name].folder:
+        raise DataError(f"task {name!r} has no folder in the LLM-Adapters layout")
     folder = root / TASKS[name].folder
     if not folder.is_dir():
         present = sorted(d.name for d in root.iterdir() if d.is_dir())
