@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedlora.cli import main
@@ -135,3 +136,51 @@ def test_a_run_on_a_users_csv_trains_and_evaluates_it(tmp_path: Path, capsys) ->
     assert main([*argv, f'data.mc_eval_files=["{bad}"]']) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "bad.csv: line 4: field 'answer' = 'E'" in err
+
+
+def test_partition_by_a_column_per_value_or_dirichlet(tmp_path: Path) -> None:
+    from fedlora.llm.data import (
+        dirichlet_partition,
+        partition_keys,
+        per_value_partition,
+        stream_rng,
+    )
+
+    csv = tmp_path / "q.csv"
+    rows = [f"q{i}?,x,y,{'AB'[i % 2]},{['ann', 'bob', 'cy'][i % 3]}" for i in range(9)]
+    csv.write_text("question,A,B,answer,user\n" + "\n".join(rows) + "\n")
+    fm = FieldMap(choices=("A", "B"), answer_type="label")
+    exs = load_mc_files([str(csv)], fm, "own")
+    keys = partition_keys(exs, "user")
+    assert keys == ["ann", "bob", "cy"] * 3
+    assert partition_keys(exs, "label")[:2] == ["answer1", "answer2"]
+    clients = per_value_partition(keys, 3)
+    assert [c.tolist() for c in clients] == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    with pytest.raises(DataError, match=r"3 values \(ann, bob, cy\), so data.n_clients must be 3"):
+        per_value_partition(keys, 2)
+    parts = dirichlet_partition(keys, 2, 0.5, 1, stream_rng(0, "partition"))
+    assert sorted(np.concatenate(parts).tolist()) == list(range(9))
+    with pytest.raises(DataError, match=r"partition_key = 'team': training example 0 .* has no"):
+        partition_keys(exs, "team")
+
+
+def test_a_run_per_user_gives_each_user_one_client(tmp_path: Path) -> None:
+    from fedlora.llm.data import build_federated_data
+    from fedlora.llm.models import build_tiny_tokenizer
+
+    cfg = load_config(
+        None,
+        [
+            *RUN,
+            'data.partition_key="answer"',
+            'data.partition_mode="per_value"',
+            "data.n_clients=3",
+        ],
+    )
+    fed = build_federated_data(cfg.data, build_tiny_tokenizer(), seed=0, fmt="harness")
+    answers = [dict(e.fields)["answer"] for e in fed.examples]
+    assert [sorted({answers[i] for i in c}) for c in fed.client_indices] == [
+        ["A"],
+        ["B"],
+        ["C"],
+    ]

@@ -89,7 +89,9 @@ class DataConfig:
     train_limit: int = 0  # examples per training task (seeded subset); 0 = all
     max_seq_len: int = 128
     n_clients: int = 20  # N
-    partition_key: str = "task"  # task | label
+    # task | label | any field of the records (your own data's columns, a "user" field, ...)
+    partition_key: str = "task"
+    partition_mode: str = "dirichlet"  # dirichlet over the key's values | per_value: a client each
     dirichlet_alpha: float = 0.1
     min_client_examples: int = 8
     # what the training response names after "the correct answer is ": the label ("answer2",
@@ -125,7 +127,9 @@ class DataConfig:
         check_int("data.train_limit", self.train_limit, lo=0)
         check_int("data.max_seq_len", self.max_seq_len, lo=16)
         check_int("data.n_clients", self.n_clients, lo=1)
-        check_choice("data.partition_key", self.partition_key, ("task", "label"))
+        if not isinstance(self.partition_key, str) or not self.partition_key.strip():
+            raise bad_value("data.partition_key", self.partition_key, "task, label or a field name")
+        check_choice("data.partition_mode", self.partition_mode, ("dirichlet", "per_value"))
         check_number("data.dirichlet_alpha", self.dirichlet_alpha, lo=0, lo_open=True)
         check_int("data.min_client_examples", self.min_client_examples, lo=1)
         check_choice("data.response", self.response, RESPONSES)

@@ -172,15 +172,41 @@ class FederatedData:
     lengths: Any = None  # harness: its `LengthReport` (p50/p99 tokens, examples dropped)
 
 
-def partition_keys(examples: Sequence[Example], key: str) -> list[str]:
-    """The partition key of each example: its task or its answer label."""
-    getters: dict[str, Callable[[Example], str]] = {
+def partition_keys(examples: Sequence[Any], key: str) -> list[str]:
+    """The partition key of each example: its task, its answer label, or the value of a field
+    of its record (`Example.fields`: your own data's columns). A record without the field
+    raises `DataError` naming it and the fields it has."""
+    getters: dict[str, Callable[[Any], str]] = {
         "task": lambda e: e.task,
         "label": lambda e: e.answer,
     }
-    if key not in getters:
-        raise DataError(f"data.partition_key = {key!r} is invalid: allowed: task, label")
-    return [getters[key](e) for e in examples]
+    if key in getters:
+        return [getters[key](e) for e in examples]
+    out = []
+    for i, e in enumerate(examples):
+        fields = dict(getattr(e, "fields", ()))
+        if key not in fields:
+            have = ", ".join(["task", "label", *fields])
+            raise DataError(
+                f"data.partition_key = {key!r}: training example {i} (task {e.task!r}) has no "
+                f"such field; it has: {have}"
+            )
+        out.append(fields[key])
+    return out
+
+
+def per_value_partition(keys: Sequence[str], n_clients: int) -> list[np.ndarray]:
+    """One client per distinct key value (sorted): client i holds every example of the i-th
+    value. `n_clients` must equal the number of values."""
+    values = sorted(set(keys))
+    if len(values) != n_clients:
+        raise DataError(
+            f"data.partition_mode = 'per_value' gives one client per value: the key has "
+            f"{len(values)} values ({', '.join(values[:5])}{', ...' if len(values) > 5 else ''}), "
+            f"so data.n_clients must be {len(values)}, not {n_clients}"
+        )
+    arr = np.asarray(keys, dtype=object)
+    return [np.flatnonzero(arr == v).astype(np.int64) for v in values]
 
 
 def load_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
@@ -216,13 +242,17 @@ def build_federated_data(
             )
     else:
         train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
-    clients = dirichlet_partition(
-        partition_keys(examples, cfg.partition_key),
-        cfg.n_clients,
-        cfg.dirichlet_alpha,
-        cfg.min_client_examples,
-        stream_rng(seed, "partition"),
-    )
+    keys = partition_keys(examples, cfg.partition_key)
+    if cfg.partition_mode == "per_value":
+        clients = per_value_partition(keys, cfg.n_clients)
+    else:
+        clients = dirichlet_partition(
+            keys,
+            cfg.n_clients,
+            cfg.dirichlet_alpha,
+            cfg.min_client_examples,
+            stream_rng(seed, "partition"),
+        )
     return FederatedData(
         train,
         examples,

@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,8 @@ class Example:
     answer: str
     labels: tuple[str, ...]
     input: str = ""  # LLM-Adapters' optional context; empty for all commonsense tasks
+    # the record's other fields (your own data's columns), for data.partition_key
+    fields: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
 
 def _natural_key(s: str) -> tuple[Any, ...]:

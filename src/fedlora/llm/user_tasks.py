@@ -194,6 +194,15 @@ def _gold(value: Any, texts: list[str], labels: list[str], fm: FieldMap, where: 
     return texts.index(str(value).strip())
 
 
+def scalars(rec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The record's scalar fields as (name, text) pairs (for data.partition_key)."""
+    return tuple(
+        (str(k), str(v).lower() if isinstance(v, bool) else str(v))
+        for k, v in rec.items()
+        if isinstance(v, (str, int, float, bool))
+    )
+
+
 def record_to_example(rec: Any, fm: FieldMap, task: str, where: str) -> Example:
     """One user record as the LLM-Adapters `Example` of task `task` (its harness request
     checked to read back the same question and options)."""
@@ -205,7 +214,7 @@ def record_to_example(rec: Any, fm: FieldMap, task: str, where: str) -> Example:
     context = str(_field(rec, fm.context, where)).strip() if fm.context else ""
     spec = user_task(task)
     ex = mc_example(spec, question, texts, gold)
-    ex = Example(ex.task, ex.instruction, ex.output, ex.answer, ex.labels, context)
+    ex = Example(ex.task, ex.instruction, ex.output, ex.answer, ex.labels, context, scalars(rec))
     try:
         req = harness_request(ex)
     except DataError as e:
