@@ -109,11 +109,18 @@ class DataConfig:
     mc_answer: str = "answer"
     mc_answer_type: str = "index"
     mc_context: str = ""
+    # instruction records (Alpaca instruction/input/output or chat messages; .json, .jsonl):
+    # trained on, response tokens only (instruct_files); held out (instruct_eval_files);
+    # chat_template: a Jinja file for a tokenizer without one ("" = the tokenizer's own)
+    instruct_files: tuple[str, ...] = ()
+    instruct_eval_files: tuple[str, ...] = ()
+    instruct_task: str = "instruct"
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
-        if not self.tasks and not self.task_files and not self.mc_files:
+        if not (self.tasks or self.task_files or self.mc_files or self.instruct_files):
             raise bad_value("data.tasks", self.tasks, "at least one task or task file")
-        for name in ("mc_task", "mc_question", "mc_answer"):
+        for name in ("mc_task", "mc_question", "mc_answer", "instruct_task"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise bad_value(f"data.{name}", getattr(self, name), "a non-empty field name")
         if not self.mc_choices or len(set(self.mc_choices)) != len(self.mc_choices):

@@ -124,6 +124,10 @@ def check_data(cfg: ExperimentConfig) -> None:
 
         for paths in (data.mc_files, data.mc_eval_files):
             load_mc_files(paths, FieldMap.of(data), data.mc_task)
+    if data.instruct_files or data.instruct_eval_files:
+        from fedlora.llm.instruct import load_instructions
+
+        load_instructions([*data.instruct_files, *data.instruct_eval_files], data.instruct_task)
     data_dir = resolve_data_dir(data.data_dir)
     if data_dir is None:  # the hub: checked when the data loads
         return
@@ -132,7 +136,7 @@ def check_data(cfg: ExperimentConfig) -> None:
         raise DataError(f"{source} = {data_dir!r} is not a directory")
     for name in data.eval_tasks:
         task_path(name, data_dir, "test")  # DataError naming what the directory holds
-    if not (data.task_files or data.mc_files) and not any(
+    if not (data.task_files or data.mc_files or data.instruct_files) and not any(
         task_available(t, data_dir, "train") for t in data.tasks
     ):
         raise DataError(

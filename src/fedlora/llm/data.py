@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedlora.errors import DataError
 from fedlora.llm.harness import EvalFormat, tokenize_harness
+from fedlora.llm.instruct import load_instructions, set_chat_template, tokenize_instructions
 from fedlora.llm.prompts import TokenizedSet, collate, tokenize_examples
 from fedlora.llm.tasks import (
     Example,
@@ -77,7 +78,7 @@ def training_mix(cfg: DataConfig, seed: int) -> list[Example]:
     if cfg.mc_files:
         exs = load_mc_files(cfg.mc_files, FieldMap.of(cfg), cfg.mc_task)
         mix.extend(seeded_subset(exs, cfg.train_limit, stream_rng(seed, "train", cfg.mc_task)))
-    if not mix:
+    if not mix and not cfg.instruct_files:
         raise DataError(
             f"data.tasks = {list(cfg.tasks)!r}: none has a train split in {data_dir!r} "
             f"(skipped: {', '.join(skipped)}) and data.task_files and data.mc_files are empty"
@@ -170,6 +171,17 @@ class FederatedData:
         "llm-adapters"  # `EvalFormat`: the training (and evaluation) format: harness | llm-adapters
     )
     lengths: Any = None  # harness: its `LengthReport` (p50/p99 tokens, examples dropped)
+    # held-out instruction records per task (`fedlora.llm.instruct.response_loss` scores them)
+    instruct_eval: dict[str, list[Any]] = field(default_factory=dict)
+
+
+def _label(e: Any) -> str:
+    if not isinstance(e, Example):
+        raise DataError(
+            f"data.partition_key = 'label': the instruction records of task {e.task!r} have no "
+            "answer label: partition by task or by a field of the records"
+        )
+    return e.answer
 
 
 def partition_keys(examples: Sequence[Any], key: str) -> list[str]:
@@ -178,7 +190,7 @@ def partition_keys(examples: Sequence[Any], key: str) -> list[str]:
     raises `DataError` naming it and the fields it has."""
     getters: dict[str, Callable[[Any], str]] = {
         "task": lambda e: e.task,
-        "label": lambda e: e.answer,
+        "label": _label,
     }
     if key in getters:
         return [getters[key](e) for e in examples]
@@ -230,18 +242,35 @@ def build_federated_data(
     task's lm-eval context and correct continuation, dropping (never cutting) examples
     longer than `cfg.max_seq_len` (`fedlora.llm.harness.tokenize_harness`)."""
     fmt = EvalFormat(fmt)
-    examples = training_mix(cfg, seed)
+    examples: list[Any] = training_mix(cfg, seed)
     lengths = None
     if fmt.harness:
         train, kept, lengths = tokenize_harness(examples, tokenizer, cfg.max_seq_len)
         examples = [examples[i] for i in kept]
-        if not examples:
+        if not examples and not cfg.instruct_files:
             raise DataError(
                 f"data.max_seq_len = {cfg.max_seq_len}: every training example is longer "
                 f"({lengths.describe()})"
             )
     else:
         train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
+    instruct_eval = {}
+    if cfg.instruct_files or cfg.instruct_eval_files:
+        set_chat_template(tokenizer, cfg.chat_template)
+    if cfg.instruct_files:
+        recs = load_instructions(cfg.instruct_files, cfg.instruct_task)
+        recs = seeded_subset(recs, cfg.train_limit, stream_rng(seed, "train", cfg.instruct_task))
+        its, kept = tokenize_instructions(recs, tokenizer, cfg.max_seq_len)
+        if not kept:
+            raise DataError(
+                f"data.instruct_files: no record fits data.max_seq_len = {cfg.max_seq_len} tokens"
+            )
+        train = TokenizedSet(train.input_ids + its.input_ids, train.labels + its.labels, train.cut)
+        examples += [recs[i] for i in kept]
+    if cfg.instruct_eval_files:
+        recs = load_instructions(cfg.instruct_eval_files, cfg.instruct_task)
+        rng = stream_rng(seed, "eval", cfg.instruct_task)
+        instruct_eval = {cfg.instruct_task: seeded_subset(recs, cfg.eval_limit, rng)}
     keys = partition_keys(examples, cfg.partition_key)
     if cfg.partition_mode == "per_value":
         clients = per_value_partition(keys, cfg.n_clients)
@@ -261,6 +290,7 @@ def build_federated_data(
         {**load_eval_sets(cfg, seed), **own_eval_sets(cfg, seed)},
         fmt=fmt,
         lengths=lengths,
+        instruct_eval=instruct_eval,
     )
 
 
