@@ -147,5 +147,13 @@ def test_a_run_on_instruction_records_from_the_cli(tmp_path: Path) -> None:
         "output.progress=false",
     ]
     assert main(["run", "--quiet", "--out", str(tmp_path / "run"), *RUN, *argv]) == 0
-    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["eval_n"] == {"mine": 4}
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["eval_n"] for x in lines] == [{"mine": 4}] * 2  # before and after the round
+    for line in lines:
+        held = line["eval_response"]["instruct"]
+        assert held["n"] == 3 and held["perplexity"] == pytest.approx(math.exp(held["loss"]))
+        assert held["loss_ci95"][0] < held["loss"] < held["loss_ci95"][1]
+    assert (
+        lines[1]["eval_response"]["instruct"]["loss"]
+        != lines[0]["eval_response"]["instruct"]["loss"]
+    )

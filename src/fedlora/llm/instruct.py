@@ -221,3 +221,28 @@ def response_loss(
         perplexity_ci95=(math.exp(lo), math.exp(hi)) if not math.isnan(lo) else (lo, hi),
         nll=nll,
     )
+
+
+def response_fields(
+    model: Any,
+    tokenizer: Any,
+    held_out: dict[str, Sequence[Instruction]],
+    *,
+    max_len: int,
+    batch_size: int = 8,
+) -> dict[str, Any]:
+    """The metrics-line field of the held-out instruction sets: ``eval_response`` = task ->
+    loss, loss_ci95, perplexity, perplexity_ci95, n (empty without held-out records)."""
+    if not held_out:
+        return {}
+    out = {}
+    for task, records in held_out.items():
+        r = response_loss(model, tokenizer, records, max_len=max_len, batch_size=batch_size)
+        out[task] = {
+            "loss": r.loss,
+            "loss_ci95": list(r.loss_ci95),
+            "perplexity": r.perplexity,
+            "perplexity_ci95": list(r.perplexity_ci95),
+            "n": r.n,
+        }
+    return {"eval_response": out}
