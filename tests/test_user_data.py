@@ -184,3 +184,30 @@ def test_a_run_per_user_gives_each_user_one_client(tmp_path: Path) -> None:
         ["B"],
         ["C"],
     ]
+
+
+def test_hub_datasets_use_the_same_field_map_and_say_offline_in_one_line(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import sys
+    import types
+
+    calls = []
+
+    def load_dataset(repo, config, split):
+        calls.append((repo, config, split))
+        return [{"question": "Which is wet?", "choices": ["sand", "water"], "answer": 1}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    (ex,) = load_mc_files(["hf:me/quiz:easy@train"], FieldMap(), "own")
+    assert calls == [("me/quiz", "easy", "train")] and ex.answer == "answer2"
+    with pytest.raises(DataError, match=r"hf:me/quiz@test: record 0: field 'answer' = 1"):
+        load_mc_files(["hf:me/quiz@test"], FieldMap(answer_type="label"), "own")
+    with pytest.raises(DataError, match=r"hf:owner/name\[:config\]@split"):
+        load_mc_files(["hf:quiz"], FieldMap(), "own")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"online only and HF_HUB_OFFLINE=1 is set") as e:
+        load_mc_files(["hf:me/quiz@train"], FieldMap(), "own")
+    assert "\n" not in str(e.value) and len(calls) == 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,9 +101,46 @@ def _json_records(text: str, source: str) -> Iterator[tuple[int, Any]]:
         pos = end
 
 
+HUB_PREFIX = "hf:"  # hf:owner/name[:config]@split, e.g. hf:allenai/sciq@train
+
+
+def hub_records(spec: str) -> list[tuple[str, Any]]:
+    """(where, record) for every record of a hub dataset ``hf:owner/name[:config]@split``,
+    through the `datasets` package; online only (offline: one line saying so)."""
+    body = spec[len(HUB_PREFIX) :]
+    name, at, split = body.rpartition("@")
+    repo, _, config = (name if at else body).partition(":")
+    if not at or not split or repo.count("/") != 1 or not all(repo.split("/")):
+        raise DataError(f"{spec!r}: a hub dataset reads hf:owner/name[:config]@split")
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v) == "1"]
+    if offline:
+        raise DataError(
+            f"{spec!r}: hub datasets load online only and {offline[0]}=1 is set: unset it, or "
+            "save the dataset as a .jsonl file and name that file"
+        )
+    try:
+        import datasets  # noqa: PLC0415 (optional, heavy)
+    except ImportError:
+        raise DataError(
+            f"{spec!r}: hub datasets need the 'datasets' package: pip install datasets"
+        ) from None
+    try:
+        ds = datasets.load_dataset(repo, config or None, split=split)
+    except Exception as e:  # noqa: BLE001 - network, missing dataset, ...: one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(f"{spec!r}: cannot load {repo} ({split}) from the hub: {first}") from None
+    return [(f"{spec}: record {i}", dict(rec)) for i, rec in enumerate(ds)]
+
+
 def read_records(path: str) -> list[tuple[str, Any]]:
-    """(where, record) for every record of a .json (a list), .jsonl or .csv file; `where`
-    names the file and the line the record starts on."""
+    """(where, record) for every record of a .json (a list), .jsonl or .csv file (`where`
+    names the file and the line the record starts on), or of a hub dataset
+    ``hf:owner/name[:config]@split`` (`hub_records`: the record's index)."""
+    if path.startswith(HUB_PREFIX):
+        out = hub_records(path)
+        if not out:
+            raise DataError(f"{path!r} holds no records")
+        return out
     p = Path(path)
     if p.suffix.lower() not in SUFFIXES:
         raise DataError(f"{path!r}: unknown file type {p.suffix!r}: allowed: {', '.join(SUFFIXES)}")
