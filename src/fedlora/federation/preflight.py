@@ -102,13 +102,14 @@ def check_model(cfg: ExperimentConfig) -> None:
 
 def check_data(cfg: ExperimentConfig) -> None:
     """Task names, the data directory, the eval tasks' test splits and the task files."""
-    from fedlora.llm.tasks import TASK_FOLDERS, resolve_data_dir, task_available, task_path
+    from fedlora.llm.task_registry import TASKS
+    from fedlora.llm.tasks import resolve_data_dir, task_available, task_path
 
     data = cfg.data
-    allowed = ", ".join(TASK_FOLDERS)
+    allowed = ", ".join(TASKS)  # the built-in tasks and any registered (`register_task`)
     for field, names in (("data.tasks", data.tasks), ("data.eval_tasks", data.eval_tasks)):
         for name in names:
-            if name not in TASK_FOLDERS:
+            if name not in TASKS:
                 raise DataError(f"{field}: task {name!r} is unknown: allowed: {allowed}")
     if not data.eval_tasks and not data.mc_eval_files:
         raise bad_value(
