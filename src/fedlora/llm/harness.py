@@ -2,7 +2,8 @@
 
 lm-evaluation-harness (0.4.x) scores a multiple-choice question as a set of
 (context, continuation) requests: the summed log-likelihood of each continuation's tokens
-after its context. For every task fedlora reads, this module gives the same strings:
+after its context. For every task fedlora reads, its declaration
+(`fedlora.llm.task_registry`) gives the same strings and this module applies it:
 
     task (fedlora / lm-eval)        context                         continuations
     arc-e, arc-c / arc_easy, ...    "Question: {question}\\nAnswer:"  " {option}"
