@@ -487,7 +487,6 @@ CASES: list[Case] = [
         needs_run=True,
     ),
     Case("report a directory that does not exist", ["report", "/nonexistent"], "no such"),
-    Case("report without a target", ["report", "{run}"], "no target", needs_run=True),
     Case(
         "report a target above 1",
         ["report", "{run}", "--target", "arc-e=2"],
@@ -894,3 +893,87 @@ def message(outcome: Outcome, tmp: Path) -> str:
     text = text.replace(str(tmp), "<tmp>").replace(DATA, "<data>")
     text = re.sub(r"process \d+", "process <pid>", text)
     return re.sub(r"usage: .*", "", text).strip()
+
+
+# ----------------------------------------------------------------------------- report inputs
+# `fedlora report`: repeated targets, runs of different configs under one label, a damaged
+# suite.toml or metrics value (each a one-line refusal, nothing written).
+
+
+def _second_run(n_clients: int, seed: int) -> Setup:
+    """{tmp}/other: a copy of {run} with data.n_clients and the seed changed."""
+
+    def setup(tmp: Path) -> None:
+        other = tmp / "other"
+        shutil.copytree(tmp / "run", other)
+        text = (other / "config.toml").read_text(encoding="utf-8")
+        text = re.sub(r"(?m)^n_clients = \d+", f"n_clients = {n_clients}", text)
+        text = re.sub(r"(?m)^seed = \d+", f"seed = {seed}", text)
+        (other / "config.toml").write_text(text, encoding="utf-8")
+        summary = json.loads((other / "summary.json").read_text(encoding="utf-8"))
+        (other / "summary.json").write_text(json.dumps({**summary, "seed": seed}))
+
+    return setup
+
+
+def _suite_with(suite_toml: bytes) -> Setup:
+    """{tmp}/suite: {run} as a suite's one run, with the given suite.toml."""
+
+    def setup(tmp: Path) -> None:
+        shutil.copytree(tmp / "run", tmp / "suite" / "fslora-seed0")
+        (tmp / "suite" / "suite.toml").write_bytes(suite_toml)
+
+    return setup
+
+
+def _metrics_time(value: str) -> Setup:
+    def setup(tmp: Path) -> None:
+        path = tmp / "run" / "metrics.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines()
+        first = json.loads(lines[0])
+        first["sim_time_s"] = value
+        path.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n", encoding="utf-8")
+
+    return setup
+
+
+CASES += [
+    Case(
+        "report with the same task's --target twice",
+        ["report", "{run}", "--target", "arc-e=0.5", "--target", "arc-e=0.6"],
+        "one --target per task ('arc-e' twice)",
+        needs_run=True,
+    ),
+    Case(
+        "report two runs of different configs as seeds of one method",
+        ["report", "{run}", "{tmp}/other", "--out", "{tmp}/r"],
+        "their configs differ in data.n_clients (2 vs 3)",
+        _second_run(3, 1),
+        needs_run=True,
+        absent=["r"],
+    ),
+    Case(
+        "report a suite whose suite.toml is not UTF-8",
+        ["report", "{tmp}/suite", "--out", "{tmp}/r"],
+        "suite.toml: not UTF-8 text",
+        _suite_with(b"title = '\xff'\n"),
+        needs_run=True,
+        absent=["r"],
+    ),
+    Case(
+        "report a suite whose suite.toml says targets = 3",
+        ["report", "{tmp}/suite", "--out", "{tmp}/r"],
+        "targets = 3 is invalid: a table of task = accuracy in (0, 1]",
+        _suite_with(b"targets = 3\n"),
+        needs_run=True,
+        absent=["r"],
+    ),
+    Case(
+        'report a run whose metrics say sim_time_s: "abc"',
+        ["report", "{run}", "--out", "{tmp}/r"],
+        "sim_time_s = 'abc' is invalid: a finite number",
+        _metrics_time("abc"),
+        needs_run=True,
+        absent=["r"],
+    ),
+]

@@ -1,4 +1,4 @@
-"""Readers of user files (issue 11: every reader of a user-given file lives here, with one
+"""Readers of user files (every reader of a user-given file lives here, with one
 error style: a ConfigError naming the config key or the file, and what is wrong).
 
 The client profiles (`network.profiles_file`), the q / k vector files (`method.q`,

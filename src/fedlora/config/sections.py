@@ -73,6 +73,14 @@ class LoraConfig:
 RESPONSES = ("label", "option")
 
 
+def parse_eval_exclude(entry: object) -> tuple[str, int]:
+    """One `data.eval_exclude` entry, "TASK:SEED", as (task, seed)."""
+    task, sep, seed = entry.rpartition(":") if isinstance(entry, str) else ("", "", "")
+    if not sep or not task or not seed.isdigit():
+        raise bad_value("data.eval_exclude", entry, '"TASK:SEED" entries, e.g. "arc-e:0"')
+    return task, int(seed)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Tasks, the federated partition and the evaluation subset."""
@@ -86,6 +94,12 @@ class DataConfig:
     task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
     eval_tasks: tuple[str, ...] = ("arc-e",)
     eval_limit: int = 500  # examples per eval task (seeded subset); 0 = whole test set
+    # the stream that draws the evaluation questions: -1 = training.seed (so another training
+    # seed also draws other questions); >= 0 fixes the questions whatever the training seed
+    eval_seed: int = -1
+    # "TASK:SEED": leave out the questions the seed-SEED subset of eval_limit draws from TASK
+    # (fresh questions: disjoint from those an earlier study was judged on)
+    eval_exclude: tuple[str, ...] = ()
     train_limit: int = 0  # examples per training task (seeded subset); 0 = all
     max_seq_len: int = 128
     n_clients: int = 20  # N
@@ -131,6 +145,12 @@ class DataConfig:
             if len(set(value)) != len(value):
                 raise bad_value(f"data.{name}", list(value), "each task at most once")
         check_int("data.eval_limit", self.eval_limit, lo=0)
+        check_int("data.eval_seed", self.eval_seed, lo=-1)
+        for entry in self.eval_exclude:
+            if parse_eval_exclude(entry)[0] not in self.eval_tasks:
+                raise bad_value(
+                    "data.eval_exclude", entry, f"a task of data.eval_tasks {list(self.eval_tasks)}"
+                )
         check_int("data.train_limit", self.train_limit, lo=0)
         check_int("data.max_seq_len", self.max_seq_len, lo=16)
         check_int("data.n_clients", self.n_clients, lo=1)
@@ -144,7 +164,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class NetworkConfig:
-    """Client compute and wireless channel (paper §IV), and the cost models (PAPER_NOTES #4–6).
+    """Client compute, wireless channel (paper §IV) and cost models (docs/paper.md, rows 4–6).
 
     Profiles come from `profiles_file` (CSV or JSON, one row per client with `tau_full_s`,
     `t_full`) or are generated: lognormal per-step compute times and a path-loss channel.

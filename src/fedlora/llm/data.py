@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedlora.errors import DataError
+from fedlora.config.sections import parse_eval_exclude
+from fedlora.errors import ConfigError, DataError
 from fedlora.llm.harness import EvalFormat, tokenize_harness
 from fedlora.llm.instruct import load_instructions, set_chat_template, tokenize_instructions
 from fedlora.llm.prompts import TokenizedSet, collate, tokenize_examples
@@ -88,11 +89,13 @@ def training_mix(cfg: DataConfig, seed: int) -> list[Example]:
 
 def own_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
     """The user's multiple-choice eval set (`cfg.mc_eval_files`) as task `cfg.mc_task`: a
-    seeded subset of `cfg.eval_limit` questions (0 = all); empty without such files."""
+    subset of `cfg.eval_limit` questions (0 = all) drawn as `load_eval_sets` draws (with
+    `cfg.eval_seed`); empty without such files."""
     if not cfg.mc_eval_files:
         return {}
     exs = load_mc_files(cfg.mc_eval_files, FieldMap.of(cfg), cfg.mc_task)
-    return {cfg.mc_task: seeded_subset(exs, cfg.eval_limit, stream_rng(seed, "eval", cfg.mc_task))}
+    eval_seed = seed if cfg.eval_seed < 0 else cfg.eval_seed
+    return {cfg.mc_task: eval_questions(exs, cfg.mc_task, cfg.eval_limit, eval_seed)}
 
 
 # ----------------------------------------------------------------------------- partition
@@ -167,9 +170,7 @@ class FederatedData:
     client_indices: list[np.ndarray]
     a: np.ndarray  # a_n = |D_n| / |D|
     eval_sets: dict[str, list[Example]]
-    fmt: str = (
-        "llm-adapters"  # `EvalFormat`: the training (and evaluation) format: harness | llm-adapters
-    )
+    fmt: str = "llm-adapters"  # the training (and evaluation) `EvalFormat`
     lengths: Any = None  # harness: its `LengthReport` (p50/p99 tokens, examples dropped)
     # held-out instruction records per task (`fedlora.llm.instruct.response_loss` scores them)
     instruct_eval: dict[str, list[Any]] = field(default_factory=dict)
@@ -221,12 +222,54 @@ def per_value_partition(keys: Sequence[str], n_clients: int) -> list[np.ndarray]
     return [np.flatnonzero(arr == v).astype(np.int64) for v in values]
 
 
+def eval_questions(
+    examples: list[Example],
+    task: str,
+    limit: int,
+    seed: int,
+    exclude_seeds: Sequence[int] = (),
+) -> list[Example]:
+    """The evaluation questions of one task: a seeded subset of `limit` (0 = all) drawn with
+    the stream (seed, "eval", task) from the test split, after leaving out every question
+    that the subset of the same `limit` for each seed in `exclude_seeds` draws. With no
+    exclusions this is exactly the subset earlier versions drew."""
+    pool = list(range(len(examples)))
+    if exclude_seeds:
+        dropped: set[int] = set()
+        for s in exclude_seeds:
+            dropped.update(_subset_indices(len(examples), limit, stream_rng(s, "eval", task)))
+        pool = [i for i in pool if i not in dropped]
+        if not pool or len(pool) < limit:
+            raise ConfigError(
+                f"data.eval_exclude = {[f'{task}:{s}' for s in exclude_seeds]!r} leaves "
+                f"{len(pool)} of the {len(examples)} {task} test questions: fewer than "
+                f"data.eval_limit = {limit}; exclude fewer subsets or lower the limit"
+            )
+    keep = _subset_indices(len(pool), limit, stream_rng(seed, "eval", task))
+    return [examples[pool[i]] for i in keep]
+
+
+def _subset_indices(n: int, limit: int, rng: np.random.Generator) -> list[int]:
+    """The positions `seeded_subset` keeps of n items (the same draws), in order."""
+    if limit <= 0 or limit >= n:
+        return list(range(n))
+    return np.sort(rng.choice(n, size=limit, replace=False)).tolist()
+
+
 def load_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
-    """A seeded subset (`cfg.eval_limit`, 0 = all) of each eval task's test split."""
+    """Each eval task's questions (`eval_questions`): a subset of `cfg.eval_limit` of its test
+    split, drawn with `cfg.eval_seed` (-1: the training `seed`), leaving out the subsets
+    `cfg.eval_exclude` names."""
     data_dir = resolve_data_dir(cfg.data_dir)
+    eval_seed = seed if cfg.eval_seed < 0 else cfg.eval_seed
+    excluded = [parse_eval_exclude(e) for e in cfg.eval_exclude]
     return {
-        task: seeded_subset(
-            load_task(task, data_dir, "test"), cfg.eval_limit, stream_rng(seed, "eval", task)
+        task: eval_questions(
+            load_task(task, data_dir, "test"),
+            task,
+            cfg.eval_limit,
+            eval_seed,
+            [s for t, s in excluded if t == task],
         )
         for task in cfg.eval_tasks
     }

@@ -1,7 +1,7 @@
 """The commonsense tasks as `Example`s: LLM-Adapters files, directories and the hub.
 
 Records come from a directory in the LLM-Adapters layout (``<dir>/<Folder>/{train,test}.json``,
-see ``../shared/data/README.md``), from any single LLM-Adapters JSON file, or from the
+see docs/data.md), from any single LLM-Adapters JSON file, or from the
 Hugging Face hub (needs the optional ``datasets`` package). Every record becomes an `Example`
 whose allowed answers (``labels``) are read from the record itself: the instruction's
 ``Answer format: answer1/answer2/...`` line, else the set of answers in the file.
