@@ -105,16 +105,43 @@ class DataConfig:
     train_limit: int = 0  # examples per training task (seeded subset); 0 = all
     max_seq_len: int = 128
     n_clients: int = 20  # N
-    partition_key: str = "task"  # task | label
+    # task | label | any field of the records (your own data's columns, a "user" field, ...)
+    partition_key: str = "task"
+    partition_mode: str = "dirichlet"  # dirichlet over the key's values | per_value: a client each
     dirichlet_alpha: float = 0.1
     min_client_examples: int = 8
     # what the training response names after "the correct answer is ": the label ("answer2",
     # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
     response: str = "option"
+    # your own multiple-choice questions (.json, .jsonl, .csv; docs/data.md "Your own data"):
+    # trained on (mc_files) and evaluated on (mc_eval_files) as task mc_task, read through
+    # the field map mc_question / mc_choices (one list field, or one column per choice) /
+    # mc_answer (mc_answer_type: index from 0, label A, B, ... or the column, text) / mc_context
+    mc_files: tuple[str, ...] = ()
+    mc_eval_files: tuple[str, ...] = ()
+    mc_task: str = "mine"
+    mc_question: str = "question"
+    mc_choices: tuple[str, ...] = ("choices",)
+    mc_answer: str = "answer"
+    mc_answer_type: str = "index"
+    mc_context: str = ""
+    # instruction records (Alpaca instruction/input/output or chat messages; .json, .jsonl):
+    # trained on, response tokens only (instruct_files); held out (instruct_eval_files);
+    # chat_template: a Jinja file for a tokenizer without one ("" = the tokenizer's own)
+    instruct_files: tuple[str, ...] = ()
+    instruct_eval_files: tuple[str, ...] = ()
+    instruct_task: str = "instruct"
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
-        if not self.tasks and not self.task_files:
+        if not (self.tasks or self.task_files or self.mc_files or self.instruct_files):
             raise bad_value("data.tasks", self.tasks, "at least one task or task file")
+        for name in ("mc_task", "mc_question", "mc_answer", "instruct_task"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise bad_value(f"data.{name}", getattr(self, name), "a non-empty field name")
+        if not self.mc_choices or len(set(self.mc_choices)) != len(self.mc_choices):
+            raise bad_value("data.mc_choices", list(self.mc_choices), "distinct field names")
+        check_choice("data.mc_answer_type", self.mc_answer_type, ("index", "label", "text"))
         for name in ("tasks", "eval_tasks"):
             value = getattr(self, name)
             if len(set(value)) != len(value):
@@ -129,7 +156,9 @@ class DataConfig:
         check_int("data.train_limit", self.train_limit, lo=0)
         check_int("data.max_seq_len", self.max_seq_len, lo=16)
         check_int("data.n_clients", self.n_clients, lo=1)
-        check_choice("data.partition_key", self.partition_key, ("task", "label"))
+        if not isinstance(self.partition_key, str) or not self.partition_key.strip():
+            raise bad_value("data.partition_key", self.partition_key, "task, label or a field name")
+        check_choice("data.partition_mode", self.partition_mode, ("dirichlet", "per_value"))
         check_number("data.dirichlet_alpha", self.dirichlet_alpha, lo=0, lo_open=True)
         check_int("data.min_client_examples", self.min_client_examples, lo=1)
         check_choice("data.response", self.response, RESPONSES)

@@ -155,6 +155,7 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
     progress.last_eval = details
     if run.cfg.evaluation.predictions:
         write_predictions(run.run_dir, round_index, results)
+    response = instruct_fields(run)  # held-out instruction records: {} without them
     return {
         "eval_loss": loss,
         "eval_losses": {t: r.loss for t, r in results.items()},
@@ -169,7 +170,25 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
         "eval_mc_losses": {t: r.mc_loss for t, r in results.items()},
         "eval_mc_loss_ci95": {t: list(r.mc_loss_ci95) for t, r in results.items()},
         "eval_mc_chance": {t: r.mc_chance for t, r in results.items()},
+        **response,
     }
+
+
+def instruct_fields(run: Run) -> dict[str, Any]:
+    """``eval_response``: the held-out instruction sets' response loss and perplexity with
+    their intervals (`fedlora.llm.instruct.response_loss`); {} when the run has none."""
+    held_out = getattr(run.fed, "instruct_eval", None)
+    if not held_out:
+        return {}
+    from fedlora.llm.instruct import response_fields
+
+    return response_fields(
+        run.model,
+        run.tokenizer,
+        held_out,
+        max_len=run.cfg.data.max_seq_len,
+        batch_size=run.cfg.evaluation.batch_size,
+    )
 
 
 def _or_none(x: float) -> float | None:

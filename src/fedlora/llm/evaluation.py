@@ -46,7 +46,7 @@ import numpy as np
 from fedlora.config.sections import SCORINGS
 from fedlora.errors import DataError
 from fedlora.llm.harness import (
-    HarnessRequest,
+    EvalFormat,
     acc_norm_pred,
     acc_pred,
     encode_pair,
@@ -55,6 +55,7 @@ from fedlora.llm.harness import (
 )
 from fedlora.llm.prompts import encode_continuation, encode_prompt, format_prompt, parse_options
 from fedlora.llm.scoring import Item, token_logprobs
+from fedlora.llm.task_types import HarnessRequest
 from fedlora.llm.tasks import RESPONSE_PREFIX, Example
 
 Z95 = 1.959963984540054  # Φ^{-1}(0.975)
@@ -307,7 +308,7 @@ def evaluate(
     scoring: str = "label",
     task: str = "",
     cache: Any = None,
-    fmt: str = "llm-adapters",
+    fmt: str | EvalFormat = "llm-adapters",
 ) -> EvalResult:
     """Accuracy of the arg-max option (ties -> first) with its 95% Wilson interval, eval_loss,
     mc_loss, the majority-label and chance scores, and the per-question predictions. `fmt`:
@@ -317,11 +318,10 @@ def evaluate(
     if not examples:
         raise DataError(f"task {task!r}: no examples to evaluate")
     _check_args(scoring, batch_size)
-    if fmt not in ("llm-adapters", "harness"):
-        raise DataError(f"evaluation.format = {fmt!r} is invalid: allowed: harness, llm-adapters")
+    fmt = EvalFormat(fmt)
     t0 = time.perf_counter()
-    requests = [harness_request(ex) for ex in examples] if fmt == "harness" else []
-    if fmt == "harness":
+    requests = [harness_request(ex) for ex in examples] if fmt.harness else []
+    if fmt.harness:
         items, where = harness_items(requests, tokenizer)
     else:
         items = scoring_items(examples, tokenizer, scoring)
@@ -332,7 +332,7 @@ def evaluate(
     preds, correct, nll, mc, norm_correct = [], [], [], [], []
     for q, ex in enumerate(examples):
         tok_lps = [lps[i][j] for i, j in where[q]]  # per option
-        if fmt == "harness":
+        if fmt.harness:
             req = requests[q]
             gold = req.gold
             scores = np.array([float(np.sum(t)) for t in tok_lps])
@@ -363,7 +363,7 @@ def evaluate(
         loss_ci95=loss_ci,
         majority=majority_score(examples),
         chance=chance_score(examples),
-        scoring="acc" if fmt == "harness" else scoring,
+        scoring="acc" if fmt.harness else scoring,
         ids=[question_id(ex) for ex in examples],
         predictions=preds,
         correct=correct,

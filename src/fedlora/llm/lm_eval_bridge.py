@@ -44,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, DataError
-from fedlora.llm.harness import HarnessRequest, harness_request
+from fedlora.llm.harness import harness_request
 from fedlora.llm.prompts import parse_options
+from fedlora.llm.task_types import HarnessRequest
 from fedlora.llm.tasks import Example
 
 __all__ = ["HarnessQuestion", "lm_eval_available", "run_lm_eval", "write_tasks"]
