@@ -10,7 +10,7 @@ values, once, before anything loads, and says why it chose them:
   fp32 master LoRA weights; on MPS, fp32; on a CPU, bf16 only where the CPU has native bf16
   (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo) AND a one-off probe (`bf16_probe`) of a
   training-shaped matmul measures bf16 at least `BF16_MIN_SPEEDUP` faster; else fp32. CPUs
-  without those flags emulate bf16 and run it about 2x slower (DESIGN.md). The probe's
+  without those flags emulate bf16 and run it about 2x slower (docs/models.md). The probe's
   figures are kept in ``<cache_dir>/bf16_probe.json`` per CPU, torch version and thread
   count, so every later run on the machine makes the same choice.
 
