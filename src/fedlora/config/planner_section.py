@@ -37,7 +37,7 @@ class PlannerConfig:
     # or "nonnegative" (least squares with A, C, D >= 0, no floors: issue 21's q -> 0 plans)
     calibration_fit: str = "constrained"
     # issue 21: "in-run" = the run's first rounds are the probes and the plan follows from
-    # them (fedlora.federation.replan); "separate" = the paper's four calibration runs
+    # them (proposed's round hooks); "separate" = the paper's four calibration runs
     calibration: str = "in-run"
     probe_rounds: int = 4  # in-run: rounds per probe setting (4 settings, palindromic order)
     # a_n/q_n <= max_weight for every planned q (0 = no bound); 1 = no sampled client counts

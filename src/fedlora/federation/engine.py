@@ -31,10 +31,9 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.federation import replan
 from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
 from fedlora.federation.clock import round_cost
-from fedlora.federation.methods.base import RoundPlan
+from fedlora.federation.methods.base import RoundContext, RoundPlan
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.profiles import write_clients_csv
 from fedlora.federation.progress import (
@@ -180,6 +179,8 @@ def run_rounds(
         trackers.log(line0)
         progress.metrics_lines = 1
 
+    hooks = RoundContext(cfg, run.fed.a, run.profiles, run_dir, log)  # the method's round hooks
+
     def checkpoint() -> None:
         save_checkpoint(run_dir, checkpoint_state(run, progress) | trainer.state_dict())
 
@@ -192,14 +193,14 @@ def run_rounds(
             if early:
                 stop_reason = early
                 break
-            replan.before_round(run, progress.round)  # in-run calibration: this round's q, k
+            run.method.before_round(hooks, progress.round)
             plan = plan_next_round(run, progress)
             synchronize(run.device)  # on a GPU, compute_s counts the round's queued work too
             t0 = time.perf_counter()
             line = _one_round(run, trainer, plan, progress)
             synchronize(run.device)
             compute_s = time.perf_counter() - t0
-            replan.after_round(run, progress.round, line, log)  # fit and plan when due
+            run.method.after_round(hooks, progress.round, line)
             record_round(metrics_path, progress, line, compute_s)
             trainer.report(line)
             trackers.log(line)

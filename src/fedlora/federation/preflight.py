@@ -6,7 +6,7 @@ A run checks them once, at its entry (`fedlora.federation.run.run`), which then 
 ``model.device`` / ``model.dtype`` once (`fedlora.llm.device.resolve_runtime`: a device this
 machine lacks fails there, before anything is created).
 
-Checked: the method's fields; the model spec's form and, from its config alone, its layer
+Checked: the method's fields and the chosen method's own rule (`Method.check_run`); the model spec's form and, from its config alone, its layer
 count against ``lora.layers`` and its module names against ``lora.target_modules``
 (Llama/Qwen2/Mistral shapes); the data directory, every task name, eval task and task file; the client profiles
 file; the q / k / ranks files of the method.
@@ -161,7 +161,8 @@ def check_inputs(cfg: ExperimentConfig) -> None:
     """Every check above; raises `ConfigError` / `DataError` naming the field and the value."""
     from fedlora.federation.methods.registry import check_method_config
 
-    check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    cls = check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    cls.check_run(cfg)  # the chosen method's own rule across sections (`Method.check_run`)
     check_model(cfg)
     check_data(cfg)
     check_clients(cfg)
