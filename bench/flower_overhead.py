@@ -61,9 +61,8 @@ def _round_times(run_dir: Path) -> np.ndarray:
 
 def main() -> None:
     from fedlora.config import load_config
-    from fedlora.federation.engine import run_experiment
     from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)

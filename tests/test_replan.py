@@ -16,8 +16,8 @@ from fedlora.errors import ConfigError
 from fedlora.federation import engine
 from fedlora.federation.calibration import prepare_proposed
 from fedlora.federation.methods.proposed_replan import probe_schedule
+from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.federation.run import run as run_entry
-from fedlora.federation.rundir import prepare_run_dir
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -103,7 +103,7 @@ def test_in_run_probes_fit_replan_and_bit_identical_resume(tmp_path):
     cut = tmp_path / "cut"
     prepare_run_dir(cfg, cut)
     cfg2, plan_value = prepare_proposed(cfg, cut, run_one=None, log=lambda m: None)  # in-run
-    engine.run_experiment(cfg2, cut, quiet=True, log=lambda m: None, plan=plan_value,
+    run_experiment(cfg2, cut, quiet=True, log=lambda m: None, plan=plan_value,
                           stop=lambda line: line["round"] == 9)  # fmt: skip
     assert len(_metrics(cut)) == 10
     run_entry(cfg, cut, resume=True, quiet=True, log=lambda m: None)

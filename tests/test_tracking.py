@@ -11,8 +11,7 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.engine import run_experiment
-from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.federation.tracking import scalars
 from test_engine import TINY, _metrics
 

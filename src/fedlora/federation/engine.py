@@ -1,9 +1,9 @@
 """The federated round engine: Algorithm 1 end to end with a simulated wireless clock.
 
 One run, top to bottom (`run_rounds`, the one round loop; `run_in_process` runs it in this
-process, called by the run's entry `fedlora.federation.run.run` once that has locked the run
-directory, checked the inputs and resolved the device once; the Flower ServerApp runs it
-with its nodes training):
+process, called by the run's entry `fedlora.federation.run` once that has checked the inputs,
+resolved the device, locked and written the run directory; the Flower ServerApp runs it with
+its nodes training):
 
     setup      config → run directory, model + LoRA slots, data partition, client profiles,
                method (`fedlora.federation.runstate.build_run`); resume from a checkpoint
@@ -43,7 +43,6 @@ from fedlora.federation.progress import (
     stop_before_round,
     summarize,
 )
-from fedlora.federation.rundir import run_dir_lock
 from fedlora.federation.runfiles import append_metrics, restore_metrics, write_summary
 from fedlora.federation.runstate import (
     Run,
@@ -70,34 +69,6 @@ from fedlora.llm.device import Resolution, synchronize
 from fedlora.system.seeding import derive_rng
 
 Log = Callable[[str], Any]
-
-
-def run_experiment(
-    cfg: ExperimentConfig,
-    run_dir: Path,
-    *,
-    resume: bool = False,
-    quiet: bool = False,
-    log: Log | None = None,
-    stop: Callable[[dict[str, Any]], bool] | None = None,
-    plan: Plan | None = None,
-    finish: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """Run (or resume) one experiment in a run directory that `prepare_run_dir` made, with a
-    given plan (no calibration): the library's way in for tests and benchmarks. Like the
-    entry (`fedlora.federation.run.run`, what `fedlora run` and `fedlora compare` call) it
-    locks `run_dir` once, checks the inputs once and resolves the device and dtype once,
-    then `run_in_process`."""
-    from fedlora.federation.preflight import check_inputs
-    from fedlora.llm.device import resolve_runtime
-
-    with run_dir_lock(run_dir):  # a second process on the same directory is refused
-        check_inputs(cfg)  # bad inputs fail here, before the model loads
-        runtime = resolve_runtime(cfg)
-        return run_in_process(
-            runtime, run_dir, resume=resume, quiet=quiet, log=log, stop=stop, plan=plan,
-            finish=finish,
-        )  # fmt: skip
 
 
 def run_in_process(

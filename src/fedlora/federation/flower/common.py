@@ -75,6 +75,9 @@ class FlowerOptions:
     connect_timeout_s: float = 120.0
     poll_interval_s: float = 0.2
     availability: str = "none"
+    # the run's `fedlora.llm.device.Resolution` when a caller in this process entered the run
+    # and holds its lock (`fedlora flower simulate`); never part of a Flower run config
+    entered: Any = None
 
     def __post_init__(self) -> None:
         for name in ("round_timeout_s", "connect_timeout_s", "poll_interval_s"):
@@ -151,6 +154,24 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
             f"method.name = 'proposed' with method.q = {m.q!r}, method.k = {m.k!r}: on Flower "
             "it needs a plan: set method.q and method.k to one plan JSON file (`fedlora plan "
             "-o`, or the plan.json of a `fedlora run` with method proposed)"
+        )
+
+
+def check_flower_resume(run_dir: Path) -> None:
+    """ConfigError for a Flower resume of a run that `fedlora run` finished: its summary.json
+    (no ``"runtime": "flower"``) would be rewritten by another runtime's."""
+    import json
+
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no (readable) summary: an unfinished run, or the entry's check names it
+    if isinstance(summary, dict) and summary.get("runtime") != "flower":
+        raise ConfigError(
+            f"--resume {str(run_dir)!r} is a run `fedlora run` finished (its summary.json has "
+            "no runtime = flower); allowed: a Flower run, or continue it with "
+            f"`fedlora run --resume {run_dir}` (and --force training.rounds=N to add rounds)"
         )
 
 
