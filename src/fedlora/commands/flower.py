@@ -200,15 +200,19 @@ def run_simulate(args: argparse.Namespace) -> int:
         out = Path(args.out).resolve()
     # the run's entry, in this process: check, resolve, lock, delete, write; the ServerApp
     # runs on its resolution under its lock; a watchdog stops Ray's processes if this dies
-    with entered(
-        cfg, out, resume=bool(args.resume), overwrite=args.overwrite, force=args.force,
+    resume = bool(args.resume)
+    entry = entered(
+        cfg,
+        out,
+        resume=resume,
+        overwrite=args.overwrite,
+        force=args.force,
         also_check=check_flower_method,
-    ) as runtime, watching_tree(safe_env()):  # fmt: skip
+    )
+    with entry as runtime, watching_tree(safe_env()):
         opts = FlowerOptions(out_dir=str(out), availability=args.availability, entered=runtime)
-        summary = run_simulation(
-            runtime.cfg, opts, num_cpus=args.num_cpus, client_num_cpus=args.client_cpus,
-            resume=bool(args.resume),
-        )  # fmt: skip
+        cpus = {"num_cpus": args.num_cpus, "client_num_cpus": args.client_cpus}
+        summary = run_simulation(runtime.cfg, opts, resume=resume, **cpus)
     print(json.dumps(summary, indent=2))
     print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
     return 0

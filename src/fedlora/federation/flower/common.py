@@ -1,4 +1,5 @@
-"""What the ServerApp and ClientApp share: run-config mapping, record conversion, env safety.
+"""What the ServerApp and ClientApp share: run-config mapping, the message exchange, record
+conversion, env safety.
 The loopback deployment (SuperLink, SuperNodes and workers started and stopped by PID) is in
 `fedlora.federation.flower.deploy`.
 
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,6 +175,32 @@ def check_flower_resume(run_dir: Path) -> None:
             "no runtime = flower); allowed: a Flower run, or continue it with "
             f"`fedlora run --resume {run_dir}` (and --force training.rounds=N to add rounds)"
         )
+
+
+# ----------------------------------------------------------------------------- messaging
+
+
+def exchange(grid: Any, messages: Sequence[Any], timeout_s: float, poll_s: float) -> dict[int, Any]:
+    """Push `messages` (Flower Messages) through `grid` (a ServerApp's Grid), pull replies until all arrived or `timeout_s` passed.
+
+    Returns {index in `messages`: reply}, matched by ``reply_to_message_id``. (Flower's own
+    `send_and_receive` polls every 3 s; this polls every `poll_s`.)
+    """
+    ids = list(grid.push_messages(list(messages)))
+    index = {mid: i for i, mid in enumerate(ids) if mid}
+    pending = set(index)
+    replies: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            mid = reply.metadata.reply_to_message_id
+            if mid in pending:
+                pending.discard(mid)
+                replies[index[mid]] = reply
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    return replies
 
 
 # ----------------------------------------------------------------------------- records

@@ -21,11 +21,12 @@ which restores E[·] = Σ a_n X_n when p̂_n → p_n (docs/flower.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from fedlora.federation.flower.common import (
     apply_safe_env,
     check_flower_method,
     config_from_run_config,
+    exchange,
     record_to_adapter,
 )
 from fedlora.federation.flower.measured import NODE_TIMES, append_node_times, measured_row
@@ -66,31 +68,6 @@ def _stderr(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- messaging
-
-
-def exchange(
-    grid: Grid, messages: Sequence[Message], timeout_s: float, poll_s: float
-) -> dict[int, Message]:
-    """Push `messages`, pull replies until all arrived or `timeout_s` passed.
-
-    Returns {index in `messages`: reply}, matched by ``reply_to_message_id``. (Flower's own
-    `send_and_receive` polls every 3 s; this polls every `poll_s`.)
-    """
-    ids = list(grid.push_messages(list(messages)))
-    index = {mid: i for i, mid in enumerate(ids) if mid}
-    pending = set(index)
-    replies: dict[int, Message] = {}
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        for reply in grid.pull_messages(list(pending)):
-            mid = reply.metadata.reply_to_message_id
-            if mid in pending:
-                pending.discard(mid)
-                replies[index[mid]] = reply
-        if not pending or time.monotonic() >= deadline:
-            break
-        time.sleep(poll_s)
-    return replies
 
 
 def _fedlora_record(cfg: ExperimentConfig) -> ConfigRecord:
@@ -265,32 +242,35 @@ def run_server(
     """
     wall_start = time.perf_counter()
     run_dir = run_dir_for(cfg, opts.out_dir or None)
-    if opts.entered is not None:
-        return _traced(grid, opts.entered, opts, run_dir, wall_start, log, resume=resume)
-    with entered(
-        cfg, run_dir, resume=resume, overwrite=opts.overwrite, also_check=check_flower_method
-    ) as entry:
-        return _traced(grid, entry, opts, run_dir, wall_start, log, resume=resume)
-
-
-def _traced(
-    grid: Grid, runtime: Resolution, opts: FlowerOptions, run_dir: Path, wall_start: float,
-    log: Log, *, resume: bool,
-) -> dict[str, Any]:  # fmt: skip
-    """`_run_server`, leaving a failure's trace in error.txt for whoever waits on the run."""
-    if resume:
-        (run_dir / "error.txt").unlink(missing_ok=True)
-    try:
-        return _run_server(grid, runtime, opts, run_dir, wall_start, log, resume=resume)
-    except Exception as e:
-        atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
-        raise
+    with contextlib.ExitStack() as stack:
+        runtime = opts.entered or stack.enter_context(
+            entered(
+                cfg,
+                run_dir,
+                resume=resume,
+                overwrite=opts.overwrite,
+                also_check=check_flower_method,
+            )
+        )
+        if resume:
+            (run_dir / "error.txt").unlink(missing_ok=True)
+        try:
+            return _run_server(grid, runtime, opts, run_dir, wall_start, log, resume=resume)
+        except Exception as e:  # leave a trace in the run directory for whoever waits on it
+            atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
+            raise
 
 
 def _run_server(
-    grid: Grid, runtime: Resolution, opts: FlowerOptions, run_dir: Path, wall_start: float,
-    log: Log, *, resume: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    grid: Grid,
+    runtime: Resolution,
+    opts: FlowerOptions,
+    run_dir: Path,
+    wall_start: float,
+    log: Log,
+    *,
+    resume: bool = False,
+) -> dict[str, Any]:
     cfg = runtime.cfg
     run = build_run(runtime, run_dir, log=log)
     clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
