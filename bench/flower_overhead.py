@@ -1,7 +1,7 @@
 """Per-round overhead of Flower (loopback SuperLink + SuperNodes) vs fedlora's own engine.
 
 Runs the same tiny configuration (tiny-llama, 2 clients, real data) twice: with
-`fedlora.federation.engine.run_experiment`, then on a loopback deployment started by
+`fedlora.federation.run.run_experiment`, then on a loopback deployment started by
 `fedlora.federation.flower.deploy.LocalDeployment`; compares the per-round wall time (`compute_s` of each
 metrics line: local training + aggregation for the engine; message round trip, node-side
 ClientApp process start, training and aggregation for Flower). By default each SuperNode
