@@ -45,8 +45,7 @@ def measure_rounds(args: argparse.Namespace) -> dict:
     import fedlora.llm.evaluation
     import fedlora.llm.train
     from fedlora.config import load_config
-    from fedlora.federation.engine import run_experiment
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     timers = {"train_s": 0.0, "steps": 0}
     evals: list[float] = []  # evaluations: round 0 (outside any round) and the last round
@@ -87,8 +86,7 @@ def measure_rounds(args: argparse.Namespace) -> dict:
 
 def measure_rss(args: argparse.Namespace, n_clients: int) -> dict:
     from fedlora.config import load_config
-    from fedlora.federation.engine import run_experiment
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     # the same expected number of participants (4) for every N: memory, not work, is measured
     extra = ["data.eval_limit=8", f"method.q_fixed={4 / n_clients}", "data.min_client_examples=1"]

@@ -1,7 +1,7 @@
 """Per-round overhead of Flower (loopback SuperLink + SuperNodes) vs fedlora's own engine.
 
 Runs the same tiny configuration (tiny-llama, 2 clients, real data) twice: with
-`fedlora.federation.engine.run_experiment`, then on a loopback deployment started by
+`fedlora.federation.run.run_experiment`, then on a loopback deployment started by
 `fedlora.federation.flower.deploy.LocalDeployment`; compares the per-round wall time (`compute_s` of each
 metrics line: local training + aggregation for the engine; message round trip, node-side
 ClientApp process start, training and aggregation for Flower). By default each SuperNode
@@ -61,9 +61,8 @@ def _round_times(run_dir: Path) -> np.ndarray:
 
 def main() -> None:
     from fedlora.config import load_config
-    from fedlora.federation.engine import run_experiment
     from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)

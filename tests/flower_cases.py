@@ -63,8 +63,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def engine_run(config_path: Path, tmp_path: Path) -> Path:
     """fedlora's own engine on the same config (run once per test)."""
-    from fedlora.federation.engine import run_experiment
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     ref = tmp_path / "engine-run"
     if not (ref / "summary.json").exists():

@@ -282,6 +282,16 @@ _EXTREME_CLIENTS = [
 
 # ----------------------------------------------------------------------------- the cases
 
+
+def _manifest_everything(tmp: Path) -> None:
+    """{run}'s marker edited so that its manifest lists every name."""
+    path = tmp / "run" / ".fedlora-run.json"
+    marker = json.loads(path.read_text())
+    marker["manifest"]["files"] = ["*"]
+    marker["manifest"]["dirs"]["src"] = ["*"]
+    path.write_text(json.dumps(marker))
+
+
 RUN = ["run", *TINY, "--quiet"]
 REPORT_TARGET = ["--target", "arc-e=0.5"]
 EVAL = ["eval", "--task", "arc-e", "--data-dir", DATA, "--limit", "4"]
@@ -826,6 +836,124 @@ CASES: list[Case] = [
         ["report", "{run}", "--target", "arc-c=0.5"],
         "no run evaluated task 'arc-c'; the runs' tasks: arc-e",
         needs_run=True,
+    ),
+    # ========================================================================================
+    # The run's one entry: every check before anything is deleted or started; the marker's
+    # manifest trusted only for fedlora's own names; nothing written outside the run
+    # directory without the same rule (Flower's log folder); compare checks every run first.
+    *[
+        Case(
+            f"--overwrite a finished run with {what}",
+            [*RUN, "--out", "{run}", "--overwrite", *bad],
+            expect,
+            needs_run=True,
+        )
+        for what, bad, expect in (
+            (
+                "method proposed and lora.rank = 1",
+                ["method.name=proposed", "lora.rank=1", "method.k=[1, 1]"],
+                "lora.rank = 1 is invalid for method.name = 'proposed'",
+            ),
+            (
+                "more clients than examples",
+                ["data.n_clients=50", "method.q=full", "method.k=full"],
+                "data.n_clients = 50 with data.min_client_examples = 2 is invalid",
+            ),
+            (
+                "an adapter larger than memory",
+                ["lora.rank=99999999999999999999"],
+                "lora.rank = 99999999999999999999, training.slots",
+            ),
+            (
+                "a noise level that leaves no SNR",
+                ["network.noise_psd_dbm_hz=1e300"],
+                "network.noise_psd_dbm_hz = 1e+300",
+            ),
+        )
+    ],
+    Case(
+        "flower simulate --overwrite a finished run with method proposed and lora.rank = 1",
+        [
+            "flower",
+            "simulate",
+            *TINY,
+            "--out",
+            "{run}",
+            "--overwrite",
+            "method.name=proposed",
+            "lora.rank=1",
+            "method.k=[1, 1]",
+        ],
+        "lora.rank = 1 is invalid for method.name = 'proposed'",
+        needs_run=True,
+    ),
+    Case(
+        "--overwrite a run whose marker's manifest was edited to everything",
+        [*RUN, "--out", "{run}", "--overwrite"],
+        "fedlora did not write (src/, thesis.tex)",
+        _chain(_run_plus("thesis.tex"), _run_plus("src/main.py"), _manifest_everything),
+        needs_run=True,
+    ),
+    Case(
+        "flower run-local --out X where X-logs/ holds the user's files",
+        ["flower", "run-local", *TINY, "--out", "{tmp}/X"],
+        "was not made by fedlora",
+        _write("X-logs/superlink.log", "my own notes\n"),
+        absent=["X"],
+    ),
+    Case(
+        "flower simulate --resume a run fedlora run finished",
+        ["flower", "simulate", "--resume", "{run}"],
+        "is a run `fedlora run` finished",
+        needs_run=True,
+    ),
+    *[
+        Case(
+            f"a fresh flower simulate with {bad}",
+            ["flower", "simulate", *TINY, "--out", "{tmp}/s", bad],
+            expect,
+            absent=["s"],
+        )
+        for bad, expect in (
+            ("lora.layers=3", "lora.layers = 3 is invalid"),
+            ("data.eval_tasks=[]", "data.eval_tasks = [] is invalid"),
+            ('lora.target_modules=["nope"]', "nope is no linear module"),
+        )
+    ],
+    Case(
+        "compare --methods with a label twice",
+        [
+            "compare",
+            "--suite",
+            "methods",
+            "--methods",
+            "fedavg",
+            "fedavg",
+            "--out",
+            "{tmp}/c",
+            *TINY,
+        ],
+        "each label once (fedavg twice)",
+        absent=["c"],
+    ),
+    Case(
+        "compare a suite whose proposed run cannot calibrate (lora.rank = 1)",
+        [
+            "compare",
+            "--suite",
+            "methods",
+            "--methods",
+            "proposed",
+            "--out",
+            "{tmp}/c",
+            "--target",
+            "arc-e=0.5",
+            *TINY,
+            "lora.rank=1",
+            "method.k=[1, 1]",
+        ],
+        "lora.rank = 1 is invalid for method.name = 'proposed'",
+        absent=["c"],
     ),
 ]
 

@@ -42,7 +42,9 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
 - **`--overwrite` deletes only the manifest's entries.** It replaces a run only after the
   new run's inputs passed every check and the lock is held, and only when everything in the
   directory is in the marker's manifest; a folder counts as fedlora's only when all of its
-  entries do. Anything else (a user's `evaluation_scripts/`, `predictions_v2.csv`,
+  entries do. The marker is a file in your directory, so it is trusted only for names
+  fedlora itself writes: an entry is fedlora's only when it matches both the marker's
+  manifest and fedlora's own list (a manifest edited to `["*"]` deletes nothing else). Anything else (a user's `evaluation_scripts/`, `predictions_v2.csv`,
   `chapter3.tmp`, a file inside `checkpoints/` or `adapter/`) makes it refuse with exit 2,
   naming every such entry, and nothing is deleted: we chose to refuse rather than leave the
   foreign files beside a new run, so that a new run's directory holds only that run. A
@@ -72,10 +74,18 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
 - **One writer.** A run holds an exclusive lock on `DIR/.lock` (`flock`, dropped by the
   kernel when the process dies); a second run on the same directory exits 2 naming the
   process that holds it.
-- **Errors come early.** Task names, eval tasks (at least one), task and profile files, the
-  q/k/ranks files, the data directory, and `lora.layers` / `lora.target_modules` against
-  the model's own config are checked before the model loads and before anything is created
-  or replaced.
+- **Every check before anything is deleted or started.** Every way into a run (`fedlora
+  run`, `fedlora compare`, `flower simulate`, `flower run-local` and its ServerApp, the
+  library's `run_experiment`) goes through one entry, in one order: check everything,
+  resolve the device and dtype, take the lock, delete (`--overwrite`), write the run
+  directory. Checked: task names, eval tasks (at least one), task and profile files, the
+  q/k/ranks files, the data directory, the training mix against `data.n_clients` ×
+  `data.min_client_examples`, `lora.layers` / `lora.target_modules` and a lower bound of the
+  adapter's memory against the model's own config, that every generated client gets a
+  finite upload and compute time, the method's fields and its own rule (`proposed`:
+  `lora.rank >= 2`), and Flower's own rules; all before the model loads and before Ray or
+  any Flower process starts. `fedlora compare` checks every run's method rule and refuses a
+  label given twice before its first run.
 - **Kill at any moment, resume bit-identical.** `tests/test_rundir.py` kills a run at random
   points (also between a file's write and its rename) and checks that the resumed run's
   metrics, adapter and checkpoints equal an uninterrupted run's.
@@ -111,9 +121,17 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
 - **Adapter files are reproducible.** `adapter_config.json` lists `target_modules` sorted
   (PEFT keeps them as a set); two exports of the same state in processes with different
   hash seeds have the same sha256 (`tests/test_reliability_adapter.py`).
+- **Nothing written outside the run directory without the same rule.** `flower run-local
+  --out X` writes its processes' logs to `X-logs/`, and only into a new or empty folder or
+  one fedlora made (its `.fedlora-logs` marker), only under its own log names; any other
+  folder is refused before anything starts. `flower simulate --resume` refuses a run that
+  `fedlora run` finished (its summary.json would be rewritten by another runtime's), and
+  accepts `--force` like `fedlora run --resume`.
 - **Flower commands own their process tree.** `flower run-local` starts a watchdog process
   that, when run-local dies (SIGKILL included), SIGTERMs and then SIGKILLs every process
   group it started (workers, SuperLink, SuperNodes) and their descendants (the ServerApp);
+  `flower simulate` starts one that remembers its process tree while it lives (Ray's GCS,
+  raylet, workers and agents) and stops what is left of it once it is gone;
   SIGTERM of run-local (`kill`, `timeout`) unwinds like Ctrl-C. `--timeout-s` and
   `--round-timeout-s` must be finite and > 0. `tests/test_reliability_flower.py` SIGKILLs,
   SIGTERMs, and times out (`--timeout-s`) a training run-local and checks, by PID, that

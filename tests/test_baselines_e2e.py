@@ -15,10 +15,9 @@ import torch
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.federation.checkpoints import load_checkpoint
-from fedlora.federation.engine import run_experiment
 from fedlora.federation.methods.fedstacklora import FedStackLoRA
 from fedlora.federation.methods.ranks import capability_ranks
-from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.run import prepare_run_dir, run_experiment
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")

@@ -284,8 +284,7 @@ TINY = [
 
 
 def _run(tmp_path: Path, name: str, *extra: str, stop=None, plan=None):
-    from fedlora.federation.engine import run_experiment
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     cfg = load_config(None, [*TINY, *extra])
     run_dir = tmp_path / name

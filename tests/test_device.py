@@ -332,8 +332,7 @@ def test_nothing_is_created_on_a_hard_coded_device(tmp_path, monkeypatch, extra)
     import re
 
     from fedlora.federation.checkpoints import load_checkpoint
-    from fedlora.federation.engine import run_experiment
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     monkeypatch.setattr(dev, "resolve_device", lambda spec, field="model.device": "meta")
     # a test-only device: the config's device syntax accepts meta

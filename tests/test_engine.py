@@ -20,9 +20,8 @@ from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation.checkpoints import load_checkpoint
-from fedlora.federation.engine import run_experiment
 from fedlora.federation.methods.base import ClientTask, RoundPlan, sketch_payload_params
-from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import TrainingDiverged, train_participants
 from fedlora.llm.device import resolve_runtime

@@ -228,9 +228,8 @@ def test_evaluation_config_and_bad_values() -> None:
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None:
-    from fedlora.federation.engine import run_experiment
     from fedlora.federation.progress import describe
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     cfg = load_config(
         None,
@@ -273,8 +272,7 @@ def test_engine_logs_eval_loss_baselines_and_predictions(tmp_path: Path) -> None
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_target_loss_stops_the_run(tmp_path: Path) -> None:
-    from fedlora.federation.engine import run_experiment
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     cfg = load_config(None, [*TINY_EVAL_RUN, "training.rounds=5", "training.target_loss=1000.0"])
     run_dir = tmp_path / "run"

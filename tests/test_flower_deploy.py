@@ -19,12 +19,8 @@ from pathlib import Path
 import pytest
 
 from fedlora.errors import ConfigError
-from fedlora.federation.flower.deploy import (
-    LocalDeployment,
-    descendants,
-    free_port,
-    wait_for_file,
-)
+from fedlora.federation.flower.deploy import LocalDeployment, free_port, wait_for_file
+from fedlora.federation.flower.processes import descendants
 from fedlora.federation.flower.worker import LOOPBACK, check_loopback
 from flower_cases import (
     REPO,

@@ -16,7 +16,7 @@ import pytest
 
 from fedlora.errors import ConfigError
 from fedlora.federation.flower.common import safe_env
-from fedlora.federation.flower.deploy import descendants
+from fedlora.federation.flower.processes import descendants
 from fedlora.federation.flower.worker import LOOPBACK
 from flower_cases import (
     assert_matches_engine,

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from fedlora.config import load_config
-from fedlora.federation.engine import run_experiment
-from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.files import default_cache_dir
 from fedlora.llm.models import SMOLLM2_SPEC
 

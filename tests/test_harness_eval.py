@@ -219,9 +219,8 @@ def test_format_config_and_auto() -> None:
 
 @needs_data
 def test_engine_in_harness_format_logs_mc_loss(tmp_path: Path) -> None:
-    from fedlora.federation.engine import run_experiment
     from fedlora.federation.progress import describe
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     cfg = load_config(None, TINY_EVAL_RUN)  # evaluation.format = auto: harness for a tiny model
     run_dir = tmp_path / "run"
@@ -265,8 +264,7 @@ def test_engine_in_harness_format_logs_mc_loss(tmp_path: Path) -> None:
 
 @needs_data
 def test_target_mc_loss_stops_the_run(tmp_path: Path) -> None:
-    from fedlora.federation.engine import run_experiment
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     cfg = load_config(None, [*TINY_EVAL_RUN, "training.rounds=5", "training.target_mc_loss=100.0"])
     run_dir = tmp_path / "run"

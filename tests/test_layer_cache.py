@@ -309,7 +309,7 @@ def test_engine_uses_the_cache_for_top_k_and_gets_the_same_adapters(tmp_path):
     # Prepare: real data, tiny-llama with LoRA on its top layer; the same round twice
     from fedlora.config import load_config
     from fedlora.federation.methods.base import ClientTask, RoundPlan
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir
     from fedlora.federation.runstate import build_run
     from fedlora.federation.trainer import train_participants
     from fedlora.llm.device import resolve_runtime

@@ -71,8 +71,7 @@ def cfg_overrides() -> list[str]:
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 def test_a_tiny_run_trains_with_the_example(example, tmp_path):
-    from fedlora.federation.engine import run_experiment
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     cfg = load_config(
         None,

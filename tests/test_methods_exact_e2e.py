@@ -16,8 +16,7 @@ import pytest
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.federation.checkpoints import checkpoint_paths
-from fedlora.federation.engine import run_experiment
-from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.studies.suites import METHOD_SUITE
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))

@@ -14,8 +14,7 @@ import torch
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.federation.checkpoints import load_checkpoint
-from fedlora.federation.engine import run_experiment
-from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.system.privacy import poisson_epsilon
 
 pytest.importorskip("dp_accounting")

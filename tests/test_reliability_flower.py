@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fedlora.cli import main
-from fedlora.federation.flower.deploy import descendants
+from fedlora.federation.flower.processes import descendants
 from flower_cases import DATA, REPO, needs_data, write_config
 
 

@@ -1,4 +1,4 @@
-"""In-run calibration and re-planning of `proposed` (issue 21, fedlora.federation.replan):
+"""In-run calibration and re-planning of `proposed` (its round hooks, methods/proposed_replan):
 a tiny random-init model end to end; the probes are the run's own rounds; a resumed run
 replays the same fits and plans bit for bit."""
 
@@ -15,9 +15,9 @@ from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation import engine
 from fedlora.federation.calibration import prepare_proposed
-from fedlora.federation.replan import probe_schedule
+from fedlora.federation.methods.proposed_replan import probe_schedule
+from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.federation.run import run as run_entry
-from fedlora.federation.rundir import prepare_run_dir
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -103,7 +103,7 @@ def test_in_run_probes_fit_replan_and_bit_identical_resume(tmp_path):
     cut = tmp_path / "cut"
     prepare_run_dir(cfg, cut)
     cfg2, plan_value = prepare_proposed(cfg, cut, run_one=None, log=lambda m: None)  # in-run
-    engine.run_experiment(cfg2, cut, quiet=True, log=lambda m: None, plan=plan_value,
+    run_experiment(cfg2, cut, quiet=True, log=lambda m: None, plan=plan_value,
                           stop=lambda line: line["round"] == 9)  # fmt: skip
     assert len(_metrics(cut)) == 10
     run_entry(cfg, cut, resume=True, quiet=True, log=lambda m: None)
@@ -115,11 +115,13 @@ def test_in_run_probes_fit_replan_and_bit_identical_resume(tmp_path):
 
 
 def _fake_run(tmp_path, *extra):
-    """What `fedlora.federation.replan` reads from a run, without a model: 10 clients."""
+    """A `proposed` method and what its round hooks see of a run (`RoundContext`), without a
+    model: 10 clients."""
     from types import SimpleNamespace
 
     import numpy as np
 
+    from fedlora.federation.methods.base import RoundContext
     from fedlora.federation.methods.proposed import Proposed
 
     cfg = load_config(None, ["method.name=proposed", "data.n_clients=10", "lora.rank=8",
@@ -130,8 +132,8 @@ def _fake_run(tmp_path, *extra):
     method.in_run = True
     profiles = SimpleNamespace(tau_full_s=rng.uniform(0.5, 3, 10), t_full=rng.uniform(1e6, 1e7, 10),
                                snr_db=np.full(10, np.nan))  # fmt: skip
-    return SimpleNamespace(cfg=cfg, fed=SimpleNamespace(a=a), profiles=profiles, method=method,
-                           run_dir=tmp_path)  # fmt: skip
+    ctx = RoundContext(cfg, a, profiles, tmp_path, log=lambda msg: None)
+    return SimpleNamespace(ctx=ctx, method=method)
 
 
 def _drive(run, rounds, constants_at):
@@ -140,17 +142,15 @@ def _drive(run, rounds, constants_at):
 
     import numpy as np
 
-    from fedlora.federation import replan
-
     level, lines = math.log(2.0), []
     for r in range(rounds):
-        replan.before_round(run, r)
+        run.method.before_round(run.ctx, r)
         q, k = run.method.q, run.method.k
         A, C, D = constants_at(r)
         y = float(np.sum(0.01 / q))
         z = float(np.sum(0.01 / q * 64 / k.astype(float) ** 2))
         line = {"round": r + 1, "train_loss": math.exp(level)}
-        replan.after_round(run, r, line)
+        run.method.after_round(run.ctx, r, line)
         lines.append(line)
         level -= (1.0 - C * y - D * z) / A
     return lines
@@ -189,3 +189,35 @@ def test_replan_adopts_a_plan_only_past_the_margin(tmp_path):
     kept = _drive(strict, 12, world)[11]["planner"]
     assert kept["predicted_gain"] == pytest.approx(entry["predicted_gain"])
     assert not kept["adopted"]
+
+
+def test_proposed_rank_rule_is_its_own_preflight_check(tmp_path):
+    # lora.rank = 1 cannot tell C from D: refused by preflight (Proposed.check_run), before a
+    # run directory exists; with a plan file (no calibration) rank 1 is the plan's business
+    from fedlora.federation.preflight import check_inputs
+
+    cfg = load_config(None, [*TINY, "lora.rank=1"])
+    with pytest.raises(
+        ConfigError, match=r"lora\.rank = 1 is invalid for method.name = 'proposed'"
+    ):
+        check_inputs(cfg)
+    with pytest.raises(ConfigError, match="lora.rank = 1"):
+        run_entry(cfg, tmp_path / "r", quiet=True, log=lambda m: None)
+    assert not (tmp_path / "r").exists()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"q": [0.5] * 8, "k": [1] * 8}))
+    check_inputs(
+        load_config(None, [*TINY, "lora.rank=1", f'method.q="{plan}"', f'method.k="{plan}"'])
+    )
+
+
+def test_round_loop_names_no_method():
+    # the round loop calls every method's hooks; it names none
+    import inspect
+
+    from fedlora.federation.methods.registry import method_names
+
+    for fn in (engine.run_rounds, engine._one_round, engine.close_round, engine.apply_aggregate):
+        text = inspect.getsource(fn)
+        assert "replan" not in text
+        assert not [name for name in method_names() if f"{name!r}" in text or f'"{name}"' in text]

@@ -175,3 +175,119 @@ def test_run_killed_before_its_first_checkpoint_starts_over(finished_run, tmp_pa
     assert _run("--resume", str(run_dir)) == 0
     rounds = [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- every path in
+
+
+def test_run_experiment_and_prepare_run_dir_check_resolve_and_lock_once(tmp_path):
+    from fedlora.federation.run import prepare_run_dir, run_experiment
+
+    cfg = load_config(None, [*TINY, *SKETCHED, "training.rounds=1"])
+    with counting() as counts:
+        run_experiment(cfg, tmp_path / "a", quiet=True, log=lambda m: None)
+    _once(counts)
+    with counting() as counts:  # a prepared directory is taken over as it is
+        prepare_run_dir(cfg, tmp_path / "b")
+    _once(counts)
+    marker = (tmp_path / "b" / ".fedlora-run.json").read_bytes()
+    with counting() as counts:
+        run_experiment(cfg, tmp_path / "b", quiet=True, log=lambda m: None)
+    _once(counts)
+    assert (tmp_path / "b" / ".fedlora-run.json").read_bytes() == marker
+
+
+def test_compare_checks_resolves_and_locks_once_per_run(tmp_path):
+    out = tmp_path / "suite"
+    argv = ["compare", "--suite", "table1", "--methods", "fslora", "--out", str(out), "-q"]
+    argv += ["--target", "arc-e=0.25", *TINY, "training.rounds=1"]
+    with counting() as counts:
+        assert main(argv) == 0
+    _once(counts)
+    assert json.loads((out / "fslora-seed0" / "summary.json").read_text())["rounds"] == 1
+
+
+def _serverapp_stub(monkeypatch, seen: list):
+    """The ServerApp's rounds replaced by a record of what they were handed (no Flower run)."""
+    from fedlora.federation.flower import server_app
+
+    def fake(grid, runtime, opts, run_dir, wall_start, log, *, resume=False):
+        seen.append((runtime, run_dir, resume))
+        return {"rounds": 0}
+
+    monkeypatch.setattr(server_app, "_run_server", fake)
+    return server_app
+
+
+def test_serverapp_enters_once_and_not_again_under_simulate(tmp_path, monkeypatch, capsys):
+    # the ServerApp of run-local (another process): one check, resolution and lock of its own
+    from fedlora.federation.flower.common import FlowerOptions
+
+    seen: list = []
+    server_app = _serverapp_stub(monkeypatch, seen)
+    cfg = load_config(None, [*TINY, *SKETCHED])
+    with counting() as counts:
+        server_app.run_server(None, cfg, FlowerOptions(out_dir=str(tmp_path / "a")))
+    _once(counts)
+    assert seen[0][0].cfg.model.dtype == "fp32" and (tmp_path / "a" / "config.toml").is_file()
+    # flower simulate: the command enters the run once; its ServerApp runs on that entry
+    from fedlora.federation.flower import simulation
+
+    def fake_simulation(cfg, opts, *, num_cpus=None, client_num_cpus=1.0, resume=False):
+        return server_app.run_server(None, cfg, opts, resume=resume)
+
+    monkeypatch.setattr(simulation, "run_simulation", fake_simulation)
+    pytest.importorskip("ray")
+    with counting() as counts:
+        rc = main(["flower", "simulate", "--out", str(tmp_path / "s"), *TINY, *SKETCHED])
+    assert rc == 0, capsys.readouterr().err
+    _once(counts)
+    assert seen[1][1] == (tmp_path / "s").resolve() and seen[1][0].cfg.model.dtype == "fp32"
+
+
+def test_run_local_command_enters_once_before_anything_starts(tmp_path, monkeypatch):
+    from fedlora.commands import flower
+
+    started: list = []
+    monkeypatch.setattr(flower, "_deploy", lambda *a: started.append(a) or _summary(a[2]))
+    with counting() as counts:
+        assert main(["flower", "run-local", "--out", str(tmp_path / "r"), *TINY, *SKETCHED]) == 0
+    _once(counts)
+    assert started and started[0][3]["overwrite"] is False  # prepared: nothing to replace
+
+
+def _summary(out: Path) -> None:
+    (out / "summary.json").write_text("{}")
+
+
+# bad inputs `fedlora run` refuses; a fresh `flower simulate` refuses each with the same
+# message, before Ray starts and before anything is written
+REFUSED = [
+    'data.tasks=["arc-x"]',
+    "lora.layers=3",
+    'lora.target_modules=["nope"]',
+    'method.q="/nonexistent/q.json"',
+    "data.eval_tasks=[]",
+    "lora.rank=1000000000000",
+    "data.min_client_examples=20",
+]
+
+
+@pytest.mark.parametrize("bad", REFUSED)
+def test_flower_simulate_refuses_what_run_refuses_with_the_same_message(
+    bad, tmp_path, monkeypatch, capsys
+):
+    from fedlora.federation.flower import simulation
+
+    pytest.importorskip("ray")
+    monkeypatch.setattr(simulation, "run_simulation", lambda *a, **k: pytest.fail("started"))
+    lines = []
+    for argv in (["run", "--quiet"], ["flower", "simulate"]):
+        out = tmp_path / argv[0]
+        assert main([*argv, "--out", str(out), *TINY, *SKETCHED, bad]) == 2
+        err = capsys.readouterr().err
+        errors = [x for x in err.splitlines() if "error:" in x]
+        assert len(errors) == 1 and "Traceback" not in err, err
+        lines.append(errors[0].split("error: ", 1)[1])
+        assert not out.exists()
+    assert lines[0] == lines[1]

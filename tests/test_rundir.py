@@ -24,7 +24,8 @@ from fedlora.cli import main
 from fedlora.config import dump_toml, load_config, toml_string
 from fedlora.errors import ConfigError
 from fedlora.federation.checkpoints import load_checkpoint
-from fedlora.federation.rundir import prepare_run_dir, run_dir_lock
+from fedlora.federation.run import prepare_run_dir, run_experiment
+from fedlora.federation.rundir import run_dir_lock
 from fedlora.federation.runfiles import read_metrics_lines
 from reliability_cases import DATA, TINY
 
@@ -307,7 +308,7 @@ class _Killer:
         """True when the run finished, False when it was killed."""
         self.events, self.kill_at = 0, kill_at
         try:
-            engine.run_experiment(cfg, run_dir, resume=resume, quiet=True, log=lambda m: None)
+            run_experiment(cfg, run_dir, resume=resume, quiet=True, log=lambda m: None)
         except _Killed:
             return False
         return True

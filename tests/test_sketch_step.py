@@ -232,7 +232,7 @@ def test_engine_passes_each_clients_step_size_and_momentum(tmp_path, monkeypatch
     # Prepare: a tiny run with k = [1, 2, 4, 3] of γ = 4; record what local_train receives
     import fedlora.llm.train
     from fedlora.config import load_config
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir
     from fedlora.federation.runstate import build_run
     from fedlora.federation.trainer import train_participants
     from fedlora.llm.device import resolve_runtime

@@ -17,8 +17,7 @@ import pytest
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation import tracking
-from fedlora.federation.engine import run_experiment
-from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.federation.tracking import TRACKERS, Tracker, Trackers, check_trackers, scalars
 from test_engine import TINY, _metrics
 
@@ -217,9 +216,9 @@ def test_missing_tracker_package_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
     cfg = load_config(None, [*TINY, "training.rounds=1", 'output.trackers=["mlflow"]'])
     run_dir = tmp_path / "m"
-    prepare_run_dir(cfg, run_dir)
-    with pytest.raises(ConfigError, match=r"fedlora\[tracking\]"):
-        run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"fedlora\[tracking\]"):  # checked on the way in
+        prepare_run_dir(cfg, run_dir)
+    assert not run_dir.exists()  # refused before anything is written
 
 
 def test_ctrl_c_in_round_0_leaves_the_mlflow_run_failed_at_exit(tmp_path, monkeypatch):

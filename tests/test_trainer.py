@@ -16,7 +16,7 @@ from fedlora.config import load_config
 from fedlora.federation.checkpoints import load_checkpoint
 from fedlora.federation.engine import run_rounds
 from fedlora.federation.methods.base import RoundPlan
-from fedlora.federation.rundir import prepare_run_dir
+from fedlora.federation.run import prepare_run_dir
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import SlotTrainer, Trained
 from fedlora.llm.device import resolve_runtime

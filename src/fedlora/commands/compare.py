@@ -43,9 +43,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from fedlora.errors import bad_value
+    from fedlora.federation.methods.registry import method_class
     from fedlora.studies.experiments import load_suite, pilot_targets, run_suite
     from fedlora.studies.suite_report import format_command
 
+    if args.methods and len(set(args.methods)) != len(args.methods):
+        twice = sorted({m for m in args.methods if args.methods.count(m) > 1})
+        raise bad_value("--methods", args.methods, f"each label once ({', '.join(twice)} twice)")
     overrides = list(args.overrides)
     if args.data_dir:
         overrides.append(f'data.data_dir="{args.data_dir}"')
@@ -58,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         targets=parse_targets(args.target),
         methods=args.methods,
     )
+    for label in spec.labels:  # every run's own method rule, before any run starts
+        cfg = spec.config_for(label, spec.seeds[0])
+        method_class(cfg.method.name).check_run(cfg)
     out = args.out or f"runs/{args.suite}"
     if args.pilot:
         print(f"targets: {pilot_targets(spec, Path(out), quiet=args.quiet)}")

@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     add_experiment_arguments(sim, out_help="run directory (required unless --resume)")
+    sim.add_argument(
+        "--force", action="store_true", help="with --resume: accept a config that differs"
+    )
     sim.add_argument("--availability", choices=("none", "observed"), default="none")
     sim.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
     sim.add_argument(
@@ -84,10 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_local(args: argparse.Namespace) -> int:
     from fedlora.federation.flower.common import check_flower_method
-    from fedlora.federation.rundir import prepare_run_dir
+    from fedlora.federation.flower.deploy import check_log_dir
+    from fedlora.federation.run import prepare_run_dir
 
-    cfg = load_config(args.config, args.overrides)  # validate before starting anything
-    check_flower_method(cfg)
     if not args.out.strip():
         raise ConfigError(f"--out = {args.out!r} is invalid: a directory path")
     check_timeout("--round-timeout-s", args.round_timeout_s)
@@ -97,20 +99,29 @@ def run_local(args: argparse.Namespace) -> int:
             f"--app-dir = {args.app_dir!r} is invalid: a directory holding the Flower app's "
             "pyproject.toml (default: fedlora's source checkout)"
         )
+    cfg = load_config(args.config, args.overrides)
     out = Path(args.out).resolve()
-    prepare_run_dir(cfg, out, overwrite=args.overwrite)  # refuses an existing run early
+    log_dir = out.parent / f"{out.name}-logs"
+
+    def flower_checks(c) -> None:  # what only this command needs, checked with the rest
+        check_flower_method(c)
+        check_log_dir(log_dir)
+
+    # the run's entry (check, resolve, lock, delete with --overwrite, write) before anything
+    # starts; the ServerApp's own entry then takes the prepared directory over
+    prepare_run_dir(cfg, out, overwrite=args.overwrite, also_check=flower_checks)
     run_config = {
         "fedlora-config": str(Path(args.config).resolve()) if args.config else "",
         "fedlora-overrides": " ".join(shlex.quote(o) for o in args.overrides),
         "out-dir": str(out),
-        "overwrite": True,  # the directory was just prepared here
+        "overwrite": False,  # prepared here: nothing is left to replace
         "round-timeout-s": float(args.round_timeout_s),
         "availability": args.availability,
     }
     # SIGTERM (kill, `timeout`) unwinds like Ctrl-C: the deployment below stops what it started
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        _deploy(args, cfg, out, run_config)
+        _deploy(args, cfg, out, run_config, log_dir)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print((out / "summary.json").read_text().strip())
@@ -118,14 +129,14 @@ def run_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def _deploy(args: argparse.Namespace, cfg, out: Path, run_config: dict) -> None:
+def _deploy(args: argparse.Namespace, cfg, out: Path, run_config: dict, log_dir: Path) -> None:
     from fedlora.federation.flower.deploy import LocalDeployment, wait_for_file
 
     with tempfile.TemporaryDirectory(prefix="fedlora-flower-") as home:
         with LocalDeployment(
             cfg.data.n_clients,
             home,
-            log_dir=out.parent / f"{out.name}-logs",
+            log_dir=log_dir,
             workers=not args.no_workers,
         ) as dep:
             print(f"SuperLink on {dep.address}; {cfg.data.n_clients} SuperNodes", file=sys.stderr)
@@ -155,35 +166,53 @@ def run_worker(args: argparse.Namespace) -> int:
 def run_simulate(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from fedlora.errors import ConfigError
-    from fedlora.federation.flower.common import FlowerOptions, check_flower_method
+    from fedlora.federation.flower.common import (
+        FlowerOptions,
+        check_flower_method,
+        check_flower_resume,
+        safe_env,
+    )
+    from fedlora.federation.flower.processes import watching_tree
     from fedlora.federation.flower.simulation import ray_backend_config, run_simulation
-    from fedlora.federation.rundir import prepare_run_dir, resume_config
+    from fedlora.federation.run import entered
+    from fedlora.federation.rundir import resume_given
 
     if bool(args.out) == bool(args.resume):
         raise ConfigError(
             f"--out = {args.out!r} and --resume = {args.resume!r}: give exactly one of them"
         )
+    if args.force and not args.resume:
+        raise ConfigError("--force goes with --resume (it accepts a changed config)")
+    if args.overwrite and args.resume:
+        raise ConfigError("--overwrite with --resume: choose one (continue or replace)")
     ray_backend_config(args.num_cpus, args.client_cpus)  # validate before starting anything
-    if args.resume:
-        out = Path(args.resume).resolve()
-        # overrides apply on top of the saved config; a difference is refused, naming it
-        cfg = resume_config(out, args.config, args.overrides)
-    else:
-        cfg = load_config(args.config, args.overrides)
-        out = Path(args.out).resolve()
-    check_flower_method(cfg)
     if importlib.util.find_spec("ray") is None:
         raise ConfigError(
             "fedlora flower simulate needs ray: pip install 'flwr[simulation]==1.41.*'"
         )
-    if not args.resume:
-        prepare_run_dir(cfg, out, overwrite=args.overwrite)  # refuses an existing run early
-    opts = FlowerOptions(out_dir=str(out), overwrite=True, availability=args.availability)
-    summary = run_simulation(
-        cfg, opts, num_cpus=args.num_cpus, client_num_cpus=args.client_cpus,
-        resume=bool(args.resume),
-    )  # fmt: skip
+    if args.resume:
+        out = Path(args.resume).resolve()
+        check_flower_resume(out)
+        # overrides apply on top of the saved config; a difference is refused, naming it
+        cfg = resume_given(out, args.config, args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        out = Path(args.out).resolve()
+    # the run's entry, in this process: check, resolve, lock, delete, write; the ServerApp
+    # runs on its resolution under its lock; a watchdog stops Ray's processes if this dies
+    resume = bool(args.resume)
+    entry = entered(
+        cfg,
+        out,
+        resume=resume,
+        overwrite=args.overwrite,
+        force=args.force,
+        also_check=check_flower_method,
+    )
+    with entry as runtime, watching_tree(safe_env()):
+        opts = FlowerOptions(out_dir=str(out), availability=args.availability, entered=runtime)
+        cpus = {"num_cpus": args.num_cpus, "client_num_cpus": args.client_cpus}
+        summary = run_simulation(runtime.cfg, opts, resume=resume, **cpus)
     print(json.dumps(summary, indent=2))
     print(f"results: {out}/metrics.jsonl, summary.json, adapter/")
     return 0

@@ -38,7 +38,7 @@ class PlannerConfig:
     # or "nonnegative" (least squares with A, C, D >= 0, no floors: it can plan q -> 0)
     calibration_fit: str = "constrained"
     # "in-run" = the run's first rounds are the probes and the plan follows from
-    # them (fedlora.federation.replan); "separate" = the paper's four calibration runs
+    # them (proposed's round hooks); "separate" = the paper's four calibration runs
     calibration: str = "in-run"
     probe_rounds: int = 4  # in-run: rounds per probe setting (4 settings, palindromic order)
     # a_n/q_n <= max_weight for every planned q (0 = no bound); 1 = no sampled client counts

@@ -1,7 +1,8 @@
 """Algorithm 2 on real training: the calibration runs of a `proposed` run and its plan, a
 step the run's entry (`fedlora.federation.run.run`) calls before the first round
 (`prepare_proposed`). In-run (the default) nothing runs first: the run calibrates itself
-(`fedlora.federation.replan`). With `planner.calibration = "separate"` `prepare_proposed`
+(`proposed`'s round hooks, `fedlora.federation.methods.proposed_replan`). With
+`planner.calibration = "separate"` `prepare_proposed`
 
 1. runs four calibration runs of Algorithm 1 (`sketched`) with `run_one` (the entry's
    in-process run, injected: this module imports no engine and no entry), with the same
@@ -56,7 +57,7 @@ from fedlora.config.toml_io import dump_toml
 from fedlora.errors import ConfigError
 from fedlora.federation.calibration_plan import client_arrays, plan_from_calibration
 from fedlora.federation.methods.proposed import Plan, plan_file
-from fedlora.federation.replan import outcome, probe_settings
+from fedlora.federation.methods.proposed_replan import outcome, probe_settings
 from fedlora.federation.rundir import write_run_dir
 from fedlora.federation.runfiles import (
     CLIENTS_FILE,
@@ -91,7 +92,7 @@ class RunOne(Protocol):
 
 def calibration_settings(gamma: int) -> list[tuple[float, int]]:
     """The four (q, k) pairs of the calibration runs: {0.3, 0.15} × {γ, ⌈γ/4⌉}, the same as
-    the in-run probes (`fedlora.federation.replan.probe_settings`).
+    the in-run probes (`fedlora.federation.methods.proposed_replan.probe_settings`).
 
     With γ < 4 the second k is still distinct from γ (k = 1 for γ in 2..4); γ = 1 has a
     single sketch size and cannot identify D.
@@ -254,7 +255,7 @@ def prepare_proposed(
     if plan_file(cfg.method):
         return cfg, None
     if cfg.planner.calibration == "in-run":  # the run's own first rounds are the probes
-        q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; fedlora.federation.replan sets each
+        q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; the in-run planner sets each
         n, probes = cfg.data.n_clients, 4 * cfg.planner.probe_rounds
         if cfg.training.rounds <= probes:
             log(f"warning: training.rounds = {cfg.training.rounds} <= the {probes} probe rounds "

@@ -1,9 +1,9 @@
 """The federated round engine: Algorithm 1 end to end with a simulated wireless clock.
 
 One run, top to bottom (`run_rounds`, the one round loop; `run_in_process` runs it in this
-process, called by the run's entry `fedlora.federation.run.run` once that has locked the run
-directory, checked the inputs and resolved the device once; the Flower ServerApp runs it
-with its nodes training):
+process, called by the run's entry `fedlora.federation.run` once that has checked the inputs,
+resolved the device, locked and written the run directory; the Flower ServerApp runs it with
+its nodes training):
 
     setup      config → run directory, model + LoRA slots, data partition, client profiles,
                method (`fedlora.federation.runstate.build_run`); resume from a checkpoint
@@ -31,10 +31,9 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.federation import replan
 from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
 from fedlora.federation.clock import round_cost
-from fedlora.federation.methods.base import RoundPlan
+from fedlora.federation.methods.base import RoundContext, RoundPlan
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.privacy import account_round
 from fedlora.federation.profiles import write_clients_csv
@@ -45,7 +44,6 @@ from fedlora.federation.progress import (
     stop_before_round,
     summarize,
 )
-from fedlora.federation.rundir import run_dir_lock
 from fedlora.federation.runfiles import append_metrics, restore_metrics, write_summary
 from fedlora.federation.runstate import (
     Run,
@@ -72,34 +70,6 @@ from fedlora.llm.device import Resolution, synchronize
 from fedlora.system.seeding import derive_rng
 
 Log = Callable[[str], Any]
-
-
-def run_experiment(
-    cfg: ExperimentConfig,
-    run_dir: Path,
-    *,
-    resume: bool = False,
-    quiet: bool = False,
-    log: Log | None = None,
-    stop: Callable[[dict[str, Any]], bool] | None = None,
-    plan: Plan | None = None,
-    finish: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """Run (or resume) one experiment in a run directory that `prepare_run_dir` made, with a
-    given plan (no calibration): the library's way in for tests and benchmarks. Like the
-    entry (`fedlora.federation.run.run`, what `fedlora run` and `fedlora compare` call) it
-    locks `run_dir` once, checks the inputs once and resolves the device and dtype once,
-    then `run_in_process`."""
-    from fedlora.federation.preflight import check_inputs
-    from fedlora.llm.device import resolve_runtime
-
-    with run_dir_lock(run_dir):  # a second process on the same directory is refused
-        check_inputs(cfg)  # bad inputs fail here, before the model loads
-        runtime = resolve_runtime(cfg)
-        return run_in_process(
-            runtime, run_dir, resume=resume, quiet=quiet, log=log, stop=stop, plan=plan,
-            finish=finish,
-        )  # fmt: skip
 
 
 def run_in_process(
@@ -181,6 +151,8 @@ def run_rounds(
         trackers.log(line0)
         progress.metrics_lines = 1
 
+    hooks = RoundContext(cfg, run.fed.a, run.profiles, run_dir, log)  # the method's round hooks
+
     def checkpoint() -> None:
         save_checkpoint(run_dir, checkpoint_state(run, progress) | trainer.state_dict())
 
@@ -193,14 +165,14 @@ def run_rounds(
             if early:
                 stop_reason = early
                 break
-            replan.before_round(run, progress.round)  # in-run calibration: this round's q, k
+            run.method.before_round(hooks, progress.round)
             plan = plan_next_round(run, progress)
             synchronize(run.device)  # on a GPU, compute_s counts the round's queued work too
             t0 = time.perf_counter()
             line = _one_round(run, trainer, plan, progress)
             synchronize(run.device)
             compute_s = time.perf_counter() - t0
-            replan.after_round(run, progress.round, line, log)  # fit and plan when due
+            run.method.after_round(hooks, progress.round, line)
             record_round(metrics_path, progress, line, compute_s)
             trainer.report(line)
             trackers.log(line)

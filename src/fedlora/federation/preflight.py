@@ -6,7 +6,7 @@ A run checks them once, at its entry (`fedlora.federation.run.run`), which then 
 ``model.device`` / ``model.dtype`` once (`fedlora.llm.device.resolve_runtime`: a device this
 machine lacks fails there, before anything is created).
 
-Checked: the method's fields; the model spec's form and, from its config alone, its layer
+Checked: the method's fields and the chosen method's own rule (`Method.check_run`); the model spec's form and, from its config alone, its layer
 count against ``lora.layers`` and its module names against ``lora.target_modules``
 (Llama/Qwen2/Mistral shapes); the data directory, every task name, eval task and task file; the client profiles
 file; the q / k / ranks files of the method.
@@ -49,7 +49,7 @@ def model_config(spec: str, cache_dir: str = "") -> dict[str, Any] | None:
         file = path / SMOLLM2_SPEC / "config.json"
         if file.is_file():
             return _read_json(file)
-        return {"model_type": "llama", "num_hidden_layers": SMOLLM2_LAYERS}
+        return {"model_type": "llama", "num_hidden_layers": SMOLLM2_LAYERS, "hidden_size": 576}
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -79,10 +79,12 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def check_model(cfg: ExperimentConfig) -> None:
-    """lora.layers and lora.target_modules against the model's config (no weights)."""
+    """lora.layers, lora.target_modules and the adapter's size against the model's config
+    (no weights)."""
     config = model_config(cfg.model.name, cfg.model.cache_dir)
     if config is None:
         return
+    check_adapter_size(cfg, config)
     n_layers = config.get("num_hidden_layers")
     layers = cfg.lora.layers
     if isinstance(n_layers, int) and layers != "all" and int(layers) > n_layers:
@@ -98,6 +100,21 @@ def check_model(cfg: ExperimentConfig) -> None:
                 f"{', '.join(unknown)} is no linear module of model {cfg.model.name!r}; "
                 f"it has: {', '.join(_LLAMA_LINEAR)}",
             )
+
+
+def check_adapter_size(cfg: ExperimentConfig, config: dict[str, Any]) -> None:
+    """A lower bound of the adapter's memory (every target module of every LoRA layer is at
+    least hidden_size wide on one side) against the memory available, before any tensor is
+    allocated; the exact check runs again when LoRA is attached."""
+    from fedlora.config.checks import check_fits_in_memory
+
+    hidden, n_layers = config.get("hidden_size"), config.get("num_hidden_layers")
+    if not (isinstance(hidden, int) and isinstance(n_layers, int)):
+        return
+    lora, slots = cfg.lora, cfg.training.slots
+    layers = n_layers if lora.layers == "all" else min(int(lora.layers), n_layers)
+    need = 4 * (slots + 1) * int(lora.rank) * len(lora.target_modules) * layers * hidden
+    check_fits_in_memory("the adapter", f"lora.rank = {lora.rank}, training.slots = {slots}", need)
 
 
 def check_data(cfg: ExperimentConfig) -> None:
@@ -144,6 +161,59 @@ def check_data(cfg: ExperimentConfig) -> None:
             f"data.tasks = {list(data.tasks)!r}: none has a train split in {data_dir!r} "
             "and data.task_files is empty"
         )
+    check_partition_size(cfg)
+
+
+def check_partition_size(cfg: ExperimentConfig) -> None:
+    """The training mix (read, not tokenized) holds data.n_clients × data.min_client_examples
+    examples: the partition's own check, before anything is created."""
+    from fedlora.llm.data import training_mix
+
+    data = cfg.data
+    need = data.n_clients * data.min_client_examples
+    if need <= 1:
+        return
+    have = len(training_mix(data, cfg.training.seed))
+    if have < need:
+        raise ConfigError(
+            f"data.n_clients = {data.n_clients} with data.min_client_examples = "
+            f"{data.min_client_examples} is invalid: it needs >= {need} training examples, the "
+            f"training mix has {have} (data.tasks = {list(data.tasks)!r}, data.train_limit = "
+            f"{data.train_limit}); allowed: n_clients x min_client_examples <= {have}"
+        )
+
+
+def check_network(cfg: ExperimentConfig) -> None:
+    """The generated client profiles give every client a finite compute time and a finite
+    upload time (an SNR of 0 gives an infinite one), checked for a unit payload: a run's
+    times scale with its payload. The error names the fields behind the times."""
+    from fedlora.federation.profiles import build_profiles
+
+    if cfg.network.profiles_file:
+        return  # a profiles file is checked when it is read (check_clients)
+    n = cfg.network
+    fields = (
+        f"network.tx_power_dbm = {n.tx_power_dbm!r}, network.noise_psd_dbm_hz = "
+        f"{n.noise_psd_dbm_hz!r}, network.path_loss_exponent = {n.path_loss_exponent!r}, "
+        f"network.distance_max_m = {n.distance_max_m!r}, network.f_tot_hz = {n.f_tot_hz!r}, "
+        f"network.step_time_median_s = {n.step_time_median_s!r}"
+    )
+    allowed = (
+        "allowed: values that give every client a finite time (an SNR above 0, a finite step time)"
+    )
+    try:
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            profiles = build_profiles(cfg, full_payload_bits=1.0)
+    except ConfigError as e:  # the profiles' own check: name the fields behind it
+        raise ConfigError(f"{fields}: the client profiles are invalid ({e}); {allowed}") from None
+    for name, times in (("upload time", profiles.t_full), ("compute time", profiles.tau_full_s)):
+        bad = np.flatnonzero(~np.isfinite(np.asarray(times, dtype=float)))
+        if bad.size:
+            i = int(bad[0])
+            raise ConfigError(
+                f"{fields}: client {i} gets a{'n' if name[0] == 'u' else ''} {name} of "
+                f"{float(times[i])!r} s; {allowed}"
+            )
 
 
 def check_clients(cfg: ExperimentConfig) -> None:
@@ -174,8 +244,10 @@ def check_inputs(cfg: ExperimentConfig) -> None:
     from fedlora.federation.methods.registry import check_method_config
     from fedlora.federation.tracking import check_trackers
 
-    check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    cls = check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    cls.check_run(cfg)  # the chosen method's own rule across sections (`Method.check_run`)
     check_trackers(cfg)  # output.trackers: names, packages, output.mlflow_uri's form
     check_model(cfg)
     check_data(cfg)
     check_clients(cfg)
+    check_network(cfg)

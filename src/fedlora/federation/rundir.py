@@ -3,8 +3,8 @@
 A run directory is what a user trusts with hours of compute, so every operation here either
 completes or leaves the directory as it was:
 
-- `write_run_dir` (with the lock held; `prepare_run_dir` for a caller without it) writes the
-  marker ``.fedlora-run.json`` (`fedlora.federation.runmarker`: run id, version, the
+- `write_run_dir` (the last step of the run's entry, `fedlora.federation.run.entered`, with
+  the lock held and every check passed) writes the marker ``.fedlora-run.json`` (`fedlora.federation.runmarker`: run id, version, the
   manifest of what fedlora writes there) and replaces an existing
   directory only with `overwrite`, only when it is provably fedlora's (its marker, or a
   legacy run), only when everything in it is in the manifest, and only after the caller
@@ -54,7 +54,6 @@ __all__ = [
     "load_saved_config",
     "make_run_dir",
     "never_started",
-    "prepare_run_dir",
     "resume_config",
     "resume_given",
     "run_dir_for",
@@ -199,30 +198,6 @@ def make_run_dir(run_dir: Path) -> None:
         ) from None
 
 
-def prepare_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
-    """Create a fresh run directory; replace an existing fedlora run only with `overwrite`:
-    for a caller that does not hold the lock (tests, `fedlora flower`, the ServerApp before
-    it locks). It resolves the device and dtype and, before replacing a run, validates the
-    new run's inputs (`fedlora.federation.preflight.check_inputs`) and takes the lock, so a
-    live run is never emptied; then `write_run_dir`."""
-    run_dir = Path(run_dir)
-    # the device and dtype this run uses (auto resolved; a device the machine lacks fails
-    # here, before anything is created or removed), saved so that a resume keeps them
-    from fedlora.llm.device import resolve_runtime
-
-    resolved = resolve_runtime(cfg).cfg
-    check_run_dir(run_dir, overwrite=overwrite)
-    if run_dir.is_dir() and _entries(run_dir):
-        if not never_started(run_dir):
-            from fedlora.federation.preflight import check_inputs
-
-            check_inputs(cfg)
-        with run_dir_lock(run_dir):  # a live run (a Flower ServerApp too) is never emptied
-            write_run_dir(resolved, run_dir, overwrite=overwrite)
-        return
-    write_run_dir(resolved, run_dir, overwrite=overwrite)
-
-
 def write_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = False) -> None:
     """With the caller holding the lock (or on a directory no run uses yet), the inputs
     checked and `cfg`'s device and dtype resolved: refuse a path a new run may not use,
@@ -232,6 +207,9 @@ def write_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = Fal
     if "auto" in (cfg.model.device, cfg.model.dtype):
         raise ValueError("write_run_dir: resolve model.device/dtype first (resolve_runtime)")
     check_run_dir(run_dir, overwrite=overwrite)
+    text = dump_toml(cfg).encode()
+    if _prepared(run_dir, text):  # written by this entry already (a prepared directory)
+        return
     if run_dir.is_dir() and _entries(run_dir):
         names = [p.name for p in _entries(run_dir)]
         owned, _ = sort_entries(run_dir, _manifest(run_dir, names))
@@ -242,7 +220,18 @@ def write_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = Fal
                 p.unlink()
     make_run_dir(run_dir)
     write_marker(run_dir)
-    atomic_write(run_dir / "config.toml", dump_toml(cfg).encode())
+    atomic_write(run_dir / "config.toml", text)
+
+
+def _prepared(run_dir: Path, text: bytes) -> bool:
+    """`run_dir` holds only its marker and a config.toml of exactly `text`: a directory the
+    entry prepared for this run (`fedlora.federation.run.prepare_run_dir`), kept as it is."""
+    if not run_dir.is_dir() or [p.name for p in _entries(run_dir)] != [MARKER_NAME, "config.toml"]:
+        return False
+    try:
+        return read_marker(run_dir) is not None and (run_dir / "config.toml").read_bytes() == text
+    except OSError:
+        return False
 
 
 # ----------------------------------------------------------------------------- config
@@ -280,9 +269,15 @@ def config_changes(
 
 
 def load_run_config(
-    run_dir: Path, given: ExperimentConfig | None = None, *, force: bool = False
+    run_dir: Path,
+    given: ExperimentConfig | None = None,
+    *,
+    force: bool = False,
+    write: bool = True,
 ) -> ExperimentConfig:
-    """The config a run was started with; with `given`, refuse differences unless `force`."""
+    """The config a run was started with; with `given`, refuse differences unless `force`
+    (then the merged config, written to config.toml unless `write` is False: the run's entry
+    writes it once it holds the lock)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"--resume {str(run_dir)!r}: no such directory")
@@ -308,7 +303,8 @@ def load_run_config(
                 "resume (the checkpoints and the data partition depend on them); start a new "
                 "run with --out instead"
             )
-        atomic_write(path, dump_toml(given).encode())
+        if write:
+            atomic_write(path, dump_toml(given).encode())
         return given
     return saved
 

@@ -1,15 +1,17 @@
 """The run directory's marker, ``.fedlora-run.json``: proof that fedlora created the directory,
 and the manifest of what fedlora writes there (the only entries ``--overwrite`` may delete).
 
-`write_marker` is called by `fedlora.federation.rundir.prepare_run_dir` when it creates (or
-replaces) a run directory::
+`write_marker` is called by `fedlora.federation.rundir.write_run_dir` (the last step of a
+run's entry) when it creates (or replaces) a run directory::
 
     {"format": 1, "run_id": "<uuid4 hex>", "fedlora_version": "0.1.0",
      "created": "2026-11-25T06:20:00Z", "manifest": {"files": [...], "dirs": {...}}}
 
 The manifest is the fixed list `MANIFEST` of the names fedlora's own writers use in a run
 directory (the engine, the Flower ServerApp, tracking, the planner and `fedlora report`'s
-outputs), recorded at creation: a later fedlora deletes what the run's own fedlora wrote.
+outputs), recorded at creation: a later fedlora deletes what the run's own fedlora wrote, and only
+names fedlora itself writes: an entry counts as fedlora's only when it matches both the
+marker's manifest and `MANIFEST` (a marker edited to ``["*"]`` deletes nothing else).
 ``files`` are glob patterns of top-level files; ``dirs`` maps a folder to the glob patterns
 of what fedlora puts inside it. An atomic write's ``<name>.tmp`` belongs with ``<name>``.
 
@@ -121,11 +123,13 @@ def _matches(name: str, patterns: list[str]) -> bool:
 
 
 def sort_entries(run_dir: Path, manifest: dict[str, Any]) -> tuple[list[Path], list[str]]:
-    """`run_dir`'s entries as (what the manifest lists, names of everything else).
+    """`run_dir`'s entries as (what fedlora may delete, names of everything else).
 
-    A listed folder counts as fedlora's only when everything in it matches its patterns;
-    symbolic links count as files (never followed). The lock file and the marker are
-    neither: they are kept and rewritten by the caller."""
+    An entry is fedlora's only when the marker's `manifest` lists it and fedlora writes
+    that name (`MANIFEST`): the marker is a file in the user's directory, trusted only for
+    fedlora's own names. A listed folder counts as fedlora's only when everything in it
+    matches its patterns; symbolic links count as files (never followed). The lock file and
+    the marker are neither: they are kept and rewritten by the caller."""
     owned: list[Path] = []
     foreign: list[str] = []
     for p in sorted(run_dir.iterdir()):
@@ -133,16 +137,17 @@ def sort_entries(run_dir: Path, manifest: dict[str, Any]) -> tuple[list[Path], l
             continue
         if p.is_dir() and not p.is_symlink():
             patterns = manifest["dirs"].get(p.name)
-            if patterns is None:
+            ours = MANIFEST["dirs"].get(p.name)
+            if patterns is None or ours is None:
                 foreign.append(p.name + "/")
                 continue
             inside = [f"{p.name}/{c.name}" for c in sorted(p.iterdir())
-                      if not _matches(c.name, patterns)]  # fmt: skip
+                      if not (_matches(c.name, patterns) and _matches(c.name, ours))]  # fmt: skip
             if inside:
                 foreign += inside
             else:
                 owned.append(p)
-        elif _matches(p.name, manifest["files"]):
+        elif _matches(p.name, manifest["files"]) and _matches(p.name, MANIFEST["files"]):
             owned.append(p)
         else:
             foreign.append(p.name)

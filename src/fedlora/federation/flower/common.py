@@ -1,4 +1,5 @@
-"""What the ServerApp and ClientApp share: run-config mapping, record conversion, env safety.
+"""What the ServerApp and ClientApp share: run-config mapping, the message exchange, record
+conversion, env safety.
 The loopback deployment (SuperLink, SuperNodes and workers started and stopped by PID) is in
 `fedlora.federation.flower.deploy`.
 
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,9 @@ class FlowerOptions:
     connect_timeout_s: float = 120.0
     poll_interval_s: float = 0.2
     availability: str = "none"
+    # the run's `fedlora.llm.device.Resolution` when a caller in this process entered the run
+    # and holds its lock (`fedlora flower simulate`); never part of a Flower run config
+    entered: Any = None
 
     def __post_init__(self) -> None:
         for name in ("round_timeout_s", "connect_timeout_s", "poll_interval_s"):
@@ -160,6 +165,50 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
             "it needs a plan: set method.q and method.k to one plan JSON file (`fedlora plan "
             "-o`, or the plan.json of a `fedlora run` with method proposed)"
         )
+
+
+def check_flower_resume(run_dir: Path) -> None:
+    """ConfigError for a Flower resume of a run that `fedlora run` finished: its summary.json
+    (no ``"runtime": "flower"``) would be rewritten by another runtime's."""
+    import json
+
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no (readable) summary: an unfinished run, or the entry's check names it
+    if isinstance(summary, dict) and summary.get("runtime") != "flower":
+        raise ConfigError(
+            f"--resume {str(run_dir)!r} is a run `fedlora run` finished (its summary.json has "
+            "no runtime = flower); allowed: a Flower run, or continue it with "
+            f"`fedlora run --resume {run_dir}` (and --force training.rounds=N to add rounds)"
+        )
+
+
+# ----------------------------------------------------------------------------- messaging
+
+
+def exchange(grid: Any, messages: Sequence[Any], timeout_s: float, poll_s: float) -> dict[int, Any]:
+    """Push `messages` (Flower Messages) through `grid` (a ServerApp's Grid), pull replies until all arrived or `timeout_s` passed.
+
+    Returns {index in `messages`: reply}, matched by ``reply_to_message_id``. (Flower's own
+    `send_and_receive` polls every 3 s; this polls every `poll_s`.)
+    """
+    ids = list(grid.push_messages(list(messages)))
+    index = {mid: i for i, mid in enumerate(ids) if mid}
+    pending = set(index)
+    replies: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            mid = reply.metadata.reply_to_message_id
+            if mid in pending:
+                pending.discard(mid)
+                replies[index[mid]] = reply
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    return replies
 
 
 # ----------------------------------------------------------------------------- records

@@ -4,12 +4,16 @@ worker per SuperNode, started with Popen and stopped by PID.
 Every address is 127.0.0.1 (free ports, `check_loopback`), and every child process gets
 `common.safe_env` (telemetry, update checks and Ray usage stats off). Stopping never goes by
 process name: SIGTERM to each PID started here, SIGKILL after a grace period, then SIGKILL to
-whatever they started (found through /proc, because Flower detaches some of its children).
+whatever they started (`fedlora.federation.flower.processes`).
+
+The processes' logs go to ``log_dir`` (`flower run-local`: ``<out>-logs`` beside the run
+directory). fedlora writes there only into a folder it made (its marker `LOG_MARKER`) or a
+new or empty one, and only its own log names; `check_log_dir` refuses any other folder
+before anything starts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -20,11 +24,34 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedlora.errors import bad_value
+from fedlora.errors import ConfigError, bad_value
 from fedlora.federation.flower.common import safe_env
+from fedlora.federation.flower.processes import descendants, signal_pids, stop_process
 from fedlora.federation.flower.worker import LOOPBACK, check_loopback, wait_ready
 
 WORKER_MODULE = "fedlora.federation.flower.worker_main"  # python -m WORKER_MODULE --port P
+LOG_MARKER = ".fedlora-logs"  # a log folder fedlora made: its own log names are rewritten
+
+
+def check_log_dir(path: Path) -> None:
+    """Refuse a log folder fedlora may not write into: one that exists (or is a link or a
+    file) without `LOG_MARKER` and holds anything. Nothing is written here."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise ConfigError(
+            f"log folder {str(path)!r} (beside --out) is a link or a file: fedlora writes the "
+            "deployment's logs there; move it away or choose another --out"
+        )
+    if not path.is_dir():
+        return
+    names = sorted(p.name for p in path.iterdir())
+    if names and LOG_MARKER not in names:
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        raise ConfigError(
+            f"log folder {str(path)!r} (beside --out) = [{shown}] was not made by fedlora (no "
+            f"{LOG_MARKER}): fedlora would rewrite its log files there; allowed: a new or "
+            "empty folder, or one fedlora made; move it away or choose another --out"
+        )
 
 
 def free_port() -> int:
@@ -32,77 +59,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
-
-
-def descendants(pid: int) -> list[int]:
-    """PIDs of every live process below `pid` (from /proc; Flower detaches some children
-    into their own sessions, so a process group does not reach them)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _signal_pids(pids: Sequence[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop a process we started and what it started: SIGTERM, then SIGKILL, by PID."""
-    if proc.poll() is not None:
-        return
-    below = descendants(proc.pid)
-    _signal_pids([proc.pid], signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        _signal_pids([proc.pid], signal.SIGKILL)
-        proc.wait(timeout=grace_s)
-    _signal_pids([p for p in below if Path(f"/proc/{p}").exists()], signal.SIGKILL)
-
-
-def _tree(pids: Sequence[int]) -> list[int]:
-    return [*pids, *(d for pid in pids for d in descendants(pid))]
-
-
-def watchdog(argv: Sequence[str] | None = None, poll_s: float = 0.2) -> None:
-    """`python -c '...watchdog()' PARENT_PID PIDS_FILE`: wait until PARENT_PID is gone (this
-    process is re-parented), then SIGTERM each process group listed in PIDS_FILE and every
-    descendant, and SIGKILL what is left 3 s later. Exits at once when SIGTERMed itself."""
-    parent, pids_file = (argv or sys.argv[1:])[:2]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent cleans up itself
-    while os.getppid() == int(parent):
-        time.sleep(poll_s)
-    pids = [int(x) for x in Path(pids_file).read_text(encoding="utf-8").split()]
-    tree = _tree(pids)
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGTERM)
-    _signal_pids(tree, signal.SIGTERM)
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in tree):
-        time.sleep(0.1)
-    tree = [*tree, *_tree(pids)]
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-    _signal_pids(tree, signal.SIGKILL)
 
 
 def worker_argv(port: int, data_dir: str | os.PathLike[str] | None = None) -> list[str]:
@@ -174,7 +130,9 @@ class LocalDeployment:
         return f"{LOOPBACK}:{self.port}"
 
     def _popen(self, args: list[str], log_name: str) -> subprocess.Popen:
+        check_log_dir(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.log_dir / LOG_MARKER).touch()
         log = open(self.log_dir / log_name, "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
@@ -188,7 +146,7 @@ class LocalDeployment:
         included) it stops every process group this deployment started, and what they
         started, so nothing keeps running or holds the run's lock."""
         (self.home / "pids").touch()
-        code = "from fedlora.federation.flower.deploy import watchdog; watchdog()"
+        code = "from fedlora.federation.flower.processes import watchdog; watchdog()"
         self.watchdog = subprocess.Popen(
             [sys.executable, "-c", code, str(os.getpid()), str(self.home / "pids")],
             env=self.env, start_new_session=True, stdin=subprocess.DEVNULL,
@@ -307,7 +265,7 @@ class LocalDeployment:
             procs.append(self.workers[index])
         for proc in procs:
             if proc.poll() is None:
-                _signal_pids([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
+                signal_pids([proc.pid, *descendants(proc.pid)], signal.SIGKILL)
                 proc.wait(timeout=10)
 
     def pids(self) -> list[int]:
@@ -321,11 +279,11 @@ class LocalDeployment:
         """Stop the SuperNodes, the workers, then the SuperLink (by PID, SIGTERM then
         SIGKILL)."""
         for proc in [*self.supernodes, *self.workers]:
-            _stop(proc)
+            stop_process(proc)
         if self.superlink is not None:
-            _stop(self.superlink)
+            stop_process(self.superlink)
         if self.watchdog is not None:
-            _stop(self.watchdog)
+            stop_process(self.watchdog)
 
     def __enter__(self) -> LocalDeployment:
         return self.start()

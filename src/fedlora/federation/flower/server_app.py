@@ -21,11 +21,12 @@ which restores E[·] = Σ a_n X_n when p̂_n → p_n (docs/flower.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +43,17 @@ from fedlora.federation.flower.common import (
     apply_safe_env,
     check_flower_method,
     config_from_run_config,
+    exchange,
     record_to_adapter,
 )
 from fedlora.federation.flower.measured import NODE_TIMES, append_node_times, measured_row
 from fedlora.federation.methods.base import RoundPlan
-from fedlora.federation.rundir import (
-    load_run_config,
-    prepare_run_dir,
-    run_dir_for,
-    run_dir_lock,
-)
+from fedlora.federation.run import entered
+from fedlora.federation.rundir import run_dir_for
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import Trained, Trainer, TrainingDiverged
 from fedlora.files import atomic_write
-from fedlora.llm.device import resolve_runtime
+from fedlora.llm.device import Resolution
 
 apply_safe_env()
 
@@ -70,31 +68,6 @@ def _stderr(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- messaging
-
-
-def exchange(
-    grid: Grid, messages: Sequence[Message], timeout_s: float, poll_s: float
-) -> dict[int, Message]:
-    """Push `messages`, pull replies until all arrived or `timeout_s` passed.
-
-    Returns {index in `messages`: reply}, matched by ``reply_to_message_id``. (Flower's own
-    `send_and_receive` polls every 3 s; this polls every `poll_s`.)
-    """
-    ids = list(grid.push_messages(list(messages)))
-    index = {mid: i for i, mid in enumerate(ids) if mid}
-    pending = set(index)
-    replies: dict[int, Message] = {}
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        for reply in grid.pull_messages(list(pending)):
-            mid = reply.metadata.reply_to_message_id
-            if mid in pending:
-                pending.discard(mid)
-                replies[index[mid]] = reply
-        if not pending or time.monotonic() >= deadline:
-            break
-        time.sleep(poll_s)
-    return replies
 
 
 def _fedlora_record(cfg: ExperimentConfig) -> ConfigRecord:
@@ -258,34 +231,48 @@ def run_server(
 ) -> dict[str, Any]:
     """The engine's loop over Flower: returns the summary (also written to summary.json).
 
-    With `resume`, continue the run in the run directory from its newest readable checkpoint
-    (the engine's resume, `run_rounds`): `cfg` must equal the run's saved config (ConfigError
-    naming the differing fields otherwise); metrics.jsonl is cut back to the checkpoint's
-    line count; the dropout counts of ``availability = "observed"`` are restored.
+    The run enters through the run's one entry (`fedlora.federation.run.entered`: check,
+    Flower's own check, resolve, lock, delete with ``overwrite``, write), unless
+    ``opts.entered`` is set: then a caller in this process (`fedlora flower simulate`)
+    entered the run, holds its lock and hands its resolution. With `resume`, continue the run in the
+    run directory from its newest readable checkpoint (the engine's resume, `run_rounds`):
+    `cfg` must equal the run's saved config (ConfigError naming the differing fields
+    otherwise); metrics.jsonl is cut back to the checkpoint's line count; the dropout counts
+    of ``availability = "observed"`` are restored.
     """
     wall_start = time.perf_counter()
-    check_flower_method(cfg)
     run_dir = run_dir_for(cfg, opts.out_dir or None)
-    if resume:
-        load_run_config(run_dir)  # a missing or foreign directory: refused before the lock
-    else:  # replaces an earlier run under the lock (not re-entrant: before this process's)
-        prepare_run_dir(cfg, run_dir, overwrite=opts.overwrite)
-    with run_dir_lock(run_dir):  # one writer: a second server on the directory is refused
+    with contextlib.ExitStack() as stack:
+        runtime = opts.entered or stack.enter_context(
+            entered(
+                cfg,
+                run_dir,
+                resume=resume,
+                overwrite=opts.overwrite,
+                also_check=check_flower_method,
+            )
+        )
         if resume:
-            cfg = load_run_config(run_dir, cfg)
             (run_dir / "error.txt").unlink(missing_ok=True)
         try:
-            return _run_server(grid, cfg, opts, run_dir, wall_start, log, resume=resume)
+            return _run_server(grid, runtime, opts, run_dir, wall_start, log, resume=resume)
         except Exception as e:  # leave a trace in the run directory for whoever waits on it
             atomic_write(run_dir / "error.txt", f"{type(e).__name__}: {e}\n".encode())
             raise
 
 
 def _run_server(
-    grid: Grid, cfg: ExperimentConfig, opts: FlowerOptions, run_dir: Path, wall_start: float,
-    log: Log, *, resume: bool = False,
-) -> dict[str, Any]:  # fmt: skip
-    run = build_run(resolve_runtime(cfg), run_dir, log=log)
+    grid: Grid,
+    runtime: Resolution,
+    opts: FlowerOptions,
+    run_dir: Path,
+    wall_start: float,
+    log: Log,
+    *,
+    resume: bool = False,
+) -> dict[str, Any]:
+    cfg = runtime.cfg
+    run = build_run(runtime, run_dir, log=log)
     clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
     if not resume:
         (run_dir / NODE_TIMES).unlink(missing_ok=True)

@@ -1,4 +1,5 @@
-"""The verbs every federated method shares: `plan_round`, `aggregate`, `payload`.
+"""The verbs every federated method shares: `plan_round`, `aggregate`, `payload`; and the hooks
+a method may use: `check_run` (at preflight), `before_round` and `after_round` (the round loop).
 
 A method decides who trains on what and how updates combine. It sees adapters as dicts of
 numpy arrays (``"<module>.lora_A"`` of shape (r, in), ``"<module>.lora_B"`` of shape (out, r))
@@ -7,13 +8,16 @@ and never touches the model or the network.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.methods.ranks import resolve_ranks
+from fedlora.system.network import ClientProfiles
 
 Adapter = dict[str, np.ndarray]
 LayerShapes = dict[str, tuple[int, int]]  # module name -> (out_features, in_features)
@@ -96,6 +100,19 @@ class MethodContext:
         )
 
 
+@dataclass(frozen=True)
+class RoundContext:
+    """What a method's round hooks see of the run (built once by the round loop): its config,
+    the clients' data weights `a` (N,), their profiles, the run directory (a method may write
+    its own file there, e.g. `proposed`'s plan.json) and the run's log."""
+
+    cfg: ExperimentConfig
+    a: np.ndarray
+    profiles: ClientProfiles
+    run_dir: Path
+    log: Callable[[str], Any]
+
+
 def active_indices(scale: np.ndarray) -> np.ndarray:
     """The rank components a task touches (non-zero entries of its scale vector)."""
     return np.flatnonzero(np.asarray(scale) != 0)
@@ -133,6 +150,13 @@ class Method:
         del cfg
 
     @classmethod
+    def check_run(cls, cfg: ExperimentConfig) -> None:
+        """Raise ConfigError for a config this method cannot run (a rule across sections,
+        e.g. `proposed`'s lora.rank >= 2). Called at preflight, for the method that runs,
+        before anything is created or replaced."""
+        del cfg
+
+    @classmethod
     def from_config(cls, ctx: MethodContext) -> Method:
         """The method for ``ctx.cfg`` (see `registry.MethodContext`)."""
         raise NotImplementedError(f"{cls.__qualname__}.from_config")
@@ -161,6 +185,16 @@ class Method:
         if self.server_opt is not None and plan.tasks:
             agg.global_state = self.server_opt.step(global_state, agg.global_state)
         return agg
+
+    def before_round(self, ctx: RoundContext, round_index: int) -> None:
+        """Called by the round loop before round `round_index` is planned (most methods:
+        nothing; `proposed` with in-run calibration sets the round's q and k)."""
+        del ctx, round_index
+
+    def after_round(self, ctx: RoundContext, round_index: int, line: dict[str, Any]) -> None:
+        """Called by the round loop once round `round_index` is done, with its metrics line
+        before it is written (a method may add its own keys; `proposed` its fits and plans)."""
+        del ctx, round_index, line
 
     def payload(self, task: ClientTask, shapes: LayerShapes, plan: RoundPlan) -> Payload:
         params = sketch_payload_params(task.rank_used, shapes)

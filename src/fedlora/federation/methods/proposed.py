@@ -12,10 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+
+from fedlora.config.experiment import ExperimentConfig
 from fedlora.config.sections import MethodConfig
 from fedlora.errors import ConfigError
-from fedlora.federation.methods.base import MethodContext
+from fedlora.federation.methods.base import MethodContext, RoundContext
+from fedlora.federation.methods.proposed_replan import InRunPlanner, rank_message
 from fedlora.federation.methods.registry import register_method
 from fedlora.federation.methods.sketched import Sketched
 from fedlora.federation.methods.strategies import resolve_k, resolve_q
@@ -25,19 +30,38 @@ from fedlora.federation.methods.strategies import resolve_k, resolve_q
 class Proposed(Sketched):
     """Algorithm 1 with the planned per-client (q*, k*) (see the module docstring).
 
-    With in-run calibration (`fedlora.federation.replan`) q and k change between rounds;
-    `replan_state` (plain data: the probes, every round's setting and loss, the fits and
+    With in-run calibration its round hooks drive an `InRunPlanner`
+    (`fedlora.federation.methods.proposed_replan`): q and k change between rounds, and the
+    planner's state (plain data: the probes, every round's setting and loss, the fits and
     plans) is what the checkpoint carries for that."""
 
     name = "proposed"
-    in_run = False  # set by make_method from the Plan: fedlora.federation.replan drives q, k
-    replan_state: dict = {}  # replaced, never mutated in place, by fedlora.federation.replan
+    in_run = False  # set from the Plan: the InRunPlanner drives q and k
+
+    def __init__(self, *, a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> None:
+        super().__init__(a=a, q=q, k=k, gamma=gamma)
+        self.replanner = InRunPlanner()
+
+    @classmethod
+    def check_run(cls, cfg: ExperimentConfig) -> None:
+        """Algorithm 2's calibration (every run without a plan file) needs lora.rank >= 2."""
+        if not plan_file(cfg.method) and cfg.lora.rank < 2:
+            raise ConfigError(rank_message(cfg.lora.rank))
+
+    def before_round(self, ctx: RoundContext, round_index: int) -> None:
+        if self.in_run:
+            self.set_sampling(*self.replanner.before_round(ctx, round_index))
+
+    def after_round(self, ctx: RoundContext, round_index: int, line: dict[str, Any]) -> None:
+        if self.in_run:
+            self.replanner.after_round(ctx, round_index, line)
 
     def state_dict(self) -> dict:
-        return {"replan": self.replan_state} if self.replan_state else {}
+        state = self.replanner.state
+        return {"replan": state} if state else {}
 
     def load_state_dict(self, state: dict) -> None:
-        self.replan_state = state.get("replan") or {}
+        self.replanner.state = state.get("replan") or {}
 
     @classmethod
     def from_config(cls, ctx: MethodContext) -> Proposed:
@@ -64,7 +88,7 @@ class Plan:
     q: tuple[float, ...]
     k: tuple[int, ...]
     calibration_s: float = 0.0
-    in_run: bool = False  # q, k are round 1's; the run calibrates itself (federation.replan)
+    in_run: bool = False  # q, k are round 1's; the run calibrates itself (InRunPlanner)
 
 
 def plan_file(method: MethodConfig) -> str | None:

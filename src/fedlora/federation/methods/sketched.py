@@ -52,7 +52,7 @@ class Sketched(Method):
 
     def set_sampling(self, q: np.ndarray, k: np.ndarray) -> None:
         """The (N,) q and k the next rounds use: at construction, and between rounds when
-        `fedlora.federation.replan` puts a probe's or a new plan's setting in force (values
+        `proposed`'s in-run planner puts a probe's or a new plan's setting in force (values
         from the planner, already checked: asserted here)."""
         self.q = np.asarray(q, dtype=float)
         self.k = np.asarray(k, dtype=np.int64)

@@ -16,11 +16,14 @@ replaces the current one only when its predicted time to target (P2 under the ne
 lower by more than ``planner.replan_margin`` (a share: 0.05 = 5%).
 
 Every fit and plan goes into that round's metrics line (key ``planner``) and into
-plan.json. All state is plain data in the method's checkpoint (`Proposed.replan_state`), so a
+plan.json. All state is plain data in the method's checkpoint (`InRunPlanner.state`), so a
 resumed run replays the same fits and plans bit for bit.
 
-The engine calls `before_round` (sets the method's q and k for the round) and `after_round`
-(records the round, fits and plans when due); both do nothing for other runs.
+`Proposed`'s round hooks (`Method.before_round`, `Method.after_round`, called by the round
+loop for every method) drive an `InRunPlanner` when its plan says it calibrates in-run:
+`before_round` gives the round's q and k, `after_round` records the round and fits and plans
+when due. The separate calibration (`fedlora.federation.calibration`) shares `probe_settings`,
+`plan_for` and `planning_t_full`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
+from fedlora.federation.methods.base import RoundContext
 from fedlora.federation.runfiles import write_plan
 
 PROBE_Q = (0.3, 0.15)
@@ -42,14 +46,20 @@ PLAN_FILE = "plan.json"
 def probe_settings(gamma: int) -> list[tuple[float, int]]:
     """(q, k) of the four probes: {0.3, 0.15} × {γ, ⌈γ/4⌉} (⌈γ/4⌉ = γ − 1 when equal)."""
     if gamma < 2:
-        raise ConfigError(
-            f"lora.rank = {gamma} is invalid for method.name = 'proposed': the calibration "
-            "needs two different sketch sizes k to identify D, so lora.rank must be >= 2"
-        )
+        raise ConfigError(rank_message(gamma))
     k_small = max(1, math.ceil(gamma / 4))
     if k_small == gamma:
         k_small = gamma - 1
     return [(q, k) for k in (gamma, k_small) for q in PROBE_Q]
+
+
+def rank_message(gamma: object) -> str:
+    """Why `proposed` with a calibration refuses lora.rank = `gamma` < 2."""
+    return (
+        f"lora.rank = {gamma!r} is invalid for method.name = 'proposed' with Algorithm 2's "
+        "calibration: it needs two different sketch sizes k to tell the constants C and D "
+        "apart, so lora.rank must be >= 2 (or set method.q and method.k to one plan JSON file)"
+    )
 
 
 def probe_schedule(probe_rounds: int) -> list[int]:
@@ -62,20 +72,59 @@ def probe_schedule(probe_rounds: int) -> list[int]:
     return order
 
 
-def active(run: Any) -> bool:
-    """A `proposed` run whose plan says it calibrates in-run (`Plan.in_run`)."""
-    return bool(getattr(run.method, "in_run", False))
+class InRunPlanner:
+    """The in-run calibration and re-planning of one `proposed` run. Its `state` is plain
+    data (the probes, every round's setting and log-loss, the fits and plans), carried by the
+    method's checkpoint, so a resumed run replays the same fits and plans bit for bit."""
+
+    def __init__(self, state: dict[str, Any] | None = None) -> None:
+        self.state: dict[str, Any] = state or {}
+
+    def _started(self, ctx: RoundContext) -> dict[str, Any]:
+        if not self.state:
+            self.state = _initial_state(ctx)
+        return self.state
+
+    def before_round(self, ctx: RoundContext, round_index: int) -> tuple[list[float], list[int]]:
+        """q and k for round `round_index`: a probe's, or the current plan's."""
+        st = self._started(ctx)
+        sched = st["schedule"]
+        idx = sched[round_index] if round_index < len(sched) else st["current"]
+        st["in_force"] = idx
+        setting = st["settings"][idx]
+        return setting["q"], setting["k"]
+
+    def after_round(self, ctx: RoundContext, round_index: int, line: dict[str, Any]) -> None:
+        """Record round `round_index`; fit and plan at the end of the probes and every
+        planner.replan_every rounds after; the fit and plan go into `line["planner"]`."""
+        st = self._started(ctx)
+        loss = line.get("train_loss")
+        st["of_round"].append(int(st["in_force"]))
+        st["log_loss"].append(math.log(loss) if loss is not None and loss > 0 else None)
+        done, n_probe = round_index + 1, len(st["schedule"])
+        every = ctx.cfg.planner.replan_every
+        if done == n_probe:
+            entry = _refit(ctx, st, initial=True)
+        elif every and done > n_probe and (done - n_probe) % every == 0:
+            entry = _refit(ctx, st, initial=False)
+        else:
+            return
+        entry["round"] = done
+        st["history"].append(entry)
+        line["planner"] = entry
+        _write_plan_file(ctx, st)
+        ctx.log(_describe(entry))
 
 
-def _initial_state(run: Any) -> dict[str, Any]:
-    n, gamma = len(run.fed.a), run.cfg.lora.rank
+def _initial_state(ctx: RoundContext) -> dict[str, Any]:
+    n, gamma = len(ctx.a), ctx.cfg.lora.rank
     settings = [
         {"q": [q] * n, "k": [k] * n, "source": f"probe {i + 1}"}
         for i, (q, k) in enumerate(probe_settings(gamma))
     ]
     return {
         "settings": settings,
-        "schedule": probe_schedule(run.cfg.planner.probe_rounds),
+        "schedule": probe_schedule(ctx.cfg.planner.probe_rounds),
         "of_round": [],  # setting index of every finished round
         "log_loss": [],  # log of its training loss (None: no participant / no loss)
         "current": 0,  # the setting in force after the probes
@@ -83,55 +132,11 @@ def _initial_state(run: Any) -> dict[str, Any]:
     }
 
 
-def state(run: Any) -> dict[str, Any]:
-    """The run's in-run planning state (created on first use; restored from checkpoints)."""
-    if not run.method.replan_state:
-        run.method.replan_state = _initial_state(run)
-    return run.method.replan_state
-
-
-def before_round(run: Any, round_index: int) -> None:
-    """Set the method's q and k for round `round_index` (a probe, or the current plan)."""
-    if not active(run):
-        return
-    st = state(run)
-    sched = st["schedule"]
-    idx = sched[round_index] if round_index < len(sched) else st["current"]
-    setting = st["settings"][idx]
-    run.method.set_sampling(setting["q"], setting["k"])
-    st["in_force"] = idx
-
-
-def after_round(run: Any, round_index: int, line: dict[str, Any], log: Any = None) -> None:
-    """Record round `round_index`; fit and plan at the end of the probes and every
-    planner.replan_every rounds after; the fit and plan go into `line["planner"]`."""
-    if not active(run):
-        return
-    st = state(run)
-    loss = line.get("train_loss")
-    st["of_round"].append(int(st["in_force"]))
-    st["log_loss"].append(math.log(loss) if loss is not None and loss > 0 else None)
-    done, n_probe = round_index + 1, len(st["schedule"])
-    every = run.cfg.planner.replan_every
-    if done == n_probe:
-        entry = _refit(run, st, initial=True)
-    elif every and done > n_probe and (done - n_probe) % every == 0:
-        entry = _refit(run, st, initial=False)
-    else:
-        return
-    entry["round"] = done
-    st["history"].append(entry)
-    line["planner"] = entry
-    _write_plan_file(run, st)
-    if log is not None:
-        log(_describe(entry))
-
-
-def _problem_inputs(run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    a = np.asarray(run.fed.a, dtype=float)
+def _problem_inputs(ctx: RoundContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a = np.asarray(ctx.a, dtype=float)
     a = a / a.sum()
-    clients = {"t_full": run.profiles.t_full, "snr_db": run.profiles.snr_db}
-    return a, np.asarray(run.profiles.tau_full_s, dtype=float), planning_t_full(run.cfg, clients)
+    clients = {"t_full": ctx.profiles.t_full, "snr_db": ctx.profiles.snr_db}
+    return a, np.asarray(ctx.profiles.tau_full_s, dtype=float), planning_t_full(ctx.cfg, clients)
 
 
 def _yz(a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> tuple[float, float]:
@@ -139,7 +144,7 @@ def _yz(a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> tuple[float,
     return float(np.sum(a2 / q)), float(np.sum(a2 / q * gamma**2 / k.astype(float) ** 2))
 
 
-def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
+def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
     """Fit from every round so far, plan, and adopt the plan (always after the probes; after
     a re-plan only if its predicted time gain exceeds planner.replan_margin)."""
     from fedlora.system.planner.fit import constrained_fit, progress_rates
@@ -150,8 +155,8 @@ def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
     )
     from fedlora.system.planner.problem import PlanOptions, PlanProblem
 
-    cfg, gamma = run.cfg, run.cfg.lora.rank
-    a, tau, t_full = _problem_inputs(run)
+    cfg, gamma = ctx.cfg, ctx.cfg.lora.rank
+    a, tau, t_full = _problem_inputs(ctx)
     settings = [(np.asarray(s["q"], float), np.asarray(s["k"], np.int64)) for s in st["settings"]]
     rates, counts = progress_rates(st["log_loss"], st["of_round"])
     yz = np.array([_yz(a, q, k, gamma) for q, k in settings])
@@ -171,7 +176,7 @@ def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
     except ConfigError as e:
         entry["error"] = str(e)
         if initial:  # no usable fit: the probe with the least time per unit of progress
-            st["current"] = _best_probe(run, st, rates, a, tau, t_full, options)
+            st["current"] = _best_probe(ctx, st, rates, a, tau, t_full, options)
             entry["adopted"] = True
             entry["setting"] = st["current"]
             entry["fallback"] = f"probe {st['current'] + 1} (least time per progress)"
@@ -203,12 +208,12 @@ def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
     return entry
 
 
-def _best_probe(run, st, rates, a, tau, t_full, options) -> int:
+def _best_probe(ctx: RoundContext, st, rates, a, tau, t_full, options) -> int:
     """The probe with the lowest expected round time / progress rate (0 if none progressed)."""
     from fedlora.system.planner.objective import sketched_round_weights
     from fedlora.system.planner.problem import Constants, PlanProblem
 
-    problem = PlanProblem(gamma=run.cfg.lora.rank, f_tot=run.cfg.network.f_tot_hz, a=a,
+    problem = PlanProblem(gamma=ctx.cfg.lora.rank, f_tot=ctx.cfg.network.f_tot_hz, a=a,
                           tau_full_s=tau, t_full=t_full,
                           constants=Constants(1.0, 1.0, 1.0, 1.0))  # fmt: skip
     best, best_j = math.inf, 0
@@ -259,7 +264,7 @@ def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np
     return clients["t_full"] * planning_time_factor(snr, cfg.network.fading_floor)
 
 
-def _write_plan_file(run: Any, st: dict[str, Any]) -> None:
+def _write_plan_file(ctx: RoundContext, st: dict[str, Any]) -> None:
     """plan.json: the plan in force (q, k: what `fedlora plan` and Flower read) and every fit."""
     current = st["settings"][st["current"]]
     last_fit = next((h for h in reversed(st["history"]) if "fit" in h), None)
@@ -277,7 +282,7 @@ def _write_plan_file(run: Any, st: dict[str, Any]) -> None:
         "floors": last_fit["fit"]["floors"] if last_fit else None,
         "history": st["history"],
     }
-    write_plan(Path(run.run_dir), saved)
+    write_plan(Path(ctx.run_dir), saved)
 
 
 def _describe(entry: dict[str, Any]) -> str:
