@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 import fedlora.llm.device
+import fedlora.llm.disk_cache
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -27,4 +28,13 @@ def _bf16_probe_says_fp32(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             "probe_file",
             lambda cache_dir=None: (cache_dir or probe_dir) / "bf16_probe.json",
         )
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_disk_cache() -> Iterator[None]:
+    """The frozen-layer disk store stays off in tests (no files under ~/.cache, no entry one
+    test leaves for another); tests of the store turn it on in a temporary directory."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fedlora.llm.disk_cache, "ENABLED", False)
         yield
