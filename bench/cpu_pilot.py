@@ -1,4 +1,4 @@
-"""The CPU pilot of issue 20 in the harness format (rule: docs/cpu_protocol.md, committed
+"""The CPU pilot in the harness format (rule: docs/cpu_protocol.md, committed
 before any run).
 
 Each setting is one `fedlora run` (the product itself): it evaluates the untrained adapter

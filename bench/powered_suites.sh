@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #14's three powered suites in two 1-thread lanes (the suite files set model.threads = 1:
+# The three powered suites in two 1-thread lanes (the suite files set model.threads = 1:
 # two 1-thread processes side by side outrun one 2-thread process on 2 shared cores, see
 # configs/powered_table1.toml). Each suite's pilot seed runs before its main seeds.
 #   lane 1: table1 pilot, table1 main, ranks' proposed-k, ranks' full

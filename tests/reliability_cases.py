@@ -487,7 +487,6 @@ CASES: list[Case] = [
         needs_run=True,
     ),
     Case("report a directory that does not exist", ["report", "/nonexistent"], "no such"),
-    Case("report without a target", ["report", "{run}"], "no target", needs_run=True),
     Case(
         "report a target above 1",
         ["report", "{run}", "--target", "arc-e=2"],
@@ -831,6 +830,244 @@ CASES: list[Case] = [
 ]
 
 
+# ------------------------------------------- hostile inputs: trackers, bounds, user files
+# (a separate block, appended to CASES: the setups it needs, then its cases)
+
+
+def _link(rel: str, target: str) -> Setup:
+    def setup(tmp: Path) -> None:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).symlink_to(target)
+
+    return setup
+
+
+NODE_TIMES_HEAD = "round,client,node_id,rank_used,local_steps,train_s,upload_params,upload_bytes\n"
+
+
+def _node_times(*rows: str) -> Setup:
+    """{run}/node_times.csv with a good first row and then `rows` (a Flower run's measures)."""
+    return _write("run/node_times.csv", NODE_TIMES_HEAD + "1,1,8,2,1,1.0,100,400\n" + "".join(rows))
+
+
+def _mlflow_resume(tmp: Path) -> None:
+    """{run} tracked by MLflow in its own store, whose mlflow_run.json names a run id that
+    store does not hold (the store is gone)."""
+    run = tmp / "run"
+    text = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(text.replace("trackers = []", 'trackers = ["mlflow"]'))
+    uri = "sqlite:///" + str((run / "mlflow.db").resolve())
+    record = {"tracking_uri": uri, "run_id": "0" * 32, "experiment_id": "1"}
+    (run / "mlflow_run.json").write_text(json.dumps(record))
+
+
+def _server_moments(value: float) -> Setup:
+    """{run} with method.server_optimizer = adam and its newest checkpoint holding server
+    optimizer moments m, v of `value` (NaN: a file altered or a run diverged)."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        run = tmp / "run"
+        text = (run / "config.toml").read_text()
+        (run / "config.toml").write_text(
+            text.replace('server_optimizer = "avg"', 'server_optimizer = "adam"')
+        )
+        path = sorted((run / "checkpoints").glob("round-*.safetensors"))[-1]
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        for k in [k for k in tensors if k.startswith("global/")]:
+            name = k[len("global/") :]
+            tensors[f"server_opt/m/{name}"] = torch.zeros(tensors[k].shape, dtype=torch.float64)
+            tensors[f"server_opt/v/{name}"] = torch.full(
+                tensors[k].shape, value, dtype=torch.float64
+            )
+        tensors["server_opt/t"] = torch.tensor([2], dtype=torch.int64)
+        save_file(tensors, str(path), metadata=meta)
+
+    return setup
+
+
+BIG_VALUE = "x" * 10_000_000  # a 10 MB value
+
+CASES += [
+    Case(
+        "network.tx_power_dbm = 1e300 (uploads would take no time)",
+        [*RUN, "--out", "{tmp}/o", "network.tx_power_dbm=1e300"],
+        "network.tx_power_dbm = 1e+300 is invalid: must be <= 100",
+        absent=["o"],
+    ),
+    Case(
+        "network.noise_psd_dbm_hz = 1e300",
+        [*RUN, "--out", "{tmp}/o", "network.noise_psd_dbm_hz=1e300"],
+        "network.noise_psd_dbm_hz = 1e+300 is invalid: must be <= 0",
+        absent=["o"],
+    ),
+    Case(
+        "--overwrite a run, with network.noise_psd_dbm_hz = 1e300",
+        [*RUN, "--out", "{run}", "--overwrite", "network.noise_psd_dbm_hz=1e300"],
+        "network.noise_psd_dbm_hz = 1e+300 is invalid",
+        needs_run=True,
+    ),
+    Case(
+        "a generated channel whose SNR rounds the upload rate to 0",
+        [*RUN, "--out", "{tmp}/o", "network.noise_psd_dbm_hz=-1", "network.tx_power_dbm=-100"],
+        "gives the generated clients an SNR of",
+        absent=["o"],
+    ),
+    Case(
+        "method.server_lr = 1e308 (adam)",
+        [*RUN, "--out", "{tmp}/o", "method.server_optimizer=adam", "method.server_lr=1e308"],
+        "method.server_lr = 1e+308 is invalid: must be <= 1000",
+        absent=["o"],
+    ),
+    Case(
+        "method.server_weight_decay flipping the adapter's sign",
+        [*RUN, "--out", "{tmp}/o", "method.server_optimizer=adam", "method.server_weight_decay=5"],
+        "method.server_weight_decay = 5.0 is invalid: server_lr × server_weight_decay must be <= 1",
+        absent=["o"],
+    ),
+    Case(
+        "--resume a run whose server-optimizer moments are NaN",
+        ["run", "--resume", "{run}", "-q"],
+        "holds a non-finite value in server_opt.v/",
+        _server_moments(float("nan")),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose server-optimizer second moment is negative",
+        ["run", "--resume", "{run}", "-q"],
+        "holds a negative server optimizer second moment in server_opt.v/",
+        _server_moments(-1.0),
+        needs_run=True,
+    ),
+    Case(
+        "output.mlflow_uri a plain path",
+        [*RUN, "--out", "{tmp}/o", 'output.trackers=["mlflow"]', 'output.mlflow_uri="{tmp}/store"'],
+        "output.mlflow_uri = '",
+        absent=["o", "store"],
+    ),
+    Case(
+        "output.mlflow_uri that does not parse",
+        [*RUN, "--out", "{tmp}/o", 'output.trackers=["mlflow"]', 'output.mlflow_uri="http://[::1"'],
+        "output.mlflow_uri = 'http://[::1' is invalid: it does not parse as a URI",
+        absent=["o"],
+    ),
+    Case(
+        "--overwrite a run, with an output.mlflow_uri that does not parse",
+        [
+            *RUN,
+            "--out",
+            "{run}",
+            "--overwrite",
+            'output.trackers=["mlflow"]',
+            'output.mlflow_uri="http://[::1"',
+        ],
+        "output.mlflow_uri = 'http://[::1' is invalid",
+        needs_run=True,
+    ),
+    Case(
+        "unknown tracker",
+        [*RUN, "--out", "{tmp}/o", 'output.trackers=["wandb"]'],
+        "output.trackers[0] = 'wandb' is invalid: allowed: tensorboard, mlflow",
+        absent=["o"],
+    ),
+    Case(
+        "--resume with an MLflow run id its store does not hold",
+        ["run", "--resume", "{run}", "-q"],
+        "output.mlflow_uri = 'sqlite:///",
+        _mlflow_resume,
+        needs_run=True,
+    ),
+    Case(
+        "--config a link to /dev/zero",
+        [*RUN, "--out", "{tmp}/o", "--config", "{tmp}/c.toml"],
+        "is not a regular file (a device, pipe or socket)",
+        _link("c.toml", "/dev/zero"),
+        absent=["o"],
+    ),
+    Case(
+        "q file a link to /dev/zero",
+        [*RUN, "--out", "{tmp}/o", 'method.q="{tmp}/q.json"'],
+        "method.q = '",
+        _link("q.json", "/dev/zero"),
+        absent=["o"],
+    ),
+    Case(
+        "profiles file /dev/zero",
+        [*RUN, "--out", "{tmp}/o", 'network.profiles_file="/dev/zero"'],
+        "network.profiles_file = '/dev/zero': '/dev/zero' is not a regular file",
+        absent=["o"],
+    ),
+    Case(
+        "a 10 MB value in a config file",
+        [*RUN, "--out", "{tmp}/o", "--config", "{tmp}/c.toml"],
+        "(10,000,002 characters) is invalid",
+        _write("c.toml", f'[training]\nlr = "{BIG_VALUE}"\n'),
+        absent=["o"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with train_s = nan",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "node_times.csv: line 3: train_s = 'nan' is invalid: a number > 0",
+        _node_times("1,0,7,2,1,nan,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with train_s < 0",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "train_s = '-2.5' is invalid",
+        _node_times("1,0,7,2,1,-2.5,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with train_s = inf",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "line 3: train_s = 'inf' is invalid: a number > 0",
+        _node_times("1,0,7,2,1,inf,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with client 99 of 2",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "line 4: client = '99' is invalid: an integer >= 0 and <= 1 (the run's data.n_clients = 2)",
+        _node_times("1,0,7,2,1,1.0,100,400\n2,99,7,2,1,1.0,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with client -1",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "client = '-1' is invalid",
+        _node_times("1,-1,7,2,1,1.0,100,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on node_times.csv with upload_params = 1e999",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "upload_params = '1e999' is invalid: an integer >= 1",
+        _node_times("1,0,7,2,1,1.0,1e999,400\n"),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+    Case(
+        "profiles fit on a node_times.csv of random bytes",
+        ["profiles", "fit", "{run}", "-o", "{tmp}/p.csv"],
+        "node_times.csv is not UTF-8 text (line 1, byte 0x",
+        _write("run/node_times.csv", bytes(range(128, 256)) * 8),
+        needs_run=True,
+        absent=["p.csv"],
+    ),
+]
+
+
 # ----------------------------------------------------------------------------- running
 
 
@@ -894,3 +1131,87 @@ def message(outcome: Outcome, tmp: Path) -> str:
     text = text.replace(str(tmp), "<tmp>").replace(DATA, "<data>")
     text = re.sub(r"process \d+", "process <pid>", text)
     return re.sub(r"usage: .*", "", text).strip()
+
+
+# ----------------------------------------------------------------------------- report inputs
+# `fedlora report`: repeated targets, runs of different configs under one label, a damaged
+# suite.toml or metrics value (each a one-line refusal, nothing written).
+
+
+def _second_run(n_clients: int, seed: int) -> Setup:
+    """{tmp}/other: a copy of {run} with data.n_clients and the seed changed."""
+
+    def setup(tmp: Path) -> None:
+        other = tmp / "other"
+        shutil.copytree(tmp / "run", other)
+        text = (other / "config.toml").read_text(encoding="utf-8")
+        text = re.sub(r"(?m)^n_clients = \d+", f"n_clients = {n_clients}", text)
+        text = re.sub(r"(?m)^seed = \d+", f"seed = {seed}", text)
+        (other / "config.toml").write_text(text, encoding="utf-8")
+        summary = json.loads((other / "summary.json").read_text(encoding="utf-8"))
+        (other / "summary.json").write_text(json.dumps({**summary, "seed": seed}))
+
+    return setup
+
+
+def _suite_with(suite_toml: bytes) -> Setup:
+    """{tmp}/suite: {run} as a suite's one run, with the given suite.toml."""
+
+    def setup(tmp: Path) -> None:
+        shutil.copytree(tmp / "run", tmp / "suite" / "fslora-seed0")
+        (tmp / "suite" / "suite.toml").write_bytes(suite_toml)
+
+    return setup
+
+
+def _metrics_time(value: str) -> Setup:
+    def setup(tmp: Path) -> None:
+        path = tmp / "run" / "metrics.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines()
+        first = json.loads(lines[0])
+        first["sim_time_s"] = value
+        path.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n", encoding="utf-8")
+
+    return setup
+
+
+CASES += [
+    Case(
+        "report with the same task's --target twice",
+        ["report", "{run}", "--target", "arc-e=0.5", "--target", "arc-e=0.6"],
+        "one --target per task ('arc-e' twice)",
+        needs_run=True,
+    ),
+    Case(
+        "report two runs of different configs as seeds of one method",
+        ["report", "{run}", "{tmp}/other", "--out", "{tmp}/r"],
+        "their configs differ in data.n_clients (2 vs 3)",
+        _second_run(3, 1),
+        needs_run=True,
+        absent=["r"],
+    ),
+    Case(
+        "report a suite whose suite.toml is not UTF-8",
+        ["report", "{tmp}/suite", "--out", "{tmp}/r"],
+        "suite.toml: not UTF-8 text",
+        _suite_with(b"title = '\xff'\n"),
+        needs_run=True,
+        absent=["r"],
+    ),
+    Case(
+        "report a suite whose suite.toml says targets = 3",
+        ["report", "{tmp}/suite", "--out", "{tmp}/r"],
+        "targets = 3 is invalid: a table of task = accuracy in (0, 1]",
+        _suite_with(b"targets = 3\n"),
+        needs_run=True,
+        absent=["r"],
+    ),
+    Case(
+        'report a run whose metrics say sim_time_s: "abc"',
+        ["report", "{run}", "--out", "{tmp}/r"],
+        "sim_time_s = 'abc' is invalid: a finite number",
+        _metrics_time("abc"),
+        needs_run=True,
+        absent=["r"],
+    ),
+]

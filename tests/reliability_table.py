@@ -122,6 +122,25 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
   value at any `"`, so fedlora sends quotes and control characters as `\\uXXXX`).
 - **Usage errors are one line.** argparse's errors print `fedlora <command>: error: ...`
   without the usage block (exit 2); `--help` still shows it.
+- **Values are cut in errors.** A value shown in an error message is cut to 200
+  characters (`fedlora.errors.shown`), and any message longer than that in one word is cut
+  the same way: a 10 MB value gives a one-line error, not a 10 MB one.
+- **User files are regular files of at most 64 MiB.** A config, a q / k / ranks file, a
+  profiles file, a PROBLEM.json and a Flower run's node_times.csv are read only when they
+  are regular files (a link counts as what it points to: `/dev/zero`, a FIFO or a directory
+  is refused without reading) of at most 64 MiB (`fedlora.config.toml_io.MAX_FILE_BYTES`).
+- **Trackers end with the run.** `output.trackers` and `output.mlflow_uri` are checked with
+  the other inputs, before anything is created or replaced (a plain path, a URI that does
+  not parse, an unknown scheme, an SQLite database in a missing folder); a resume whose
+  `mlflow_run.json` names a run its store does not hold is refused naming
+  `output.mlflow_uri`. A run that does not finish closes its MLflow run as FAILED: an
+  exception, Ctrl-C (round 0 included: at exit), and SIGTERM, which unwinds like an
+  exception while trackers are open (exit 143).
+- **A diverged state is never the last good checkpoint.** A server-optimizer step that
+  would make the adapter non-finite is refused naming `method.server_lr`, and a state
+  holding NaN or ±inf is not written as a checkpoint (the previous one is kept); a
+  checkpoint whose server-optimizer moments are non-finite, or whose second moment is
+  negative, is refused on resume naming the file.
 
 ## Bad inputs
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,15 +12,19 @@ import pytest
 
 from data_cases import CharTok, mc_record, small_layout
 from fedlora.config import DataConfig
-from fedlora.errors import DataError
+from fedlora.errors import ConfigError, DataError
 from fedlora.llm.data import (
     FederatedData,
     build_federated_data,
     client_batches,
     client_weights,
     dirichlet_partition,
+    load_eval_sets,
+    seeded_subset,
+    stream_rng,
     training_mix,
 )
+from fedlora.llm.tasks import load_task
 
 # ----------------------------------------------------------------------------- partition
 
@@ -115,3 +121,68 @@ def test_build_federated_data_and_client_batches(tmp_path: Path) -> None:
     assert sorted(seen) == sorted(tuple(fed.train.input_ids[i].tolist()) for i in own)
     with pytest.raises(DataError, match=r"client = 5 is invalid: must be in 0..4"):
         client_batches(fed, 5, 1, 1, np.random.default_rng(0), pad_id=0)
+
+
+# ----------------------------------------------------------------------------- eval questions
+
+
+def test_eval_questions_default_is_the_training_seed_subset(tmp_path: Path) -> None:
+    root = small_layout(tmp_path / "cs")
+    test = load_task("arc-e", str(root), "test")  # 12 questions
+    cfg = DataConfig(data_dir=str(root), eval_tasks=("arc-e",), eval_limit=4)
+    # eval_seed = -1: the stream of the training seed, exactly as before the setting existed
+    assert load_eval_sets(cfg, seed=3)["arc-e"] == seeded_subset(
+        test, 4, stream_rng(3, "eval", "arc-e")
+    )
+    fixed = replace(cfg, eval_seed=5)  # a fixed eval seed: the same questions for any seed
+    assert load_eval_sets(fixed, seed=0) == load_eval_sets(fixed, seed=9)
+    assert load_eval_sets(fixed, seed=0)["arc-e"] == seeded_subset(
+        test, 4, stream_rng(5, "eval", "arc-e")
+    )
+
+
+def test_eval_exclude_draws_questions_disjoint_from_the_excluded_subsets(tmp_path: Path) -> None:
+    root = small_layout(tmp_path / "cs")
+    test = load_task("arc-e", str(root), "test")
+    seed0 = seeded_subset(test, 4, stream_rng(0, "eval", "arc-e"))
+    seed1 = seeded_subset(test, 4, stream_rng(1, "eval", "arc-e"))
+    cfg = DataConfig(
+        data_dir=str(root),
+        eval_tasks=("arc-e", "obqa"),
+        eval_limit=4,
+        eval_seed=1,
+        eval_exclude=("arc-e:0",),
+    )
+    fresh = load_eval_sets(cfg, seed=0)
+    assert len(fresh["arc-e"]) == 4 and not set(map(id, fresh["arc-e"])) & set(map(id, seed0))
+    # by hand: the 8 questions left after seed 0's, in order, then the seed-1 draw among them
+    left = [e for e in test if e not in seed0]
+    rng = np.random.default_rng([1, zlib.crc32(b"eval"), zlib.crc32(b"arc-e")])
+    keep = np.sort(rng.choice(8, size=4, replace=False))
+    assert fresh["arc-e"] == [left[i] for i in keep]
+    assert fresh["arc-e"] != seed1  # not merely the seed-1 subset
+    # obqa is not excluded: its usual seed-1 subset
+    assert fresh["obqa"] == seeded_subset(
+        load_task("obqa", str(root), "test"), 4, stream_rng(1, "eval", "obqa")
+    )
+    # two exclusions: disjoint from both subsets
+    seed2 = seeded_subset(test, 4, stream_rng(2, "eval", "arc-e"))
+    two = load_eval_sets(replace(cfg, eval_exclude=("arc-e:0", "arc-e:2")), seed=0)["arc-e"]
+    assert len(two) == 4 and all(e not in seed0 and e not in seed2 for e in two)
+    # too few left for the limit: refused, the fields named
+    with pytest.raises(ConfigError, match=r"data\.eval_exclude = .* fewer than data\.eval_limit"):
+        load_eval_sets(replace(cfg, eval_limit=7), seed=0)  # 12 - 7 = 5 < 7
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("eval_exclude", ("arc-e",), r"data\.eval_exclude = 'arc-e' is invalid: \"TASK:SEED\""),
+        ("eval_exclude", ("arc-e:x",), r"data\.eval_exclude = 'arc-e:x'"),
+        ("eval_exclude", ("obqa:0",), r"a task of data\.eval_tasks \['arc-e'\]"),
+        ("eval_seed", -2, r"data\.eval_seed = -2"),
+    ],
+)
+def test_eval_selection_settings_are_checked(field: str, value: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        DataConfig(**{field: value})

@@ -243,11 +243,24 @@ def test_engine_in_harness_format_logs_mc_loss(tmp_path: Path) -> None:
         line = lines[p["round"]]
         assert p["format"] == "harness" and len(p["mc_loss"]) == 10
         assert np.mean(p["mc_loss"]) == pytest.approx(line["eval_mc_losses"][p["task"]], abs=1e-5)
+        # per question under acc_norm too: its mean is the logged acc_norm
+        assert len(p["correct_norm"]) == 10 and set(p["correct_norm"]) <= {0, 1}
+        assert np.mean(p["correct_norm"]) == pytest.approx(line["eval_acc_norm"][p["task"]])
     assert summary["initial_mc_loss"] == pytest.approx(lines[0]["eval_mc_loss"])
     assert summary["final_mc_loss"] == pytest.approx(lines[-1]["eval_mc_loss"])
     assert summary["train_lengths"]["n"] == 40
+    # the final evaluation paired with round 0 on the same questions, from predictions.jsonl
+    from fedlora.llm.evaluation import paired_change
+
+    last = max(p["round"] for p in preds)
+    for task, pair in summary["paired_eval"].items():
+        (p0,) = [p["correct"] for p in preds if p["round"] == 0 and p["task"] == task]
+        (p1,) = [p["correct"] for p in preds if p["round"] == last and p["task"] == task]
+        assert pair == paired_change(p0, p1)
+    assert set(summary["paired_eval"]) == set(lines[0]["eval_n"])
     text = describe(summary)
     assert "(n = 10) in the harness format" in text and "acc_norm" in text and "mc_loss" in text
+    assert "paired on the same 10 questions" in text and "exact McNemar p = " in text
 
 
 @needs_data

@@ -171,8 +171,6 @@ def test_write_report_files_and_failed_runs(tmp_path):
 
 def test_write_report_bad_input(tmp_path):
     run = load_run(make_run(tmp_path, "fslora-seed0", CURVE, "fslora"))
-    with pytest.raises(ConfigError, match="no target accuracy"):
-        write_report([run], {}, tmp_path / "o")
     with pytest.raises(
         ConfigError, match=r"target arc-e = 1.5 is invalid: an accuracy in \(0, 1\]"
     ):
@@ -210,7 +208,10 @@ def test_report_cli_rebuilds_from_a_suite_directory(tmp_path, capsys):
     ("argv", "message"),
     [
         (["report", "/nonexistent/run"], "'/nonexistent/run': no such directory"),
-        (["report", "{d}"], "no target accuracy"),
+        (
+            ["report", "{d}", "--target", "arc-e=0.5", "--target", "arc-e=0.6"],
+            "--target = 'arc-e=0.5 and arc-e=0.6' is invalid: one --target per task",
+        ),
         (["report", "{d}", "--target", "arc-e"], "--target = 'arc-e' is invalid: TASK=ACCURACY"),
         (["report", "{d}", "--target", "arc-e=x"], "with a number"),
         (["report", "{d}", "--target", "arc-e=1.2"], "an accuracy in (0, 1]"),
@@ -237,3 +238,79 @@ def test_time_without_calibration(tmp_path):
     assert "| proposed | 20.0 |" in text and "| proposed | 0.80x |" in text
     assert "## Time to target without the calibration runs (s)" in text
     assert "| proposed | 8.0 [2.00x] |" in text
+
+
+def test_report_without_a_target_has_curves_table_and_html_but_no_times(tmp_path, capsys):
+    d = make_run(tmp_path / "s", "fslora-seed0", CURVE, "fslora")
+    assert main(["report", str(d), "-o", str(tmp_path / "o")]) == 0
+    text = (tmp_path / "o" / "report.md").read_text()
+    assert "## Final accuracy" in text and "| fslora | 60.0% | 35.0% |" in text
+    assert "Time to target" not in text and "Speed-up" not in text
+    assert "No target given" in text
+    assert (tmp_path / "o" / "accuracy_vs_time.png").read_bytes()[:4] == b"\x89PNG"
+    assert "data:image/png;base64" in (tmp_path / "o" / "report.html").read_text()
+    # with a target, the time columns come back
+    assert main(["report", str(d), "-o", str(tmp_path / "t"), "--target", "arc-e=0.5"]) == 0
+    assert "## Time to target accuracy (s)" in (tmp_path / "t" / "report.md").read_text()
+
+
+def _config(run_dir, n_clients, seed):
+    (run_dir / "config.toml").write_text(
+        f"[data]\nn_clients = {n_clients}\n[training]\nseed = {seed}\n"
+        f'[output]\ndir = "{run_dir.name}"\n'
+    )
+
+
+def test_report_refuses_runs_of_different_configs_as_seeds_of_one_method(tmp_path, capsys):
+    a = make_run(tmp_path / "x", "fslora-seed0", CURVE, "fslora")
+    b = make_run(tmp_path / "y", "fslora-seed1", CURVE, "fslora", seed=1)
+    _config(a, 10, 0)
+    _config(b, 20, 1)
+    assert main(["report", str(a), str(b), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "both reported as 'fslora', but their configs differ in data.n_clients (10 vs 20)" in err
+    assert not (tmp_path / "o").exists()
+    # the same config but for the seed and [output]: seeds of one method
+    _config(b, 10, 1)
+    assert main(["report", str(a), str(b), "-o", str(tmp_path / "o")]) == 0
+    # the same label and seed twice
+    c = make_run(tmp_path / "z", "fslora-seed0", CURVE, "fslora")
+    _config(c, 10, 0)
+    assert main(["report", str(a), str(c), "-o", str(tmp_path / "o2")]) == 2
+    assert "are both 'fslora' seed 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("suite_toml", "metrics", "message"),
+    [
+        (b"title = '\xff'\n", None, "suite.toml: not UTF-8 text"),
+        (b"targets = 3\n", None, "targets = 3 is invalid: a table of task = accuracy"),
+        (b"[targets]\narc-e = 2\n", None, "targets = {'arc-e': 2} is invalid"),
+        (b"labels = 'x'\n", None, "labels = x is invalid: a list of strings"),
+        (
+            None,
+            '{"round": 0, "sim_time_s": "abc", "eval": {"arc-e": 0.3}}\n',
+            "line 1: sim_time_s = 'abc' is invalid: a finite number",
+        ),
+        (
+            None,
+            '{"round": 0, "sim_time_s": 0, "eval": {"arc-e": "x"}}\n',
+            "line 1: eval.arc-e = 'x' is invalid: a number",
+        ),
+        (
+            None,
+            '{"round": 0, "sim_time_s": 0, "eval": 3}\n',
+            "eval = '3' is invalid: a table {task: number}",
+        ),
+    ],
+)
+def test_report_bad_suite_or_metrics_values_exit_2(tmp_path, capsys, suite_toml, metrics, message):
+    suite = tmp_path / "s"
+    d = make_run(suite, "fslora-seed0", CURVE, "fslora")
+    if suite_toml is not None:
+        (suite / "suite.toml").write_bytes(suite_toml)
+    if metrics is not None:
+        (d / "metrics.jsonl").write_text(metrics)
+    assert main(["report", str(suite), "--target", "arc-e=0.5", "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -136,3 +136,22 @@ def test_baseline_table_shows_mc_loss_with_its_interval(tmp_path: Path) -> None:
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     text = write_report([load_run(d)], {"arc-e": 0.5}, tmp_path / "out").read_text()
     assert "| 1.2500 [1.2000, 1.3000] (1.386) | 1.2000 | 10 |" in text
+
+
+def test_paired_change_by_hand() -> None:
+    from fedlora.llm.evaluation import paired_change
+
+    before = [1, 0, 0, 1, 0, 1, 0, 0]
+    after = [1, 1, 1, 0, 1, 1, 0, 1]  # 4 gained (q2, q3, q5, q8), 1 lost (q4)
+    pair = paired_change(before, after)
+    assert (pair["gained"], pair["lost"]) == (4, 1)
+    assert pair["gain"] == pytest.approx(3 / 8)
+    # d = [0, 1, 1, -1, 1, 0, 0, 1]: sd (ddof 1) = sqrt((8 * 5/8 - 8 * (3/8) ** 2) / 7)
+    sd = ((5 - 8 * (3 / 8) ** 2) / 7) ** 0.5
+    lo, hi = pair["gain_ci95"]
+    assert (lo, hi) == pytest.approx(
+        (3 / 8 - 1.959964 * sd / 8**0.5, 3 / 8 + 1.959964 * sd / 8**0.5)
+    )
+    assert pair["mcnemar_p"] == pytest.approx(2 * (1 + 5) / 32)  # 2·P(X <= 1), X ~ Bin(5, 1/2)
+    with pytest.raises(DataError, match="paired questions"):
+        paired_change([1, 0], [1])

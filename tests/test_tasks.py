@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import pickle
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from data_cases import DATA, mc_record, needs_data, small_layout
 from fedlora.errors import DataError
+from fedlora.llm.harness import HARNESS_TASKS, EvalFormat, harness_request, resolve_eval_format
+from fedlora.llm.prompts import format_prompt, response_text
+from fedlora.llm.task_registry import BUILTIN_TASKS, TASKS, get_task, register_task
 from fedlora.llm.tasks import (
+    HUB_SOURCES,
+    TASK_FOLDERS,
     convert_hub_record,
     load_hub_task,
     load_task,
@@ -217,3 +226,118 @@ def test_hub_without_datasets_package_says_what_to_do(monkeypatch: pytest.Monkey
         load_hub_task("arc-e", "test")
     with pytest.raises(DataError, match=r"--data-dir"):
         load_task("obqa", None, "test")
+
+
+# ----------------------------------------------------------------------------- the registry
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+GOLDEN = json.loads((FIXTURES / "golden_requests.json").read_text(encoding="utf-8"))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _as_dicts(ex):
+    req = harness_request(ex)
+    example = {
+        "task": ex.task,
+        "instruction": ex.instruction,
+        "output": ex.output,
+        "answer": ex.answer,
+        "labels": list(ex.labels),
+        "input": ex.input,
+    }
+    request = {
+        "task": req.task,
+        "contexts": list(req.contexts),
+        "continuations": list(req.continuations),
+        "choices": list(req.choices),
+        "gold": req.gold,
+    }
+    return example, request
+
+
+def test_every_builtin_task_is_one_declaration() -> None:
+    assert [s.name for s in BUILTIN_TASKS] == list(TASK_FOLDERS) == list(HARNESS_TASKS)
+    assert set(HUB_SOURCES) == set(TASK_FOLDERS)
+    assert get_task("ARC-Easy") is get_task("arc-e")  # a folder name finds its task
+    assert get_task("boolq").metrics == ("acc",) and get_task("piqa").metrics[1] == "acc_norm"
+    with pytest.raises(DataError, match=r"task = 'nope' is invalid: allowed: arc-e, arc-c"):
+        get_task("nope")
+
+
+@pytest.mark.parametrize("task", sorted(GOLDEN["hub"]))
+def test_hub_records_give_the_same_examples_and_requests_as_before(task: str) -> None:
+    """The hub-schema fixtures (piqa, winogrande, hellaswag and one record of the others)
+    against the examples and requests the per-task code gave before the registry."""
+    records = json.loads((FIXTURES / "hub_records.json").read_text(encoding="utf-8"))[task]
+    for rec, want in zip(records, GOLDEN["hub"][task], strict=True):
+        example, request = _as_dicts(convert_hub_record(task, rec))
+        assert example == want["example"]
+        assert request == want["request"]
+
+
+@needs_data
+@pytest.mark.parametrize("key", sorted(GOLDEN["local"]))
+def test_local_files_give_the_same_examples_prompts_and_requests_as_before(key: str) -> None:
+    """Every record of the five tasks with local files: examples, LLM-Adapters prompts,
+    option responses and lm-eval requests hash as they did before the registry."""
+    task, split = key.split("/")
+    want = GOLDEN["local"][key]
+    exs = load_task(task, DATA, split)
+    h = hashlib.sha256()
+    for ex in exs:
+        example, request = _as_dicts(ex)
+        h.update(
+            json.dumps([example, request, format_prompt(ex), response_text(ex, "option")]).encode()
+        )
+    assert (len(exs), h.hexdigest()) == (want["n"], want["sha256"])
+    assert _as_dicts(exs[0])[1] == want["first"]
+
+
+@pytest.fixture
+def my_task():
+    """docs/examples/my_task.py, imported from its file; its registration undone after."""
+    saved = dict(TASKS)
+    spec = importlib.util.spec_from_file_location(
+        "fedlora_docs_my_task", ROOT / "docs/examples/my_task.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    TASKS.clear()
+    TASKS.update(saved)
+
+
+def test_the_docs_adding_a_task_example_runs(my_task, tmp_path: Path) -> None:
+    doc = (ROOT / "docs" / "data.md").read_text(encoding="utf-8")
+    source = (ROOT / "docs/examples/my_task.py").read_text(encoding="utf-8")
+    assert f"```python\n{source}```" in doc
+    rec = {
+        "question": "What do plants need?",
+        "distractor1": "salt",
+        "distractor2": "sand",
+        "distractor3": "noise",
+        "correct_answer": "light",
+    }
+    ex = convert_hub_record("sciq", rec)
+    assert ex.answer == "answer4" and "Answer4: light" in ex.instruction
+    req = harness_request(ex)
+    assert req.task == "sciq" and req.context == "Question: What do plants need?\nAnswer:"
+    assert req.continuations == (" salt", " sand", " noise", " light") and req.gold == 3
+    (tmp_path / "SciQ").mkdir()
+    (tmp_path / "SciQ" / "test.json").write_text(
+        json.dumps([{"instruction": ex.instruction, "output": ex.output}])
+    )
+    assert load_task("sciq", str(tmp_path), "test") == [ex]
+    assert resolve_eval_format("auto", 10**6, ["sciq", "arc-e"]) == "harness"
+    with pytest.raises(DataError, match="already declared differently"):
+        register_task(replace(get_task("sciq"), lm_eval="other"))
+
+
+def test_the_eval_format_is_checked_once_and_reads_as_its_name() -> None:
+    fmt = resolve_eval_format("auto", 10**6, ["arc-e"])
+    assert isinstance(fmt, EvalFormat) and fmt.harness and fmt == "harness"
+    assert EvalFormat(fmt) is fmt and not EvalFormat("llm-adapters").harness
+    assert resolve_eval_format("auto", 10**6, ["my-own"]) == "llm-adapters"
+    assert pickle.loads(pickle.dumps(fmt)).harness
+    with pytest.raises(DataError, match=r"evaluation.format = 'cloze' is invalid"):
+        EvalFormat("cloze")

@@ -13,7 +13,17 @@ from fedlora import __version__
 from fedlora.errors import FedloraError
 
 # Order is the order of `fedlora --help`.
-COMMANDS = ("run", "eval", "plan", "compare", "report", "config", "flower", "profiles")
+COMMANDS = (
+    "run",
+    "eval",
+    "export",
+    "plan",
+    "compare",
+    "report",
+    "config",
+    "flower",
+    "profiles",
+)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,5 +1,6 @@
-"""Readers of user files (issue 11: every reader of a user-given file lives here, with one
-error style: a ConfigError naming the config key or the file, and what is wrong).
+"""Readers of user files (every reader of a user-given file lives here, with one error
+style: a ConfigError naming the config key or the file, and what is wrong; each file is read
+through `fedlora.config.toml_io.read_user_file`: a regular file of at most 64 MiB).
 
 The client profiles (`network.profiles_file`), the q / k vector files (`method.q`,
 `method.k`) and the planner's problem files (`fedlora plan PROBLEM.json`); and where fedlora
@@ -17,7 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedlora.errors import ConfigError, bad_value
+from fedlora.config.toml_io import read_user_file
+from fedlora.errors import ConfigError, bad_value, cut, shown
 from fedlora.system.network import ClientProfiles, profiles_from_rows
 from fedlora.system.planner.problem import PlanOptions, PlanProblem
 from fedlora.system.planner.schema import problem_from_dict
@@ -53,11 +55,13 @@ def atomic_write(path: Path, data: bytes) -> None:
 def _read_text(path: Path, key: str | None = None) -> str:
     """The file's text; a ConfigError naming the config key (or else the file) when it cannot
     be read."""
-    where = f"{key} = {str(path)!r}" if key else str(path)
+    where = f"{key} = {shown(str(path))}" if key else cut(str(path))
     try:
-        return path.read_text(encoding="utf-8-sig")  # -sig: spreadsheets prepend a BOM
+        data = read_user_file(path, where)
     except OSError as e:
         raise ConfigError(f"{where}: cannot read: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8-sig")  # -sig: spreadsheets prepend a BOM
     except UnicodeDecodeError as e:
         raise ConfigError(f"{where}: not UTF-8 text (byte {e.start})") from None
 
@@ -102,14 +106,14 @@ def read_vector(path: str | Path, column: str) -> list[Any]:
         data = _parse_json(p, text)
         if isinstance(data, dict):
             if column not in data:
-                raise ConfigError(f"{p}: no key {column!r} (keys: {', '.join(data)})")
+                raise ConfigError(f"{p}: no key {column!r} (keys: {cut(', '.join(data))})")
             data = data[column]
         if not isinstance(data, list):
             raise ConfigError(f"{p}: expected a list of numbers for {column}")
         for i, v in enumerate(data):  # true is no number here (JSON's bool is Python's int)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ConfigError(
-                    f"{p}: method.{column}[{i}] = {json.dumps(v)} is invalid: a number"
+                    f"{p}: method.{column}[{i}] = {cut(json.dumps(v))} is invalid: a number"
                 )
         return data
     rows = list(csv.DictReader(text.splitlines()))
@@ -118,7 +122,7 @@ def read_vector(path: str | Path, column: str) -> list[Any]:
     try:
         return [float(r[column]) for r in rows]
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{p}: column {column!r} has a non-number: {e}") from None
+        raise ConfigError(f"{p}: column {column!r} has a non-number: {cut(str(e))}") from None
 
 
 def load_problem(

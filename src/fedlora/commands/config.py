@@ -18,8 +18,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_show(args: argparse.Namespace) -> int:
     from fedlora.federation.methods.registry import check_method_config
+    from fedlora.federation.tracking import check_tracker_names
 
     cfg = load_config(args.config, args.overrides)
     check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    check_tracker_names(cfg)  # output.trackers: the tracker table's names
     print(dump_toml(cfg), end="")
     return 0

@@ -3,7 +3,8 @@ multiple-choice accuracy with a 95% Wilson interval.
 
 The `--limit` subset is drawn from the same seeded stream as the engine's evaluation sets
 (`data.eval_limit`, `training.seed`), so ``--limit 200 --seed 0`` scores the very examples a
-run with ``eval_limit = 200`` and ``seed = 0`` reports on.
+run with ``eval_limit = 200`` and ``seed = 0`` reports on; ``--exclude-seed 0`` leaves that subset
+out first (``data.eval_exclude``), for questions disjoint from it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a seeded subset of N examples (0 = all, the default)",
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the subset")
+    p.add_argument(
+        "--exclude-seed",
+        type=int,
+        action="append",
+        default=[],
+        metavar="S",
+        help="leave out the questions the seed-S subset of the same --limit draws (repeatable; "
+        'as data.eval_exclude = ["TASK:S"] in a run)',
+    )
     p.add_argument(
         "--scoring",
         default="label",
@@ -112,6 +122,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise bad_value("--limit", args.limit, "must be >= 0 (0 = the whole test set)")
     if args.seed < 0:
         raise bad_value("--seed", args.seed, "must be >= 0")
+    for s in args.exclude_seed:
+        if s < 0:
+            raise bad_value("--exclude-seed", s, "must be >= 0")
     if args.batch_size < 1:
         raise bad_value("--batch-size", args.batch_size, "must be >= 1")
     if args.threads < 0:
@@ -150,7 +163,7 @@ def _apply_adapter(model, adapter: str):
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from fedlora.llm.data import seeded_subset, stream_rng
+    from fedlora.llm.data import eval_questions
     from fedlora.llm.tasks import load_task, load_task_file, resolve_data_dir
 
     _check_args(args)
@@ -167,7 +180,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         examples = load_task_file(args.task_file)
         task = examples[0].task
-    examples = seeded_subset(examples, args.limit, stream_rng(args.seed, "eval", task))
+    examples = eval_questions(examples, task, args.limit, args.seed, args.exclude_seed)
 
     import torch
 
@@ -226,6 +239,7 @@ def run_eval(args: argparse.Namespace) -> int:
                     "dtype": args.dtype,
                     "device": args.device,
                     "seed": args.seed,
+                    "exclude_seeds": args.exclude_seed,
                     "seconds": round(result.seconds, 3),
                 }
             )
@@ -261,7 +275,14 @@ def _run_lm_eval(args: argparse.Namespace, model, tokenizer, examples, task: str
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedlora-lm-eval-") as work:
-        res = run_lm_eval(model, tokenizer, examples, work, batch_size=args.batch_size)
+        res = run_lm_eval(
+            model,
+            tokenizer,
+            examples,
+            work,
+            batch_size=args.batch_size,
+            quiet=not getattr(args, "verbose", False),  # lm-eval's logs and bars: --verbose
+        )
     seconds = time.perf_counter() - t0
     qs = [res[i] for i in range(len(examples))]
     n, acc = len(qs), int(sum(q.acc for q in qs))

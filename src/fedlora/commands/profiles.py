@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
     if not (run_dir / "config.toml").is_file():
         raise bad_value("RUN_DIR", str(run_dir), "a run directory (with config.toml)")
     cfg = load_run_config(run_dir)
-    rows = read_node_times(run_dir)
-    clients = read_clients(run_dir / CLIENTS_FILE)
     n = cfg.data.n_clients
+    rows = read_node_times(run_dir, n)  # a client outside 0..n-1 is an error, not dropped
+    clients = read_clients(run_dir / CLIENTS_FILE)
     if se_arg is not None:
         se = np.full(n, se_arg)
     else:

@@ -14,7 +14,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Read config.toml, metrics.jsonl and summary.json of each RUN_DIR (a suite "
             "directory stands for all its runs and gives its targets from suite.toml) and "
-            "write report.md, report.html (self-contained) and the plots. Nothing is re-run."
+            "write report.md, report.html (self-contained) and the plots. Nothing is re-run. "
+            "Without --target (and no suite targets) the report has the curves and the final "
+            "accuracies; the time-to-target tables come with a target. The runs of one label "
+            "(directory name without -seed<N>) must differ only in training.seed."
         ),
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.comm_cost is None) != (args.comp_cost is None):
         raise ConfigError("--comm-cost and --comp-cost go together (re-clocking needs both)")
     cost = (args.comm_cost, args.comp_cost) if args.comm_cost else None
+    _refuse_duplicate_targets(args.target)
     argv = shell_argv()
     report = report_suite(
         args.run_dirs,
@@ -69,3 +73,17 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"report: {report}")
     return 0
+
+
+def _refuse_duplicate_targets(values: list[str] | None) -> None:
+    """Each task's --target once: the last of two would silently win."""
+    from fedlora.errors import bad_value
+
+    seen: dict[str, str] = {}
+    for text in values or []:
+        task = text.partition("=")[0].strip()
+        if task in seen:
+            raise bad_value(
+                "--target", f"{seen[task]} and {text}", f"one --target per task ({task!r} twice)"
+            )
+        seen[task] = text

@@ -9,7 +9,8 @@ what is allowed. Unknown keys are errors with a suggestion of the closest valid 
     print(dump_toml(cfg))
 
 The modules: `checks` (the field checks, the ``model.device`` syntax), `sections` (one
-dataclass per section), `experiment` (`ExperimentConfig`, built from nested dicts),
+dataclass per section; the planner and training sections in `planner_section` and
+`training_section`), `experiment` (`ExperimentConfig`, built from nested dicts),
 `toml_io` (files, overrides, TOML out). Every public name is importable from
 `fedlora.config` itself.
 """
@@ -38,7 +39,6 @@ from fedlora.config.sections import (
     RESPONSES,
     SCORINGS,
     SERVER_OPTIMIZERS,
-    SKETCH_STEPS,
     DataConfig,
     EvaluationConfig,
     LoraConfig,
@@ -46,7 +46,6 @@ from fedlora.config.sections import (
     ModelConfig,
     NetworkConfig,
     OutputConfig,
-    TrainingConfig,
 )
 from fedlora.config.toml_io import (
     apply_overrides,
@@ -57,11 +56,21 @@ from fedlora.config.toml_io import (
     toml_string,
     toml_value,
 )
+from fedlora.config.training_section import (
+    LR_SCHEDULES,
+    OPTIMIZER_STATES,
+    OPTIMIZERS,
+    SKETCH_STEPS,
+    TrainingConfig,
+)
 
 __all__ = [
     "EVAL_FORMATS",
     "DEVICE_FORMS",
     "K_STRATEGIES",
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "OPTIMIZER_STATES",
     "Q_STRATEGIES",
     "RANK_STRATEGIES",
     "REFERENCE_RANK_STRATEGIES",

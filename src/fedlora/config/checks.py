@@ -73,6 +73,35 @@ def check_vector_or_strategy(
             check_number(f"{name}[{i}]", v, lo=0, hi=1, lo_open=True)
 
 
+SNR_DB_RANGE = (-150.0, 200.0)  # the generated channel's mean SNR over the band, dB
+
+
+def check_snr_range(
+    tx_power_dbm: float,
+    noise_dbm: float,
+    path_loss_ref_db: float,
+    path_loss_exponent: float,
+    distances_m: tuple[float, float],
+) -> None:
+    """The generated clients' SNR (``tx_power_dbm − path loss − noise over f_tot_hz``, in dB,
+    from the nearest to the farthest distance) within `SNR_DB_RANGE`: far below it the
+    Shannon rate log2(1 + SNR) rounds to 0 (near -156 dB) and an upload never ends; above it
+    an upload takes no time. Computed in dB (no overflow); the error names the network fields behind it."""
+    near, far = (
+        tx_power_dbm - path_loss_ref_db - 10.0 * path_loss_exponent * math.log10(d) - noise_dbm
+        for d in distances_m
+    )
+    lo, hi = SNR_DB_RANGE
+    if far < lo or near > hi:
+        raise ConfigError(
+            f"network.tx_power_dbm = {tx_power_dbm:g} with noise_psd_dbm_hz, f_tot_hz, "
+            f"path_loss_ref_db, path_loss_exponent, distance_min_m/distance_max_m gives the "
+            f"generated clients an SNR of {far:.4g} to {near:.4g} dB: allowed: within "
+            f"[{lo:g}, {hi:g}] dB (below, an upload takes practically forever: the Shannon rate "
+            "rounds to 0 near -156 dB; above, it takes no time)"
+        )
+
+
 def check_device_spec(field: str, value: Any) -> None:
     """Syntax only (no torch import): one of auto, cpu, cuda, cuda:N, mps."""
     if not isinstance(value, str) or not DEVICE_SPEC_RE.match(value):

@@ -18,8 +18,8 @@ from fedlora.config.sections import (
     ModelConfig,
     NetworkConfig,
     OutputConfig,
-    TrainingConfig,
 )
+from fedlora.config.training_section import TrainingConfig
 from fedlora.errors import ConfigError, bad_value, suggest_key
 
 

@@ -11,7 +11,7 @@ from fedlora.errors import ConfigError, bad_value
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """Algorithm 2 options (PAPER_NOTES #1–#11)."""
+    """Algorithm 2 options (docs/paper.md, rows 1–11)."""
 
     solver: str = "exact"  # exact | cvxpy
     estimation_matrix: str = "fixed"  # fixed | paper (keeps the 1/R1 typo in row 2)
@@ -34,9 +34,9 @@ class PlannerConfig:
     optimize: str = "qk"
     # `proposed` (separate calibration) when the SVD fit contradicts the model: "constrained" (A, C, D >= 0
     # with floors where not identified, `fedlora.system.planner.constrained_fit`), "refuse",
-    # or "nonnegative" (least squares with A, C, D >= 0, no floors: issue 21's q -> 0 plans)
+    # or "nonnegative" (least squares with A, C, D >= 0, no floors: it can plan q -> 0)
     calibration_fit: str = "constrained"
-    # issue 21: "in-run" = the run's first rounds are the probes and the plan follows from
+    # "in-run" = the run's first rounds are the probes and the plan follows from
     # them (fedlora.federation.replan); "separate" = the paper's four calibration runs
     calibration: str = "in-run"
     probe_rounds: int = 4  # in-run: rounds per probe setting (4 settings, palindromic order)

@@ -3,6 +3,7 @@ the checks of every field in ``__post_init__`` (`fedlora.config.checks`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Union
 
@@ -11,6 +12,7 @@ from fedlora.config.checks import (
     check_device_spec,
     check_int,
     check_number,
+    check_snr_range,
     check_vector_or_strategy,
 )
 from fedlora.errors import bad_value
@@ -81,6 +83,14 @@ class LoraConfig:
 RESPONSES = ("label", "option")
 
 
+def parse_eval_exclude(entry: object) -> tuple[str, int]:
+    """One `data.eval_exclude` entry, "TASK:SEED", as (task, seed)."""
+    task, sep, seed = entry.rpartition(":") if isinstance(entry, str) else ("", "", "")
+    if not sep or not task or not seed.isdigit():
+        raise bad_value("data.eval_exclude", entry, '"TASK:SEED" entries, e.g. "arc-e:0"')
+    return task, int(seed)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Tasks, the federated partition and the evaluation subset."""
@@ -94,28 +104,69 @@ class DataConfig:
     task_files: tuple[str, ...] = ()  # extra LLM-Adapters JSON files for training
     eval_tasks: tuple[str, ...] = ("arc-e",)
     eval_limit: int = 500  # examples per eval task (seeded subset); 0 = whole test set
+    # the stream that draws the evaluation questions: -1 = training.seed (so another training
+    # seed also draws other questions); >= 0 fixes the questions whatever the training seed
+    eval_seed: int = -1
+    # "TASK:SEED": leave out the questions the seed-SEED subset of eval_limit draws from TASK
+    # (fresh questions: disjoint from those an earlier study was judged on)
+    eval_exclude: tuple[str, ...] = ()
     train_limit: int = 0  # examples per training task (seeded subset); 0 = all
     max_seq_len: int = 128
     n_clients: int = 20  # N
-    partition_key: str = "task"  # task | label
+    # task | label | any field of the records (your own data's columns, a "user" field, ...)
+    partition_key: str = "task"
+    partition_mode: str = "dirichlet"  # dirichlet over the key's values | per_value: a client each
     dirichlet_alpha: float = 0.1
     min_client_examples: int = 8
     # what the training response names after "the correct answer is ": the label ("answer2",
     # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
     response: str = "option"
+    # your own multiple-choice questions (.json, .jsonl, .csv; docs/data.md "Your own data"):
+    # trained on (mc_files) and evaluated on (mc_eval_files) as task mc_task, read through
+    # the field map mc_question / mc_choices (one list field, or one column per choice) /
+    # mc_answer (mc_answer_type: index from 0, label A, B, ... or the column, text) / mc_context
+    mc_files: tuple[str, ...] = ()
+    mc_eval_files: tuple[str, ...] = ()
+    mc_task: str = "mine"
+    mc_question: str = "question"
+    mc_choices: tuple[str, ...] = ("choices",)
+    mc_answer: str = "answer"
+    mc_answer_type: str = "index"
+    mc_context: str = ""
+    # instruction records (Alpaca instruction/input/output or chat messages; .json, .jsonl):
+    # trained on, response tokens only (instruct_files); held out (instruct_eval_files);
+    # chat_template: a Jinja file for a tokenizer without one ("" = the tokenizer's own)
+    instruct_files: tuple[str, ...] = ()
+    instruct_eval_files: tuple[str, ...] = ()
+    instruct_task: str = "instruct"
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
-        if not self.tasks and not self.task_files:
+        if not (self.tasks or self.task_files or self.mc_files or self.instruct_files):
             raise bad_value("data.tasks", self.tasks, "at least one task or task file")
+        for name in ("mc_task", "mc_question", "mc_answer", "instruct_task"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise bad_value(f"data.{name}", getattr(self, name), "a non-empty field name")
+        if not self.mc_choices or len(set(self.mc_choices)) != len(self.mc_choices):
+            raise bad_value("data.mc_choices", list(self.mc_choices), "distinct field names")
+        check_choice("data.mc_answer_type", self.mc_answer_type, ("index", "label", "text"))
         for name in ("tasks", "eval_tasks"):
             value = getattr(self, name)
             if len(set(value)) != len(value):
                 raise bad_value(f"data.{name}", list(value), "each task at most once")
         check_int("data.eval_limit", self.eval_limit, lo=0)
+        check_int("data.eval_seed", self.eval_seed, lo=-1)
+        for entry in self.eval_exclude:
+            if parse_eval_exclude(entry)[0] not in self.eval_tasks:
+                raise bad_value(
+                    "data.eval_exclude", entry, f"a task of data.eval_tasks {list(self.eval_tasks)}"
+                )
         check_int("data.train_limit", self.train_limit, lo=0)
         check_int("data.max_seq_len", self.max_seq_len, lo=16)
         check_int("data.n_clients", self.n_clients, lo=1)
-        check_choice("data.partition_key", self.partition_key, ("task", "label"))
+        if not isinstance(self.partition_key, str) or not self.partition_key.strip():
+            raise bad_value("data.partition_key", self.partition_key, "task, label or a field name")
+        check_choice("data.partition_mode", self.partition_mode, ("dirichlet", "per_value"))
         check_number("data.dirichlet_alpha", self.dirichlet_alpha, lo=0, lo_open=True)
         check_int("data.min_client_examples", self.min_client_examples, lo=1)
         check_choice("data.response", self.response, RESPONSES)
@@ -123,7 +174,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class NetworkConfig:
-    """Client compute and wireless channel (paper §IV), and the cost models (PAPER_NOTES #4–6).
+    """Client compute, wireless channel (paper §IV) and cost models (docs/paper.md, rows 4–6).
 
     Profiles come from `profiles_file` (CSV or JSON, one row per client with `tau_full_s`,
     `t_full`) or are generated: lognormal per-step compute times and a path-loss channel.
@@ -151,14 +202,24 @@ class NetworkConfig:
 
     def __post_init__(self) -> None:
         check_number("network.f_tot_hz", self.f_tot_hz, lo=0, lo_open=True)
-        check_number("network.step_time_median_s", self.step_time_median_s, lo=0, lo_open=True)
-        check_number("network.step_time_sigma", self.step_time_sigma, lo=0)
+        check_number(
+            "network.step_time_median_s", self.step_time_median_s, lo=0, hi=1e9, lo_open=True
+        )
+        check_number("network.step_time_sigma", self.step_time_sigma, lo=0, hi=10)
         check_number("network.distance_min_m", self.distance_min_m, lo=0, lo_open=True)
-        check_number("network.distance_max_m", self.distance_max_m, lo=self.distance_min_m)
-        check_number("network.path_loss_exponent", self.path_loss_exponent, lo=0)
-        check_number("network.path_loss_ref_db", self.path_loss_ref_db)
-        check_number("network.tx_power_dbm", self.tx_power_dbm)
-        check_number("network.noise_psd_dbm_hz", self.noise_psd_dbm_hz)
+        check_number("network.distance_max_m", self.distance_max_m, lo=self.distance_min_m, hi=1e9)
+        check_number("network.path_loss_exponent", self.path_loss_exponent, lo=0, hi=10)
+        check_number("network.path_loss_ref_db", self.path_loss_ref_db, lo=-100, hi=300)
+        check_number("network.tx_power_dbm", self.tx_power_dbm, lo=-100, hi=100)
+        check_number("network.noise_psd_dbm_hz", self.noise_psd_dbm_hz, lo=-300, hi=0)
+        if not self.profiles_file:  # the generated channel: finite, non-zero upload times
+            check_snr_range(
+                self.tx_power_dbm,
+                self.noise_psd_dbm_hz + 10.0 * math.log10(self.f_tot_hz),
+                self.path_loss_ref_db,
+                self.path_loss_exponent,
+                (self.distance_min_m, self.distance_max_m),
+            )
         check_choice("network.fading", self.fading, ("none", "rayleigh"))
         check_number("network.fading_floor", self.fading_floor, lo=0)
         check_int("network.bits_per_param", self.bits_per_param, lo=1, hi=64)
@@ -168,59 +229,11 @@ class NetworkConfig:
         check_number("network.downlink_rate_bps", self.downlink_rate_bps, lo=0)
 
 
-SKETCH_STEPS = ("paper", "scaled")  # training.sketch_step (fedlora.llm.train.client_step_sizes)
-
-
-@dataclass(frozen=True)
-class TrainingConfig:
-    """The round loop: local SGD, evaluation, stopping and checkpoints."""
-
-    rounds: int = 8  # maximum rounds
-    local_steps: int = 5  # H
-    batch_size: int = 4  # b
-    lr: float = 0.2  # η (plain SGD, as in the paper's analysis)
-    slots: int = 5  # clients trained together in one forward/backward
-    eval_every: int = 8  # E (8 = the demo evaluates before and after training only)
-    seed: int = 0
-    target_accuracy: float = 0.0  # stop when reached; 0 = off
-    target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
-    target_mc_loss: float = 0.0  # stop when the mean mc_loss is <= this; 0 = off
-    time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
-    # also evaluate at the first round whose clock passes each multiple of this; 0 = off
-    eval_every_s: float = 0.0
-    checkpoint_every: int = 5
-    # With lora.layers = K: cache the frozen layers below the top K per example (exact, LRU).
-    layer_cache_mb: float = 2048.0  # memory bound of that cache in MB; 0 = off
-    layer_cache_dtype: str = "fp32"  # fp32 (exact) | bf16 (half the memory, rounded)
-    # "paper": every client steps with η (Eq. 4). "scaled": client n steps with
-    # η·(k_n/γ)^1.5, which makes the expected size of its first-step ΔW independent of k_n
-    # (docs/methods.md, "Sketch-scaled local steps"); no effect on unsketched clients.
-    sketch_step: str = "scaled"
-    momentum: float = 0.0  # local heavy-ball momentum μ (reset every round); 0 = plain SGD
-
-    def __post_init__(self) -> None:
-        check_int("training.rounds", self.rounds, lo=1)
-        check_int("training.local_steps", self.local_steps, lo=1)
-        check_int("training.batch_size", self.batch_size, lo=1)
-        check_number("training.lr", self.lr, lo=0, lo_open=True)
-        check_int("training.slots", self.slots, lo=1)
-        check_int("training.eval_every", self.eval_every, lo=1)
-        check_int("training.seed", self.seed, lo=0)
-        check_number("training.target_accuracy", self.target_accuracy, lo=0, hi=1)
-        check_number("training.target_loss", self.target_loss, lo=0)
-        check_number("training.target_mc_loss", self.target_mc_loss, lo=0)
-        check_number("training.time_budget_s", self.time_budget_s, lo=0)
-        check_number("training.eval_every_s", self.eval_every_s, lo=0)
-        check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
-        check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)
-        check_choice("training.layer_cache_dtype", self.layer_cache_dtype, ("fp32", "bf16"))
-        check_choice("training.sketch_step", self.sketch_step, SKETCH_STEPS)
-        check_number("training.momentum", self.momentum, lo=0, hi=1, hi_open=True)
-
-
 Q_STRATEGIES = ("full", "fixed", "uniform", "weighted")
 K_STRATEGIES = ("full", "normal", "uniform")
 SERVER_OPTIMIZERS = ("avg", "avgm", "adam", "yogi", "adagrad")  # method.server_optimizer
+# method.server_lr's bound: a larger server step overflows or diverges the adapter at once
+MAX_SERVER_LR = 1000.0
 # the FSLoRA authors' `generate_ranks` distributions on method.rank_range (docs/methods.md)
 REFERENCE_RANK_STRATEGIES = ("fslora_uniform", "fslora_normal", "fslora_heavy_tail_low")
 # method.ranks (fedlora.federation.methods.ranks)
@@ -275,7 +288,7 @@ class MethodConfig:
             check_int("method.rank_range[0]", self.rank_range[0], lo=1)
             check_int("method.rank_range[1]", self.rank_range[1], lo=self.rank_range[0])
         check_choice("method.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
-        check_number("method.server_lr", self.server_lr, lo=0, lo_open=True)
+        check_number("method.server_lr", self.server_lr, lo=0, hi=MAX_SERVER_LR, lo_open=True)
         check_number("method.server_momentum", self.server_momentum, lo=0, hi=1, hi_open=True)
         if len(self.server_betas) != 2:
             raise bad_value("method.server_betas", self.server_betas, "two numbers [β1, β2]")
@@ -287,9 +300,18 @@ class MethodConfig:
                 "method.server_bias_correction", self.server_bias_correction, "true or false"
             )
         check_number("method.server_weight_decay", self.server_weight_decay, lo=0)
+        if self.server_lr * self.server_weight_decay > 1:  # X <- (1 - ηλ) X flips X's sign
+            raise bad_value(
+                "method.server_weight_decay",
+                self.server_weight_decay,
+                f"server_lr × server_weight_decay must be <= 1 (the decay factor 1 - ηλ "
+                f">= 0); with server_lr = {self.server_lr}: at most {1 / self.server_lr:.6g}",
+            )
 
 
-TRACKERS = ("tensorboard", "mlflow")
+# output.trackers: names of fedlora.federation.tracking's table (checked there, by
+# check_trackers, as method.name by the method registry); these ship with fedlora
+TRACKERS = "tensorboard, mlflow"
 
 
 @dataclass(frozen=True)
@@ -306,8 +328,11 @@ class OutputConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.dir, str) or not self.dir:
             raise bad_value("output.dir", self.dir, "a non-empty path")
-        for i, name in enumerate(self.trackers):
-            check_choice(f"output.trackers[{i}]", name, TRACKERS)
+        for i, name in enumerate(self.trackers):  # the names: fedlora.federation.tracking
+            if not isinstance(name, str) or not name.isidentifier():
+                raise bad_value(f"output.trackers[{i}]", name, f"a tracker name ({TRACKERS})")
+        if not isinstance(self.mlflow_uri, str):
+            raise bad_value("output.mlflow_uri", self.mlflow_uri, "a tracking URI string")
         if len(set(self.trackers)) != len(self.trackers):
             raise bad_value("output.trackers", list(self.trackers), "each tracker at most once")
         name = self.name if isinstance(self.name, str) else "/"

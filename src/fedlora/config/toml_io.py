@@ -1,9 +1,12 @@
 """TOML in and out: read a config file, apply ``section.key=value`` overrides, and write a
-resolved config back as TOML that reads to an equal config."""
+resolved config back as TOML that reads to an equal config. And `read_user_file`, the one
+bounded read of a user's file (a config, a q / k / ranks file, a profiles file,
+PROBLEM.json, node_times.csv): a regular file of at most `MAX_FILE_BYTES`."""
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import typing
 from pathlib import Path
@@ -15,17 +18,44 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from fedlora.config.experiment import ExperimentConfig, config_from_dict
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, cut
+
+MAX_FILE_BYTES = 64 * 2**20  # the largest user file fedlora reads (64 MiB)
+
+
+def read_user_file(path: str | os.PathLike[str], what: str) -> bytes:
+    """The bytes of the user's file `path`. `ConfigError` naming `what` (``config file``,
+    ``method.q = '...'``) when it is not a regular file (a device such as /dev/zero, a FIFO,
+    a directory; a link counts as what it points to) or is larger than `MAX_FILE_BYTES`
+    (checked on the bytes read too: a file may grow, or lie about its size). An `OSError`
+    (missing, unreadable) is the caller's to word."""
+    p = Path(path)
+    cap = f"at most {MAX_FILE_BYTES // 2**20} MiB is read"
+    # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on a regular file)
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, pipe or socket"
+            raise ConfigError(
+                f"{what}: {cut(str(p))!r} is not a regular file ({kind}): give a file"
+            )
+        if st.st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"{what}: {cut(str(p))!r} is {st.st_size:,} bytes: {cap}")
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{what}: {cut(str(p))!r} is over {MAX_FILE_BYTES:,} bytes: {cap}")
+    return data
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """Parse ``section.key=value``; the value is read as TOML, else taken as a bare string."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} is invalid: expected section.key=value")
+        raise ConfigError(f"override {cut(repr(text))} is invalid: expected section.key=value")
     path, raw_value = text.split("=", 1)
     parts = path.strip().split(".")
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override {text!r} is invalid: expected section.key=value")
+        raise ConfigError(f"override {cut(repr(text))} is invalid: expected section.key=value")
     try:
         value = tomllib.loads(f"v = {raw_value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -37,15 +67,19 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a TOML file; unreadable or malformed files raise `ConfigError` with the position."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = read_user_file(p, "config file")
     except OSError as e:
-        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from None
+        raise ConfigError(f"cannot read config file {cut(str(p))!r}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
+        raise ConfigError(f"config file {cut(str(p))!r} is not UTF-8 text") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        raise ConfigError(f"config file {cut(str(p))!r} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {cut(str(p))!r}: TOML nested too deeply") from None
 
 
 def load_config(

@@ -7,7 +7,7 @@ step the run's entry (`fedlora.federation.run.run`) calls before the first round
    in-process run, injected: this module imports no engine and no entry), with the same
    seed (so the same data partition and client profiles) and every client alike within a run:
    (q, k) ∈ {0.3, 0.15} × {γ, ⌈γ/4⌉} (`calibration_settings`; two k's so that D is
-   identifiable, PAPER_NOTES #3). Each stops at the first round R_i whose smoothed training
+   identifiable: docs/paper.md, row 3). Each stops at the first round R_i whose smoothed training
    loss is <= F_s, or after `planner.calibration_rounds` rounds;
 2. estimates A–D from the observations (q_i, k_i, R_i) (`fedlora.system.planner.estimate_constants`);
 3. plans (q*, k*) for the run's client profiles (a_n, τ_n^γ, t_n^γ from the calibration's
@@ -33,7 +33,7 @@ without reaching F_s, every run's R_i is re-read from its recorded losses at F_s
 highest of the runs' lowest smoothed losses (the lowest level every run reached); plan.json
 records F_s, F_s', the rule and which runs reached F_s.
 
-What plan.json reports beside the plan (issue 14, "Algorithm 2 given a fair chance"):
+What plan.json reports beside the plan, to judge whether Algorithm 2 had a fair chance:
 `fit` (per calibration run: observed and predicted rounds to F_s', relative error, the row
 residual of Eq. 21; `fedlora.system.planner.calibration_fit`), `degeneracy` (all k_n = 1 or every
 q_n at a bound; `fedlora.system.planner.plan_degeneracy`). After the main run, `plan_outcome`

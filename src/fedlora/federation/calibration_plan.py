@@ -30,7 +30,7 @@ def client_arrays(rows: Sequence[ClientRow]) -> dict[str, np.ndarray]:
 
 def nonnegative_constants(observations: Sequence[Any], gamma: int, a: np.ndarray) -> Any:
     """A, C, D >= 0 with B = 1 by non-negative least squares on A/R_i + C·Y_i + D·Z_i = 1
-    (Eq. 21's rows divided through by B; Y = Σ a²/q, Z = Σ a²/q·γ²/k², PAPER_NOTES #2).
+    (Eq. 21's rows divided through by B; Y = Σ a²/q, Z = Σ a²/q·γ²/k², docs/paper.md, row 2).
 
     The fallback of ``planner.calibration_fit = "nonnegative"`` when the unconstrained fit
     contradicts the model. A constant the fit puts at 0 is raised to 1e-9 of the largest

@@ -23,8 +23,9 @@ from fedlora.files import atomic_write
 
 CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
 # stored as tensors "<group>/<key>": FedStackLoRA's / FedEx-LoRA's base merges, the server
-# optimizer's state, what clients keep across rounds (FedSA-LoRA's B_n)
-TENSOR_GROUPS = ("base_delta", "server_opt", "memory")
+# optimizer's state, what clients keep across rounds (FedSA-LoRA's B_n), the clients' kept
+# AdamW states (training.optimizer_state = "keep")
+TENSOR_GROUPS = ("base_delta", "server_opt", "memory", "client_optim")
 
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
@@ -57,10 +58,16 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
     from safetensors.torch import save
 
     run_dir = Path(run_dir)
+    bad = non_finite({k: v for k, v in state.items() if k != "metrics"})
+    if bad:  # never kept as the "last good" checkpoint: a resume would refuse it anyway
+        raise DataError(
+            f"round {state['round']}: the run's state holds a non-finite value in {bad}: it "
+            "diverged; not checkpointed (the previous checkpoint is kept)"
+        )
     ckpt_dir = run_dir / "checkpoints"
     ckpt_dir.mkdir(exist_ok=True)
     tensors = {f"global/{k}": v.detach().cpu().contiguous() for k, v in state["global"].items()}
-    for group in TENSOR_GROUPS:  # server_opt: its m, v, t; memory: FedSA-LoRA's B_n
+    for group in TENSOR_GROUPS:  # server_opt: its m, v, t; memory: FedSA-LoRA's B_n; ...
         for k, v in (state.get(group) or {}).items():
             tensors[f"{group}/{k}"] = torch.from_numpy(np.ascontiguousarray(v))
     rest = {k: v for k, v in state.items() if k not in ("global", *TENSOR_GROUPS)}
@@ -140,6 +147,28 @@ def non_finite(value: Any, where: str = "") -> str:
     return ""
 
 
+def refuse_unusable_state(path: Path, state: dict[str, Any]) -> None:
+    """`DataError` naming `path` when a run cannot continue from `state`: a NaN or ±inf in
+    any field (weights, the clock, the server optimizer's moments), or a negative second
+    moment v of the server optimizer (every ``method.server_optimizer`` keeps v >= 0)."""
+    remedy = (
+        "the run diverged or the file was altered; resume from an earlier round's checkpoint "
+        "(remove this one) or start a new run"
+    )
+    bad = non_finite(state)
+    if bad:
+        raise DataError(
+            f"checkpoint {str(path)!r} (round {state['round']}) holds a non-finite value in "
+            f"{bad}: {remedy}"
+        )
+    for key, v in (state.get("server_opt") or {}).items():
+        if key.startswith("v/") and (np.asarray(v) < 0).any():
+            raise DataError(
+                f"checkpoint {str(path)!r} (round {state['round']}) holds a negative server "
+                f"optimizer second moment in server_opt.{key}: {remedy}"
+            )
+
+
 def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
     """The newest readable checkpoint; a damaged one is named and skipped.
 
@@ -172,13 +201,7 @@ def load_checkpoint(run_dir: Path, warn=print) -> dict[str, Any] | None:
             warn(f"checkpoint {path} is damaged ({type(e).__name__}: {e}); trying the previous one")
             why[path.name] = "damaged: " + (str(e).splitlines() or [type(e).__name__])[0][:200]
             continue
-        bad = non_finite(state)
-        if bad:
-            raise DataError(
-                f"checkpoint {str(path)!r} (round {state['round']}) holds a non-finite value "
-                f"in {bad}: the run diverged or the file was altered; resume from an earlier "
-                "round's checkpoint (remove this one) or start a new run"
-            )
+        refuse_unusable_state(path, state)
         return state
     if paths:
         raise DataError(

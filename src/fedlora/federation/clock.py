@@ -1,5 +1,5 @@
 """The simulated wireless clock: one round's time and bits from the exact payload of every
-participant (`fedlora.system.network.round_time`, PAPER_NOTES #4–#6, #15)."""
+participant (`fedlora.system.network.round_time`, docs/paper.md, rows 4–6 and 15)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def round_cost(
     gamma: int,
     seed: int,
 ) -> RoundCost:
-    """Round time from the exact payload of every participant (PAPER_NOTES #4–#6, #15).
+    """Round time from the exact payload of every participant (docs/paper.md, rows 4–6 and 15).
 
     τ_n = tau_full_s · comp_factor(k_n). t_n = t_full · (payload bits / full-adapter bits)
     for comm_cost = exact (scaled by the faded spectral efficiency with Rayleigh fading), or

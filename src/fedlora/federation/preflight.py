@@ -102,15 +102,16 @@ def check_model(cfg: ExperimentConfig) -> None:
 
 def check_data(cfg: ExperimentConfig) -> None:
     """Task names, the data directory, the eval tasks' test splits and the task files."""
-    from fedlora.llm.tasks import TASK_FOLDERS, resolve_data_dir, task_available, task_path
+    from fedlora.llm.task_registry import TASKS
+    from fedlora.llm.tasks import resolve_data_dir, task_available, task_path
 
     data = cfg.data
-    allowed = ", ".join(TASK_FOLDERS)
+    allowed = ", ".join(TASKS)  # the built-in tasks and any registered (`register_task`)
     for field, names in (("data.tasks", data.tasks), ("data.eval_tasks", data.eval_tasks)):
         for name in names:
-            if name not in TASK_FOLDERS:
+            if name not in TASKS:
                 raise DataError(f"{field}: task {name!r} is unknown: allowed: {allowed}")
-    if not data.eval_tasks:
+    if not data.eval_tasks and not data.mc_eval_files:
         raise bad_value(
             "data.eval_tasks",
             [],
@@ -119,6 +120,15 @@ def check_data(cfg: ExperimentConfig) -> None:
     for path in data.task_files:
         if not Path(path).is_file():
             raise DataError(f"data.task_files: {path!r} is not a file")
+    if data.mc_files or data.mc_eval_files:  # every record read now: file, line, field
+        from fedlora.llm.user_tasks import FieldMap, load_mc_files
+
+        for paths in (data.mc_files, data.mc_eval_files):
+            load_mc_files(paths, FieldMap.of(data), data.mc_task)
+    if data.instruct_files or data.instruct_eval_files:
+        from fedlora.llm.instruct import load_instructions
+
+        load_instructions([*data.instruct_files, *data.instruct_eval_files], data.instruct_task)
     data_dir = resolve_data_dir(data.data_dir)
     if data_dir is None:  # the hub: checked when the data loads
         return
@@ -127,7 +137,9 @@ def check_data(cfg: ExperimentConfig) -> None:
         raise DataError(f"{source} = {data_dir!r} is not a directory")
     for name in data.eval_tasks:
         task_path(name, data_dir, "test")  # DataError naming what the directory holds
-    if not data.task_files and not any(task_available(t, data_dir, "train") for t in data.tasks):
+    if not (data.task_files or data.mc_files or data.instruct_files) and not any(
+        task_available(t, data_dir, "train") for t in data.tasks
+    ):
         raise DataError(
             f"data.tasks = {list(data.tasks)!r}: none has a train split in {data_dir!r} "
             "and data.task_files is empty"
@@ -160,8 +172,10 @@ def check_clients(cfg: ExperimentConfig) -> None:
 def check_inputs(cfg: ExperimentConfig) -> None:
     """Every check above; raises `ConfigError` / `DataError` naming the field and the value."""
     from fedlora.federation.methods.registry import check_method_config
+    from fedlora.federation.tracking import check_trackers
 
     check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    check_trackers(cfg)  # output.trackers: names, packages, output.mlflow_uri's form
     check_model(cfg)
     check_data(cfg)
     check_clients(cfg)

@@ -31,12 +31,16 @@ class Progress:
     last_eval_loss: float | None = None
     best_eval_loss: float | None = None
     time_to_target_loss_s: float | None = None
-    initial_mc_loss: float | None = None  # mean over tasks of mc_loss (issue 20)
+    initial_mc_loss: float | None = None  # mean over tasks of mc_loss
     last_mc_loss: float | None = None
     best_mc_loss: float | None = None
     time_to_target_mc_loss_s: float | None = None
     train_lengths: dict[str, Any] | None = None  # harness: training tokens p50/p99, dropped
     initial_eval: dict[str, Any] | None = None  # per task: accuracy, ci95, n, majority, ...
+    # per task, the untrained adapter's correctness on each question (0/1): the paired
+    # comparison of the final evaluation with round 0 (gain, McNemar p) needs it
+    initial_correct: dict[str, list[int]] | None = None
+    last_paired: dict[str, Any] | None = None  # per task: paired_change(round 0, last)
     last_eval: dict[str, Any] | None = None
     # where training's clock started: a calibration's simulated time (0 without one); the
     # eval_every_s grid is laid from here, so that every method's evaluations fall at the
@@ -157,6 +161,7 @@ def summarize(
         "train_lengths": progress.train_lengths,
         "initial_eval": progress.initial_eval,
         "final_eval": progress.last_eval,
+        "paired_eval": progress.last_paired,  # per task: gain, its interval, McNemar p
         "wall_s": time.perf_counter() - wall_start,
         "method": cfg.method.name,
         "seed": cfg.training.seed,
@@ -233,6 +238,14 @@ def describe_eval(summary: dict[str, Any]) -> list[str]:
             text += f"; mc_loss {change(b, d, mc, 'mc_loss')} (chance {d['mc_chance']:.4f})"
         text += f"; eval_loss {change(b, d, loss)}"
         lines.append(text)
+        pair = (summary.get("paired_eval") or {}).get(task)
+        if pair:
+            lo, hi = pair["gain_ci95"]
+            lines.append(
+                f"  {task} paired on the same {d['n']} questions: {100 * pair['gain']:+.1f} points "
+                f"[{100 * lo:+.1f}, {100 * hi:+.1f}], {pair['gained']} gained / {pair['lost']} "
+                f"lost, exact McNemar p = {pair['mcnemar_p']:.2g}"
+            )
     for key, name in (("loss", "eval_loss"), ("mc_loss", "mc_loss")):
         if summary.get(f"target_{key}"):
             ttl = summary.get(f"time_to_target_{key}_s")

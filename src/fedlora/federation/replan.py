@@ -1,4 +1,4 @@
-"""In-run calibration and re-planning of a `proposed` run (issue 21; docs/planner.md).
+"""In-run calibration and re-planning of a `proposed` run (docs/planner.md).
 
 With ``planner.calibration = "in-run"`` the run's own first rounds are Algorithm 2's probes:
 the four settings (q, k) ∈ {0.3, 0.15} × {γ, ⌈γ/4⌉} (the separate calibration's, every client
@@ -44,7 +44,7 @@ def probe_settings(gamma: int) -> list[tuple[float, int]]:
     if gamma < 2:
         raise ConfigError(
             f"lora.rank = {gamma} is invalid for method.name = 'proposed': the calibration "
-            "needs two different sketch sizes k (PAPER_NOTES #3), so lora.rank must be >= 2"
+            "needs two different sketch sizes k to identify D, so lora.rank must be >= 2"
         )
     k_small = max(1, math.ceil(gamma / 4))
     if k_small == gamma:

@@ -249,11 +249,11 @@ def write_run_dir(cfg: ExperimentConfig, run_dir: Path, *, overwrite: bool = Fal
 
 
 # Keys whose default changed after run directories were written without them: such a run
-# resumes with the value it was started with (issue 13's CPU protocol changed these defaults).
+# resumes with the value it was started with (the CPU protocols changed these defaults).
 LEGACY_DEFAULTS = {
     ("data", "response"): "label",
     ("evaluation", "scoring"): "label",
-    ("evaluation", "format"): "llm-adapters",  # issue 20
+    ("evaluation", "format"): "llm-adapters",  # before the harness format
     ("training", "sketch_step"): "paper",
 }
 

@@ -1,5 +1,5 @@
 """The run directory's files, owned here: each written so that a crash leaves it whole, and
-read back by one rule (issue 23: one reader and one writer per file).
+read back by one rule: one reader and one writer per file.
 
 - every whole file is written by `fedlora.files.atomic_write` (a temporary file next to the
   target, fsynced, renamed over it): a reader sees the old content or the new, never half.

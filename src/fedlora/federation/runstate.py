@@ -35,6 +35,8 @@ class Run(Trainable):
     device: str = "cpu"  # where the model, the slots, batches and the layer cache live
     slots_per_pass: int = 0  # clients per forward/backward; 0 = training.slots
     memory: ClientMemory = field(default_factory=lambda: ClientMemory(lambda k: False, {}))
+    # training.optimizer_state = "keep": client -> its AdamW state (`SlotAdamW.slot_state`)
+    optim_states: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 def load_trainable(
@@ -159,6 +161,9 @@ def checkpoint_state(run: Run, progress: Progress) -> dict[str, Any]:
         "method": run.method.state_dict(),
         "memory": run.memory.state_dict(),
         "server_opt": run.method.server_opt.state_dict() if run.method.server_opt else {},
+        "client_optim": {
+            f"{c}/{k}": v for c, state in run.optim_states.items() for k, v in state.items()
+        },
         "seed": run.cfg.training.seed,
         "rng": "derived from (seed, stream, round): see fedlora.federation.engine.derive_rng",
     }
@@ -173,6 +178,10 @@ def restore_state(run: Run, state: dict[str, Any]) -> Progress:
         run.lora.add_to_base(to_torch(run.base_delta))
     run.method.load_state_dict(state.get("method", {}))
     run.memory.load_state_dict(state.get("memory") or {})
+    run.optim_states = {}
+    for key, value in (state.get("client_optim") or {}).items():  # kept AdamW states
+        client, name = key.split("/", 1)
+        run.optim_states.setdefault(int(client), {})[name] = np.asarray(value)
     if run.method.server_opt is not None:  # method.server_optimizer's m, v, t
         run.method.server_opt.load_state_dict(state.get("server_opt") or {})
     return Progress(**state["progress"])

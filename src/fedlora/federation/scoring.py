@@ -15,6 +15,7 @@ from fedlora.errors import DataError
 from fedlora.federation.progress import Progress
 from fedlora.federation.runstate import Run
 from fedlora.files import atomic_write
+from fedlora.llm.evaluation import paired_change
 
 
 def evaluate_tasks(run: Run) -> dict[str, Any]:
@@ -50,7 +51,8 @@ PREDICTIONS_FILE = "predictions.jsonl"
 
 def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) -> None:
     """One line per task of this evaluation in predictions.jsonl: question ids, predicted
-    label index, correct (0/1) and NLL per question. Lines of this or later rounds (left by
+    label index, correct (0/1; in the harness format also `correct_norm`, under acc_norm), NLL and
+    mc_loss per question. Lines of this or later rounds (left by
     an interrupted run that is being resumed) are replaced."""
     path = run_dir / PREDICTIONS_FILE
     kept = []
@@ -73,6 +75,8 @@ def write_predictions(run_dir: Path, round_index: int, results: dict[str, Any]) 
             "mc_loss": [round(x, 6) for x in r.mc],
             "format": r.fmt,
         }
+        if r.correct_norm:  # the harness format: correct under lm-eval's acc_norm too
+            line["correct_norm"] = [int(c) for c in r.correct_norm]
         kept.append(json.dumps(line))
     atomic_write(path, "".join(line + "\n" for line in kept).encode())
 
@@ -141,11 +145,20 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
         }
         for t, r in results.items()
     }
+    correct = {t: [int(c) for c in r.correct] for t, r in results.items()}
     if progress.initial_eval is None:
         progress.initial_eval = details
+        progress.initial_correct = correct
+    elif progress.initial_correct:  # later evaluations: paired with round 0's on each task
+        progress.last_paired = {
+            t: paired_change(progress.initial_correct[t], c)
+            for t, c in correct.items()
+            if len(progress.initial_correct.get(t, ())) == len(c)
+        }
     progress.last_eval = details
     if run.cfg.evaluation.predictions:
         write_predictions(run.run_dir, round_index, results)
+    response = instruct_fields(run)  # held-out instruction records: {} without them
     return {
         "eval_loss": loss,
         "eval_losses": {t: r.loss for t, r in results.items()},
@@ -160,7 +173,25 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
         "eval_mc_losses": {t: r.mc_loss for t, r in results.items()},
         "eval_mc_loss_ci95": {t: list(r.mc_loss_ci95) for t, r in results.items()},
         "eval_mc_chance": {t: r.mc_chance for t, r in results.items()},
+        **response,
     }
+
+
+def instruct_fields(run: Run) -> dict[str, Any]:
+    """``eval_response``: the held-out instruction sets' response loss and perplexity with
+    their intervals (`fedlora.llm.instruct.response_loss`); {} when the run has none."""
+    held_out = getattr(run.fed, "instruct_eval", None)
+    if not held_out:
+        return {}
+    from fedlora.llm.instruct import response_fields
+
+    return response_fields(
+        run.model,
+        run.tokenizer,
+        held_out,
+        max_len=run.cfg.data.max_seq_len,
+        batch_size=run.cfg.evaluation.batch_size,
+    )
 
 
 def _or_none(x: float) -> float | None:

@@ -14,26 +14,48 @@ TensorBoard event files and/or an MLflow run, as OpenFedLLM / NVIDIA FLARE users
   end config.toml, summary.json, metrics.jsonl, report.md (if any) and the PEFT adapter its
   artifacts. Its id is kept in ``<run dir>/mlflow_run.json``.
 
+A tracker is one class: a subclass of `Tracker` with a ``name`` joins the table `TRACKERS`
+(name -> factory) and ``output.trackers`` accepts the name. Its verbs: ``check`` (before
+anything is written: what ``open`` would fail on, as a ConfigError naming the field),
+``open``, ``log_metrics``, ``log_artifact``, ``close``.
+
 A resumed run continues the same tracked run without duplicate steps: TensorBoard's writer
 starts with ``purge_step`` = the first round logged again (readers drop the older events from
 that step on); MLflow continues the stored run id and skips the steps it already holds (a
 resumed run replays those rounds exactly, so the values are the same).
+
+A run that ends any other way than by finishing closes its tracked runs as FAILED: an
+exception (the round loop's), Ctrl-C or any exit of the process with trackers still open
+(`atexit`), and SIGTERM, which unwinds like an exception while trackers are open (exit 143).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import difflib
 import json
 import math
-import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fedlora.config.experiment import ExperimentConfig
 from fedlora.config.toml_io import dump_toml
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, FedloraError, cut, shown
+from fedlora.federation.mlflow_store import (
+    MLFLOW_RUN_FILE,
+    check_store_uri,
+    own_store,
+    store_uri,
+    stored_run,
+)
 
-MLFLOW_RUN_FILE = "mlflow_run.json"
 EXPERIMENT = "fedlora"
+ARTIFACTS = ("config.toml", "summary.json", "metrics.jsonl", "report.md", "adapter")
 
 
 def scalars(line: dict[str, Any]) -> dict[str, float]:
@@ -50,6 +72,38 @@ def scalars(line: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+TRACKERS: dict[str, type[Tracker]] = {}  # output.trackers name -> the tracker's class
+
+
+class Tracker:
+    """One experiment tracker. A subclass with a `name` is in `TRACKERS`."""
+
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            TRACKERS[cls.name] = cls
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig, run_dir: Path | None, resume: bool) -> None:
+        """Refuse, before anything is written, what `open` would fail on (ConfigError)."""
+
+    def open(self, cfg: ExperimentConfig, run_dir: Path, *, resume: bool, next_step: int) -> None:
+        """Start (or with `resume` continue) the tracked run; `next_step`: the first round
+        this process logs."""
+        raise NotImplementedError
+
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def log_artifact(self, path: Path) -> None:
+        """Keep a file or folder of the finished run (no-op for a tracker without artifacts)."""
+
+    def close(self, *, failed: bool) -> None:
+        raise NotImplementedError
+
+
 def _missing(tracker: str, module: str) -> ConfigError:
     return ConfigError(
         f"output.trackers includes {tracker!r}, but {module} is not installed: "
@@ -57,10 +111,19 @@ def _missing(tracker: str, module: str) -> ConfigError:
     )
 
 
-class TensorBoardTracker:
+class TensorBoardTracker(Tracker):
     """Scalars to ``<run dir>/tensorboard`` (torch's SummaryWriter, tensorboard's format)."""
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, next_step: int) -> None:
+    name = "tensorboard"
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig, run_dir: Path | None, resume: bool) -> None:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise _missing("tensorboard", "tensorboard") from None
+
+    def open(self, cfg: ExperimentConfig, run_dir: Path, *, resume: bool, next_step: int) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -70,39 +133,54 @@ class TensorBoardTracker:
         if next_step == 0:
             self.writer.add_text("config", "```toml\n" + dump_toml(cfg) + "\n```", 0)
 
-    def log(self, step: int, values: dict[str, float]) -> None:
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
-    def finish(self, run_dir: Path, failed: bool) -> None:
+    def close(self, *, failed: bool) -> None:
         self.writer.close()
 
 
-class MlflowTracker:
+class MlflowTracker(Tracker):
     """One MLflow run per fedlora run (MlflowClient: no global active run)."""
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, resume: bool) -> None:
+    name = "mlflow"
+
+    @classmethod
+    def check(cls, cfg: ExperimentConfig, run_dir: Path | None, resume: bool) -> None:
+        """The store's URI (its form: nothing is written), and on resume the stored run id
+        (read from the store)."""
         try:
-            from mlflow.tracking import MlflowClient
+            import mlflow.tracking  # noqa: F401
         except ImportError:
             raise _missing("mlflow", "mlflow (or mlflow-skinny)") from None
-        uri = cfg.output.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-        own_store = not uri
-        if own_store:
-            uri = "sqlite:///" + str((run_dir / "mlflow.db").resolve())
-        self.client = MlflowClient(tracking_uri=uri)
-        stored = _read_run_file(run_dir) if resume else None
-        if stored is not None and stored.get("tracking_uri") == uri:
-            self.run_id = str(stored["run_id"])
-            self.client.update_run(self.run_id, status="RUNNING")
-            history = self.client.get_metric_history(self.run_id, "sim_time_s")
-            self.last_step = max((m.step for m in history), default=-1)
-        else:
+        field, uri = store_uri(cfg)
+        if uri:
+            check_store_uri(field, uri)
+        if resume and run_dir is not None:
+            stored_run(field, uri or own_store(run_dir), run_dir)
+
+    def open(self, cfg: ExperimentConfig, run_dir: Path, *, resume: bool, next_step: int) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.check(cfg, None, False)
+        self.field, uri = store_uri(cfg)
+        is_own = not uri
+        self.uri = uri = uri or own_store(run_dir)
+        stored = stored_run(self.field, uri, run_dir) if resume else None  # before any write
+        with self._store():
+            self.client = MlflowClient(tracking_uri=uri)
+            if stored is not None:
+                self.run_id = stored
+                self.client.update_run(self.run_id, status="RUNNING")
+                history = self.client.get_metric_history(self.run_id, "sim_time_s")
+                self.last_step = max((m.step for m in history), default=-1)
+                return
             exp = self.client.get_experiment_by_name(EXPERIMENT)
             if exp is not None:
                 exp_id = exp.experiment_id
-            elif own_store:
+            elif is_own:
                 where = (run_dir / "mlflow-artifacts").resolve().as_uri()
                 exp_id = self.client.create_experiment(EXPERIMENT, artifact_location=where)
             else:
@@ -110,8 +188,22 @@ class MlflowTracker:
             run = self.client.create_run(exp_id, run_name=run_dir.name)
             self.run_id, self.last_step = run.info.run_id, -1
             self._log_params(cfg)
-            record = {"tracking_uri": uri, "run_id": self.run_id, "experiment_id": exp_id}
-            (run_dir / MLFLOW_RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        record = {"tracking_uri": uri, "run_id": self.run_id, "experiment_id": exp_id}
+        (run_dir / MLFLOW_RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+    @contextlib.contextmanager
+    def _store(self) -> Iterator[None]:
+        """The store's failures (an unreachable server, a locked database) as one line."""
+        try:
+            yield
+        except FedloraError:
+            raise
+        except Exception as e:  # noqa: BLE001 - MLflow, SQLAlchemy, HTTP: all the store's
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(
+                f"{self.field} = {shown(self.uri)}: the MLflow store failed "
+                f"({type(e).__name__}: {cut(first)})"
+            ) from None
 
     def _log_params(self, cfg: ExperimentConfig) -> None:
         from mlflow.entities import Param
@@ -124,7 +216,7 @@ class MlflowTracker:
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])
 
-    def log(self, step: int, values: dict[str, float]) -> None:
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
         if step <= self.last_step:  # already logged before the resume: same values
             return
         import time
@@ -133,18 +225,21 @@ class MlflowTracker:
 
         now_ms = int(time.time() * 1000)
         metrics = [Metric(k, v, now_ms, step) for k, v in values.items()]
-        for i in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+        with self._store():
+            for i in range(0, len(metrics), 1000):
+                self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
         self.last_step = step
 
-    def finish(self, run_dir: Path, failed: bool) -> None:
-        if not failed:
-            for name in ("config.toml", "summary.json", "metrics.jsonl", "report.md"):
-                if (run_dir / name).is_file():
-                    self.client.log_artifact(self.run_id, str(run_dir / name))
-            if (run_dir / "adapter").is_dir():
-                self.client.log_artifacts(self.run_id, str(run_dir / "adapter"), "adapter")
-        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+    def log_artifact(self, path: Path) -> None:
+        with self._store():
+            if path.is_dir():
+                self.client.log_artifacts(self.run_id, str(path), path.name)
+            else:
+                self.client.log_artifact(self.run_id, str(path))
+
+    def close(self, *, failed: bool) -> None:
+        with self._store():
+            self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 def _param_text(value: Any) -> str:
@@ -154,41 +249,127 @@ def _param_text(value: Any) -> str:
     return text if len(text) <= 6000 else text[:5997] + "..."
 
 
-def _read_run_file(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((run_dir / MLFLOW_RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+def check_trackers(
+    cfg: ExperimentConfig, run_dir: Path | None = None, *, resume: bool = False
+) -> None:
+    """Every tracker of ``output.trackers`` as far as it can be checked before anything is
+    written: its name, its package, its settings (``output.mlflow_uri``'s form), and with
+    `resume` and `run_dir` the tracked run it continues. ConfigError naming the field."""
+    check_tracker_names(cfg)
+    for name in cfg.output.trackers:
+        TRACKERS[name].check(cfg, run_dir, resume)
+
+
+def check_tracker_names(cfg: ExperimentConfig) -> None:
+    """Each name of ``output.trackers`` is in `TRACKERS` (ConfigError with a suggestion)."""
+    for i, name in enumerate(cfg.output.trackers):
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(cut(name), list(TRACKERS), n=1, cutoff=0.5)
+            raise ConfigError(
+                f"output.trackers[{i}] = {shown(name)} is invalid: allowed: "
+                f"{', '.join(TRACKERS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
+            )
+
+
+_OPEN: list[Trackers] = []  # opened and not yet finished: closed as FAILED at exit
 
 
 class Trackers:
-    """The run's trackers (none: every call does nothing)."""
+    """The run's open trackers (none: every call does nothing)."""
 
-    def __init__(self, trackers: list[Any]) -> None:
-        self.trackers = trackers
+    def __init__(self, trackers: list[Tracker], run_dir: Path) -> None:
+        self.trackers, self.run_dir = trackers, run_dir
+        self._sigterm = False
+        if trackers:
+            _OPEN.append(self)
+            self._sigterm = _unwind_on_sigterm()
 
     def log(self, line: dict[str, Any]) -> None:
         """One metrics line, at step = its round."""
         if self.trackers:
             values = scalars(line)
             for t in self.trackers:
-                t.log(int(line["round"]), values)
+                t.log_metrics(int(line["round"]), values)
 
-    def finish(self, run_dir: Path, *, failed: bool = False) -> None:
-        """Close every tracker (after summary.json and the adapter were written)."""
-        for t in self.trackers:
-            t.finish(run_dir, failed)
-        self.trackers = []
+    def finish(self, run_dir: Path | None = None, *, failed: bool = False) -> None:
+        """Close every tracker: finished (the run's files as artifacts: after summary.json
+        and the adapter were written) or FAILED. A failure to close a FAILED run is said on
+        stderr, not raised (the run's own error is the one to see); when a finished run's
+        tracker fails, the others close as FAILED and the error is raised."""
+        trackers, self.trackers = self.trackers, []
+        if self in _OPEN:
+            _OPEN.remove(self)
+        run_dir = Path(run_dir or self.run_dir)
+        error: Exception | None = None  # the first failure of a finished run's close
+        try:
+            for t in trackers:
+                try:
+                    if not failed and error is None:
+                        for name in ARTIFACTS:
+                            if (run_dir / name).exists():
+                                t.log_artifact(run_dir / name)
+                        t.close(failed=False)
+                    else:  # the others still close: as FAILED
+                        t.close(failed=True)
+                except Exception as e:  # noqa: BLE001 - see the docstring
+                    if failed or error is not None:
+                        print(
+                            f"fedlora: tracker {t.name} not closed: {cut(str(e))}", file=sys.stderr
+                        )
+                    else:
+                        error = e
+                        with contextlib.suppress(Exception):
+                            t.close(failed=True)
+            if error is not None:
+                raise error
+        finally:
+            if self._sigterm and signal.getsignal(signal.SIGTERM) is _terminated:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._sigterm = False
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _unwind_on_sigterm() -> bool:
+    """SIGTERM raises SystemExit(143) (the round loop's clean-up runs, the trackers close as
+    FAILED), when nobody else handles it; True when installed here."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _terminated)
+    return True
+
+
+def close_open_trackers() -> None:
+    """Close, as FAILED, every tracker opened in this process and not finished (at exit)."""
+    for trackers in list(_OPEN):
+        trackers.finish(failed=True)
+
+
+_at_exit = threading.Lock()
+_registered: list[bool] = []
 
 
 def open_trackers(
     cfg: ExperimentConfig, run_dir: Path, *, resume: bool, next_step: int
 ) -> Trackers:
-    """The trackers of `output.trackers`; `next_step`: the first round this process logs."""
-    trackers: list[Any] = []
-    for name in cfg.output.trackers:
-        if name == "tensorboard":
-            trackers.append(TensorBoardTracker(cfg, run_dir, next_step))
-        elif name == "mlflow":
-            trackers.append(MlflowTracker(cfg, run_dir, resume))
-    return Trackers(trackers)
+    """The trackers of `output.trackers`, open; `next_step`: the first round this process
+    logs. A tracker that fails to open closes the ones opened before it as FAILED."""
+    check_trackers(cfg)
+    opened: list[Tracker] = []
+    try:
+        for name in cfg.output.trackers:
+            tracker = TRACKERS[name]()
+            tracker.open(cfg, run_dir, resume=resume, next_step=next_step)
+            opened.append(tracker)
+    except BaseException:
+        Trackers(opened, run_dir).finish(failed=True)
+        raise
+    with _at_exit:
+        if opened and not _registered:  # after MLflow's own: runs before them at exit
+            atexit.register(close_open_trackers)
+            _registered.append(True)
+    return Trackers(opened, run_dir)

@@ -95,6 +95,8 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     if len(trains) > 1:
         raise FedloraError(f"round {r + 1}: tasks train different factors {sorted(trains)}")
     memory = run.memory  # what clients keep across rounds (FedSA-LoRA's B_n)
+    # training.optimizer_state = "keep": each client's AdamW state across its rounds
+    kept = run.optim_states if cfg.training.optimizer_state == "keep" else None
     per_pass = run.slots_per_pass or cfg.training.slots
     for start in range(0, len(tasks), per_pass):
         chunk = tasks[start : start + per_pass]
@@ -103,6 +105,7 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
             chunk_losses = train_clients(
                 run, r, clients, np.stack([t.scale for t in chunk]), start, cache=cache,
                 trains=chunk[0].trains, overlays=[memory.restore(c) for c in clients],
+                optim_states=kept,
             )  # (c, H)  # fmt: skip
         except TrainingError as e:
             raise TrainingDiverged(f"round {r + 1}, clients {clients}: {e}") from None
@@ -122,6 +125,7 @@ def train_clients(
     cache: Any = None,
     trains: str = "AB",
     overlays: list[dict[str, np.ndarray]] | None = None,
+    optim_states: dict[int, dict[str, np.ndarray]] | None = None,
 ) -> Any:
     """H local steps of `clients` on slots 0..c-1 (each starts from the global adapter);
     returns their losses (c, H). `holder`: what trains, the in-process `Run` or a Flower
@@ -129,14 +133,20 @@ def train_clients(
     ``derive_rng(seed, "data", r, client)``, torch seeded by ``derive_seed(seed, "torch", r,
     torch_id)`` (torch_id: the first client's position in the round's plan). `trains`: the
     factors that move (`SlotLora.set_trainable`); `overlays[i]`: slot i's own tensors (a
-    client's kept local part) over the global adapter."""
+    client's kept local part) over the global adapter. The step size: ``training.lr`` under
+    ``training.lr_schedule`` at this round (`round_lr`), per client with ``sketch_step``.
+    ``training.optimizer = "adamw"``: a `SlotAdamW` on the c slots, new (`optim_states`
+    None) or starting from each client's entry in `optim_states`, which it updates (a
+    client's kept state, ``training.optimizer_state = "keep"``)."""
     import torch
 
+    from fedlora.llm.client_optim import SlotAdamW
     from fedlora.llm.data import client_batches
-    from fedlora.llm.step_sizes import step_sizes_for
+    from fedlora.llm.step_sizes import round_lr, step_sizes_for
     from fedlora.llm.train import local_train
 
     cfg, seed = holder.cfg, holder.cfg.training.seed
+    t = cfg.training
     scales = np.asarray(scales, dtype=np.float32)  # (c, γ)
     holder.lora.set_clients(torch.from_numpy(scales))
     holder.lora.set_trainable(trains)
@@ -154,13 +164,35 @@ def train_clients(
         )
         for client in clients
     ]
+    adamw = None
+    if t.optimizer == "adamw":
+        kept = optim_states if optim_states is not None else {}
+        adamw = SlotAdamW(
+            holder.lora,
+            betas=t.adam_betas,
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
+            states=[_to_torch(kept.get(int(client))) for client in clients],
+        )
     torch.manual_seed(derive_seed(seed, "torch", round_index, torch_id))
-    return local_train(
+    lr = round_lr(t.lr, t.lr_min, t.lr_schedule, round_index, t.rounds)
+    losses = local_train(
         holder.model,
         holder.lora,
         batches,
-        step_sizes_for(cfg.training.lr, cfg.training.sketch_step, scales),
+        step_sizes_for(lr, t.sketch_step, scales, t.optimizer),
         autocast_bf16=cfg.model.dtype == "bf16",
         cache=cache,
-        momentum=cfg.training.momentum,
+        momentum=t.momentum,
+        optimizer=adamw,
     )
+    if adamw is not None and optim_states is not None:
+        for i, client in enumerate(clients):
+            optim_states[int(client)] = {k: v.numpy() for k, v in adamw.slot_state(i).items()}
+    return losses
+
+
+def _to_torch(state: dict[str, np.ndarray] | None) -> dict[str, Any] | None:
+    import torch
+
+    return None if state is None else {k: torch.from_numpy(v.copy()) for k, v in state.items()}

@@ -1,5 +1,5 @@
 """PEFT LoRA adapters on disk: `check_adapter` refuses, before PEFT loads it, an adapter
-that was not trained on the model it is applied to (issue 24: `fedlora eval --model
+that was not trained on the model it is applied to (`fedlora eval --model
 tiny-qwen2 --adapter <a tiny-llama adapter>` used to score), or whose weights file is
 truncated or not safetensors at all."""
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedlora.errors import DataError
+from fedlora.config.sections import parse_eval_exclude
+from fedlora.errors import ConfigError, DataError
+from fedlora.llm.harness import EvalFormat, tokenize_harness
+from fedlora.llm.instruct import load_instructions, set_chat_template, tokenize_instructions
 from fedlora.llm.prompts import TokenizedSet, collate, tokenize_examples
 from fedlora.llm.tasks import (
     Example,
@@ -32,6 +35,7 @@ from fedlora.llm.tasks import (
     resolve_data_dir,
     task_available,
 )
+from fedlora.llm.user_tasks import FieldMap, load_mc_files
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -72,12 +76,26 @@ def training_mix(cfg: DataConfig, seed: int) -> list[Example]:
     for path in cfg.task_files:
         exs = load_task_file(path)
         mix.extend(seeded_subset(exs, cfg.train_limit, stream_rng(seed, "train", path)))
-    if not mix:
+    if cfg.mc_files:
+        exs = load_mc_files(cfg.mc_files, FieldMap.of(cfg), cfg.mc_task)
+        mix.extend(seeded_subset(exs, cfg.train_limit, stream_rng(seed, "train", cfg.mc_task)))
+    if not mix and not cfg.instruct_files:
         raise DataError(
             f"data.tasks = {list(cfg.tasks)!r}: none has a train split in {data_dir!r} "
-            f"(skipped: {', '.join(skipped)}) and data.task_files is empty"
+            f"(skipped: {', '.join(skipped)}) and data.task_files and data.mc_files are empty"
         )
     return mix
+
+
+def own_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
+    """The user's multiple-choice eval set (`cfg.mc_eval_files`) as task `cfg.mc_task`: a
+    subset of `cfg.eval_limit` questions (0 = all) drawn as `load_eval_sets` draws (with
+    `cfg.eval_seed`); empty without such files."""
+    if not cfg.mc_eval_files:
+        return {}
+    exs = load_mc_files(cfg.mc_eval_files, FieldMap.of(cfg), cfg.mc_task)
+    eval_seed = seed if cfg.eval_seed < 0 else cfg.eval_seed
+    return {cfg.mc_task: eval_questions(exs, cfg.mc_task, cfg.eval_limit, eval_seed)}
 
 
 # ----------------------------------------------------------------------------- partition
@@ -152,34 +170,113 @@ class FederatedData:
     client_indices: list[np.ndarray]
     a: np.ndarray  # a_n = |D_n| / |D|
     eval_sets: dict[str, list[Example]]
-    fmt: str = "llm-adapters"  # the training (and evaluation) format: harness | llm-adapters
+    fmt: str = "llm-adapters"  # the training (and evaluation) `EvalFormat`
     lengths: Any = None  # harness: its `LengthReport` (p50/p99 tokens, examples dropped)
+    # held-out instruction records per task (`fedlora.llm.instruct.response_loss` scores them)
+    instruct_eval: dict[str, list[Any]] = field(default_factory=dict)
 
 
-def partition_keys(examples: Sequence[Example], key: str) -> list[str]:
-    """The partition key of each example: its task or its answer label."""
-    getters: dict[str, Callable[[Example], str]] = {
+def _label(e: Any) -> str:
+    if not isinstance(e, Example):
+        raise DataError(
+            f"data.partition_key = 'label': the instruction records of task {e.task!r} have no "
+            "answer label: partition by task or by a field of the records"
+        )
+    return e.answer
+
+
+def partition_keys(examples: Sequence[Any], key: str) -> list[str]:
+    """The partition key of each example: its task, its answer label, or the value of a field
+    of its record (`Example.fields`: your own data's columns). A record without the field
+    raises `DataError` naming it and the fields it has."""
+    getters: dict[str, Callable[[Any], str]] = {
         "task": lambda e: e.task,
-        "label": lambda e: e.answer,
+        "label": _label,
     }
-    if key not in getters:
-        raise DataError(f"data.partition_key = {key!r} is invalid: allowed: task, label")
-    return [getters[key](e) for e in examples]
+    if key in getters:
+        return [getters[key](e) for e in examples]
+    out = []
+    for i, e in enumerate(examples):
+        fields = dict(getattr(e, "fields", ()))
+        if key not in fields:
+            have = ", ".join(["task", "label", *fields])
+            raise DataError(
+                f"data.partition_key = {key!r}: training example {i} (task {e.task!r}) has no "
+                f"such field; it has: {have}"
+            )
+        out.append(fields[key])
+    return out
+
+
+def per_value_partition(keys: Sequence[str], n_clients: int) -> list[np.ndarray]:
+    """One client per distinct key value (sorted): client i holds every example of the i-th
+    value. `n_clients` must equal the number of values."""
+    values = sorted(set(keys))
+    if len(values) != n_clients:
+        raise DataError(
+            f"data.partition_mode = 'per_value' gives one client per value: the key has "
+            f"{len(values)} values ({', '.join(values[:5])}{', ...' if len(values) > 5 else ''}), "
+            f"so data.n_clients must be {len(values)}, not {n_clients}"
+        )
+    arr = np.asarray(keys, dtype=object)
+    return [np.flatnonzero(arr == v).astype(np.int64) for v in values]
+
+
+def eval_questions(
+    examples: list[Example],
+    task: str,
+    limit: int,
+    seed: int,
+    exclude_seeds: Sequence[int] = (),
+) -> list[Example]:
+    """The evaluation questions of one task: a seeded subset of `limit` (0 = all) drawn with
+    the stream (seed, "eval", task) from the test split, after leaving out every question
+    that the subset of the same `limit` for each seed in `exclude_seeds` draws. With no
+    exclusions this is exactly the subset earlier versions drew."""
+    pool = list(range(len(examples)))
+    if exclude_seeds:
+        dropped: set[int] = set()
+        for s in exclude_seeds:
+            dropped.update(_subset_indices(len(examples), limit, stream_rng(s, "eval", task)))
+        pool = [i for i in pool if i not in dropped]
+        if not pool or len(pool) < limit:
+            raise ConfigError(
+                f"data.eval_exclude = {[f'{task}:{s}' for s in exclude_seeds]!r} leaves "
+                f"{len(pool)} of the {len(examples)} {task} test questions: fewer than "
+                f"data.eval_limit = {limit}; exclude fewer subsets or lower the limit"
+            )
+    keep = _subset_indices(len(pool), limit, stream_rng(seed, "eval", task))
+    return [examples[pool[i]] for i in keep]
+
+
+def _subset_indices(n: int, limit: int, rng: np.random.Generator) -> list[int]:
+    """The positions `seeded_subset` keeps of n items (the same draws), in order."""
+    if limit <= 0 or limit >= n:
+        return list(range(n))
+    return np.sort(rng.choice(n, size=limit, replace=False)).tolist()
 
 
 def load_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
-    """A seeded subset (`cfg.eval_limit`, 0 = all) of each eval task's test split."""
+    """Each eval task's questions (`eval_questions`): a subset of `cfg.eval_limit` of its test
+    split, drawn with `cfg.eval_seed` (-1: the training `seed`), leaving out the subsets
+    `cfg.eval_exclude` names."""
     data_dir = resolve_data_dir(cfg.data_dir)
+    eval_seed = seed if cfg.eval_seed < 0 else cfg.eval_seed
+    excluded = [parse_eval_exclude(e) for e in cfg.eval_exclude]
     return {
-        task: seeded_subset(
-            load_task(task, data_dir, "test"), cfg.eval_limit, stream_rng(seed, "eval", task)
+        task: eval_questions(
+            load_task(task, data_dir, "test"),
+            task,
+            cfg.eval_limit,
+            eval_seed,
+            [s for t, s in excluded if t == task],
         )
         for task in cfg.eval_tasks
     }
 
 
 def build_federated_data(
-    cfg: DataConfig, tokenizer: Any, seed: int, fmt: str = "llm-adapters"
+    cfg: DataConfig, tokenizer: Any, seed: int, fmt: str | EvalFormat = "llm-adapters"
 ) -> FederatedData:
     """Training mix -> tokens -> Dirichlet partition over `cfg.n_clients`; plus eval sets.
 
@@ -187,37 +284,56 @@ def build_federated_data(
     and `cfg.response` (prompts cut from the left to `cfg.max_seq_len`); ``harness`` on the
     task's lm-eval context and correct continuation, dropping (never cutting) examples
     longer than `cfg.max_seq_len` (`fedlora.llm.harness.tokenize_harness`)."""
-    examples = training_mix(cfg, seed)
+    fmt = EvalFormat(fmt)
+    examples: list[Any] = training_mix(cfg, seed)
     lengths = None
-    if fmt == "harness":
-        from fedlora.llm.harness import tokenize_harness
-
+    if fmt.harness:
         train, kept, lengths = tokenize_harness(examples, tokenizer, cfg.max_seq_len)
         examples = [examples[i] for i in kept]
-        if not examples:
+        if not examples and not cfg.instruct_files:
             raise DataError(
                 f"data.max_seq_len = {cfg.max_seq_len}: every training example is longer "
                 f"({lengths.describe()})"
             )
-    elif fmt == "llm-adapters":
-        train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
     else:
-        raise DataError(f"evaluation.format = {fmt!r} is invalid: allowed: harness, llm-adapters")
-    clients = dirichlet_partition(
-        partition_keys(examples, cfg.partition_key),
-        cfg.n_clients,
-        cfg.dirichlet_alpha,
-        cfg.min_client_examples,
-        stream_rng(seed, "partition"),
-    )
+        train = tokenize_examples(examples, tokenizer, cfg.max_seq_len, cfg.response)
+    instruct_eval = {}
+    if cfg.instruct_files or cfg.instruct_eval_files:
+        set_chat_template(tokenizer, cfg.chat_template)
+    if cfg.instruct_files:
+        recs = load_instructions(cfg.instruct_files, cfg.instruct_task)
+        recs = seeded_subset(recs, cfg.train_limit, stream_rng(seed, "train", cfg.instruct_task))
+        its, kept = tokenize_instructions(recs, tokenizer, cfg.max_seq_len)
+        if not kept:
+            raise DataError(
+                f"data.instruct_files: no record fits data.max_seq_len = {cfg.max_seq_len} tokens"
+            )
+        train = TokenizedSet(train.input_ids + its.input_ids, train.labels + its.labels, train.cut)
+        examples += [recs[i] for i in kept]
+    if cfg.instruct_eval_files:
+        recs = load_instructions(cfg.instruct_eval_files, cfg.instruct_task)
+        rng = stream_rng(seed, "eval", cfg.instruct_task)
+        instruct_eval = {cfg.instruct_task: seeded_subset(recs, cfg.eval_limit, rng)}
+    keys = partition_keys(examples, cfg.partition_key)
+    if cfg.partition_mode == "per_value":
+        clients = per_value_partition(keys, cfg.n_clients)
+    else:
+        clients = dirichlet_partition(
+            keys,
+            cfg.n_clients,
+            cfg.dirichlet_alpha,
+            cfg.min_client_examples,
+            stream_rng(seed, "partition"),
+        )
     return FederatedData(
         train,
         examples,
         clients,
         client_weights(clients),
-        load_eval_sets(cfg, seed),
+        {**load_eval_sets(cfg, seed), **own_eval_sets(cfg, seed)},
         fmt=fmt,
         lengths=lengths,
+        instruct_eval=instruct_eval,
     )
 
 

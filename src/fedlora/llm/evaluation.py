@@ -46,7 +46,7 @@ import numpy as np
 from fedlora.config.sections import SCORINGS
 from fedlora.errors import DataError
 from fedlora.llm.harness import (
-    HarnessRequest,
+    EvalFormat,
     acc_norm_pred,
     acc_pred,
     encode_pair,
@@ -55,6 +55,7 @@ from fedlora.llm.harness import (
 )
 from fedlora.llm.prompts import encode_continuation, encode_prompt, format_prompt, parse_options
 from fedlora.llm.scoring import Item, token_logprobs
+from fedlora.llm.task_types import HarnessRequest
 from fedlora.llm.tasks import RESPONSE_PREFIX, Example
 
 Z95 = 1.959963984540054  # Φ^{-1}(0.975)
@@ -83,6 +84,7 @@ class EvalResult:
     mc_loss_ci95: tuple[float, float] = (math.nan, math.nan)  # normal interval over questions
     mc_chance: float = math.nan  # mc_loss of equal scores: mean ln(n_options)
     mc: list[float] = field(default_factory=list)  # per question
+    correct_norm: list[bool] = field(default_factory=list)  # harness: per question, acc_norm
 
 
 def question_id(ex: Example) -> str:
@@ -103,6 +105,40 @@ def chance_score(examples: Sequence[Example]) -> float:
     if not examples:
         raise DataError("chance_score: no examples")
     return float(np.mean([1.0 / len(ex.labels) for ex in examples]))
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value: b, c are the discordant pairs (only run A right, only
+    run B right); under H0 (equal accuracy) b ~ Binomial(b + c, 1/2)."""
+    for name, v in (("b", b), ("c", c)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise DataError(f"{name} = {v!r} is invalid: a count >= 0")
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2.0 * tail)
+
+
+def paired_change(before: Sequence[bool | int], after: Sequence[bool | int]) -> dict[str, Any]:
+    """The paired change of per-question correctness on the same questions: the gain in
+    accuracy with its normal 95% interval over questions, the questions gained and lost, and
+    the exact McNemar p-value."""
+    if len(before) != len(after) or not before:
+        raise DataError(f"paired questions: {len(before)} before and {len(after)} after")
+    d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
+    gained, lost = int((d > 0).sum()), int((d < 0).sum())
+    gain, (lo, hi) = float(d.mean()), (math.nan, math.nan)
+    if d.size > 1:
+        half = Z95 * float(np.std(d, ddof=1)) / math.sqrt(d.size)
+        lo, hi = gain - half, gain + half
+    return {
+        "gain": gain,
+        "gain_ci95": [lo, hi],
+        "gained": gained,
+        "lost": lost,
+        "mcnemar_p": mcnemar_p(gained, lost),
+    }
 
 
 def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -272,7 +308,7 @@ def evaluate(
     scoring: str = "label",
     task: str = "",
     cache: Any = None,
-    fmt: str = "llm-adapters",
+    fmt: str | EvalFormat = "llm-adapters",
 ) -> EvalResult:
     """Accuracy of the arg-max option (ties -> first) with its 95% Wilson interval, eval_loss,
     mc_loss, the majority-label and chance scores, and the per-question predictions. `fmt`:
@@ -282,11 +318,10 @@ def evaluate(
     if not examples:
         raise DataError(f"task {task!r}: no examples to evaluate")
     _check_args(scoring, batch_size)
-    if fmt not in ("llm-adapters", "harness"):
-        raise DataError(f"evaluation.format = {fmt!r} is invalid: allowed: harness, llm-adapters")
+    fmt = EvalFormat(fmt)
     t0 = time.perf_counter()
-    requests = [harness_request(ex) for ex in examples] if fmt == "harness" else []
-    if fmt == "harness":
+    requests = [harness_request(ex) for ex in examples] if fmt.harness else []
+    if fmt.harness:
         items, where = harness_items(requests, tokenizer)
     else:
         items = scoring_items(examples, tokenizer, scoring)
@@ -297,7 +332,7 @@ def evaluate(
     preds, correct, nll, mc, norm_correct = [], [], [], [], []
     for q, ex in enumerate(examples):
         tok_lps = [lps[i][j] for i, j in where[q]]  # per option
-        if fmt == "harness":
+        if fmt.harness:
             req = requests[q]
             gold = req.gold
             scores = np.array([float(np.sum(t)) for t in tok_lps])
@@ -328,7 +363,7 @@ def evaluate(
         loss_ci95=loss_ci,
         majority=majority_score(examples),
         chance=chance_score(examples),
-        scoring="acc" if fmt == "harness" else scoring,
+        scoring="acc" if fmt.harness else scoring,
         ids=[question_id(ex) for ex in examples],
         predictions=preds,
         correct=correct,
@@ -342,4 +377,5 @@ def evaluate(
         mc_loss_ci95=mc_ci,
         mc_chance=float(np.mean([math.log(len(w)) for w in where])),
         mc=mc,
+        correct_norm=[bool(c) for c in norm_correct],
     )

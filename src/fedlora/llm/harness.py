@@ -2,7 +2,8 @@
 
 lm-evaluation-harness (0.4.x) scores a multiple-choice question as a set of
 (context, continuation) requests: the summed log-likelihood of each continuation's tokens
-after its context. For every task fedlora reads, this module gives the same strings:
+after its context. For every task fedlora reads, its declaration
+(`fedlora.llm.task_registry`) gives the same strings and this module applies it:
 
     task (fedlora / lm-eval)        context                         continuations
     arc-e, arc-c / arc_easy, ...    "Question: {question}\\nAnswer:"  " {option}"
@@ -37,105 +38,48 @@ import numpy as np
 
 from fedlora.errors import DataError
 from fedlora.llm.prompts import IGNORE_INDEX, TokenizedSet, parse_options
-from fedlora.llm.tasks import TASK_FOLDERS, Example
+from fedlora.llm.task_registry import (  # noqa: F401 (hellaswag_preprocess: a public name here)
+    BUILTIN_TASKS,
+    TASKS,
+    find_task,
+    get_task,
+    hellaswag_preprocess,
+)
+from fedlora.llm.task_types import HarnessRequest, TaskSpec
+from fedlora.llm.tasks import Example
 
-TARGET_DELIMITER = " "  # lm-eval's default target_delimiter
 # evaluation.format = "auto": harness below this many parameters (a small model answers the
 # cloze form near its published score, the LLM-Adapters prompt near chance), else llm-adapters
 HARNESS_MAX_PARAMS = 3_000_000_000
 
-# fedlora task -> lm-eval task name
-HARNESS_TASKS: dict[str, str] = {
-    "arc-e": "arc_easy",
-    "arc-c": "arc_challenge",
-    "obqa": "openbookqa",
-    "piqa": "piqa",
-    "siqa": "social_iqa",
-    "winogrande": "winogrande",
-    "hellaswag": "hellaswag",
-    "boolq": "boolq",
-}
-_FOLDER_TASKS = {folder: task for task, folder in TASK_FOLDERS.items()}
-
-# the lead-in LLM-Adapters writes before the question, per task
-_LEAD_INS: dict[str, str] = {
-    "arc-e": "Please choose the correct answer to the question:",
-    "arc-c": "Please choose the correct answer to the question:",
-    "obqa": "Please choose the correct answer to the question:",
-    "siqa": "Please choose the correct answer to the question:",
-    "piqa": "Please choose the correct solution to the question:",
-    "winogrande": (
-        "Please choose the correct answer to fill in the blank to complete the given sentence:"
-    ),
-    "hellaswag": "Please choose the correct ending to complete the given sentence:",
-    "boolq": "Please answer the following question with true or false, question:",
-}
-
-
-@dataclass(frozen=True)
-class HarnessRequest:
-    """One question as lm-eval's loglikelihood requests: option i is scored as the
-    continuation ``continuations[i]`` after ``contexts[i]``. ``choices[i]`` is lm-eval's
-    choice string (its length in characters normalises ``acc_norm``); ``gold`` indexes them."""
-
-    task: str  # the lm-eval task name
-    contexts: tuple[str, ...]
-    continuations: tuple[str, ...]
-    choices: tuple[str, ...]
-    gold: int
-
-    def __post_init__(self) -> None:
-        n = len(self.choices)
-        if n < 2 or len(self.contexts) != n or len(self.continuations) != n:
-            raise DataError(
-                f"{self.task}: a request needs >= 2 options with one context and continuation "
-                f"each, got {len(self.contexts)} contexts, {len(self.continuations)} "
-                f"continuations, {n} choices"
-            )
-        if not 0 <= self.gold < n:
-            raise DataError(f"{self.task}: gold = {self.gold} is not in 0..{n - 1}")
-
-    @property
-    def shared_context(self) -> bool:
-        """Whether every option has the same context (all tasks but winogrande)."""
-        return len(set(self.contexts)) == 1
-
-    @property
-    def context(self) -> str:
-        """The context all options share (raises for winogrande's per-option contexts)."""
-        if not self.shared_context:
-            raise ValueError(f"{self.task}: the options have different contexts")
-        return self.contexts[0]
-
-    @property
-    def pairs(self) -> list[tuple[str, str]]:
-        """(context, continuation) per option: lm-eval's loglikelihood requests."""
-        return list(zip(self.contexts, self.continuations))
+# fedlora task -> lm-eval task name (the built-in tasks; each declared in `task_registry`)
+HARNESS_TASKS: dict[str, str] = {spec.name: spec.lm_eval for spec in BUILTIN_TASKS}
 
 
 def harness_task(task: str) -> str:
-    """The lm-eval task name of a fedlora task (or of its LLM-Adapters folder name)."""
-    key = _FOLDER_TASKS.get(task, task)
-    if key not in HARNESS_TASKS:
+    """The fedlora name of a task with an lm-eval definition (given its name or its
+    LLM-Adapters folder name)."""
+    spec = find_task(task)
+    if spec is None:
         raise DataError(
             f"task {task!r} has no lm-evaluation-harness definition: evaluation.format = "
-            f"'harness' supports {', '.join(HARNESS_TASKS)}; use evaluation.format = "
+            f"'harness' supports {', '.join(TASKS)}; use evaluation.format = "
             "'llm-adapters' for other task files"
         )
-    return key
+    return spec.name
 
 
-def _question(ex: Example, task: str) -> str:
+def _question(ex: Example, spec: TaskSpec) -> str:
     """The text between LLM-Adapters' lead-in and the first option marker / answer format."""
     text = ex.instruction
-    lead = _LEAD_INS[task]
+    lead = spec.lead_in
     if not text.startswith(lead):
         raise DataError(
             f"task {ex.task!r}: instruction {text!r:.100} does not start with the LLM-Adapters "
             f"lead-in {lead!r}"
         )
     stops = [m.start() for m in (re.search(r"\n?\s*Answer format:", text, re.IGNORECASE),) if m]
-    for label in ex.labels if task != "boolq" else ():
+    for label in ex.labels if spec.option_word is not None else ():
         m = re.search(rf"(?<![A-Za-z0-9]){re.escape(label)}\s*:", text, re.IGNORECASE)
         if m is not None:
             stops.append(m.start())
@@ -145,50 +89,13 @@ def _question(ex: Example, task: str) -> str:
     return question
 
 
-def hellaswag_preprocess(text: str) -> str:
-    """lm-eval's hellaswag text cleaning (WikiHow's bracket artifacts, double spaces)."""
-    text = text.strip().replace(" [title]", ". ")
-    text = re.sub(r"\[.*?\]", "", text)
-    return text.replace("  ", " ")
-
-
-def _shared(task: str, context: str, choices: Sequence[str], gold: int) -> HarnessRequest:
-    conts = tuple(TARGET_DELIMITER + c for c in choices)
-    return HarnessRequest(task, (context,) * len(choices), conts, tuple(choices), gold)
-
-
 def harness_request(ex: Example) -> HarnessRequest:
-    """lm-eval's zero-shot requests for the question of `ex` (see the module docstring)."""
-    task = harness_task(ex.task)
-    name = HARNESS_TASKS[task]
-    question = _question(ex, task)
-    if task == "boolq":
-        if ex.answer not in ("true", "false"):
-            raise DataError(f"task {ex.task!r}: answer {ex.answer!r} is not true/false")
-        q = question[:-1] if question.endswith("?") else question  # LLM-Adapters added "?"
-        return _shared(name, f"Question: {q}?\nAnswer:", ("no", "yes"), int(ex.answer == "true"))
-    options = parse_options(ex)
-    gold = ex.labels.index(ex.answer)
-    if task in ("arc-e", "arc-c", "piqa"):
-        return _shared(name, f"Question: {question}\nAnswer:", options, gold)
-    if task == "obqa":
-        return _shared(name, question, options, gold)
-    if task == "siqa":  # LLM-Adapters joined "{context} {question}" with one space
-        return _shared(name, f"Q: {question}\nA:", options, gold)
-    if task == "hellaswag":
-        return _shared(
-            name,
-            hellaswag_preprocess(question),
-            [hellaswag_preprocess(o) for o in options],
-            gold,
-        )
-    # winogrande: partial scoring, the blank filled by each option, the rest scored
-    blank = question.find("_")
-    if blank < 0:
-        raise DataError(f"task {ex.task!r}: no '_' blank in sentence {question!r:.100}")
-    contexts = tuple(question[:blank] + o for o in options)
-    tail = TARGET_DELIMITER + question[blank + 1 :].strip()
-    return HarnessRequest(name, contexts, (tail,) * len(options), contexts, gold)
+    """lm-eval's zero-shot requests for the question of `ex`: its task's declared request
+    (`TaskSpec.request`) of the question, the options and the gold index."""
+    spec = get_task(harness_task(ex.task))
+    question = _question(ex, spec)
+    options = ex.labels if spec.option_word is None else parse_options(ex)
+    return spec.request(spec.lm_eval, question, options, ex.labels.index(ex.answer), ex.input)
 
 
 def harness_training_text(ex: Example) -> tuple[str, str]:
@@ -198,18 +105,40 @@ def harness_training_text(ex: Example) -> tuple[str, str]:
     return req.contexts[req.gold], req.continuations[req.gold]
 
 
-def resolve_eval_format(fmt: str, n_params: int, tasks: Sequence[str] = ()) -> str:
+class EvalFormat(str):
+    """The evaluation (and training) format, checked once: ``harness`` (lm-eval's requests)
+    or ``llm-adapters`` (the paper's prompt). A `str`, so the config and the run's files
+    keep the name; `.harness` is the one test every consumer makes."""
+
+    NAMES = ("harness", "llm-adapters")
+
+    def __new__(cls, name: str) -> EvalFormat:
+        if isinstance(name, EvalFormat):
+            return name
+        if name not in cls.NAMES:
+            raise DataError(
+                f"evaluation.format = {name!r} is invalid: allowed: {', '.join(cls.NAMES)}"
+            )
+        return super().__new__(cls, name)
+
+    @property
+    def harness(self) -> bool:
+        """Whether questions are lm-eval's requests (else the LLM-Adapters prompt)."""
+        return str(self) == "harness"
+
+
+def resolve_eval_format(fmt: str, n_params: int, tasks: Sequence[str] = ()) -> EvalFormat:
     """evaluation.format made concrete: ``auto`` is ``harness`` for a model of fewer than
     `HARNESS_MAX_PARAMS` parameters whose `tasks` (training and eval) all have an lm-eval
     definition, else ``llm-adapters`` (the paper's protocol)."""
     if fmt == "auto":
-        known = all(_FOLDER_TASKS.get(t, t) in HARNESS_TASKS for t in tasks)
-        return "harness" if n_params < HARNESS_MAX_PARAMS and known else "llm-adapters"
-    if fmt not in ("harness", "llm-adapters"):
+        known = all(find_task(t) is not None for t in tasks)
+        return EvalFormat("harness" if n_params < HARNESS_MAX_PARAMS and known else "llm-adapters")
+    if fmt not in EvalFormat.NAMES:
         raise DataError(
             f"evaluation.format = {fmt!r} is invalid: allowed: auto, harness, llm-adapters"
         )
-    return fmt
+    return EvalFormat(fmt)
 
 
 # ----------------------------------------------------------------------------- tokens

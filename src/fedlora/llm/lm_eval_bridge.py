@@ -32,16 +32,21 @@ Documents per task (fields lm-eval reads; the rest is not needed for zero-shot):
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
-from collections.abc import Sequence
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, DataError
-from fedlora.llm.harness import HarnessRequest, harness_request
+from fedlora.llm.harness import harness_request
 from fedlora.llm.prompts import parse_options
+from fedlora.llm.task_types import HarnessRequest
 from fedlora.llm.tasks import Example
 
 __all__ = ["HarnessQuestion", "lm_eval_available", "run_lm_eval", "write_tasks"]
@@ -184,10 +189,12 @@ def run_lm_eval(
     work_dir: str | Path,
     *,
     batch_size: int = 16,
+    quiet: bool = True,
 ) -> dict[int, HarnessQuestion]:
     """lm-eval's `simple_evaluate` (zero-shot, its HFLM on the model instance) on `examples`,
     written to `work_dir` by `write_tasks`. Returns per index into `examples` lm-eval's
-    per-question result."""
+    per-question result. `quiet`: lm-eval's and datasets' logs, warnings and progress bars
+    are not shown (`quiet_libraries`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     where = write_tasks(examples, work_dir)
@@ -195,16 +202,18 @@ def run_lm_eval(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    manager = TaskManager(include_path=str(work_dir))
-    results = simple_evaluate(
-        model=lm,
-        tasks=sorted(where),
-        task_manager=manager,
-        num_fewshot=0,
-        log_samples=True,
-        bootstrap_iters=0,
-    )
+    with quiet_libraries() if quiet else contextlib.nullcontext():
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        manager = TaskManager(include_path=str(work_dir))
+        results = simple_evaluate(
+            model=lm,
+            tasks=sorted(where),
+            task_manager=manager,
+            num_fewshot=0,
+            log_samples=True,
+            bootstrap_iters=0,
+            verbosity="ERROR" if quiet else None,
+        )
     out: dict[int, HarnessQuestion] = {}
     for name, idx in where.items():
         for s in results["samples"][name]:
@@ -217,3 +226,35 @@ def run_lm_eval(
                 name[len(_PREFIX) :], d, lls, float(s["acc"]), float(s.get("acc_norm", "nan"))
             )
     return out
+
+
+_LIBRARY_LOGGERS = ("lm_eval", "lm-eval", "datasets", "transformers", "evaluate", "fsspec")
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """For the block: lm-eval's and datasets' log lines, Python warnings and progress bars
+    (tqdm writes to ``sys.stderr``), and what child processes or C code write to file
+    descriptor 2 (lm-eval runs ``git describe``), go nowhere. An exception still propagates
+    (the command prints it as one line)."""
+    levels = {name: logging.getLogger(name).level for name in _LIBRARY_LOGGERS}
+    for name in _LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fd, null_fd = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    saved_stderr = sys.stderr
+    os.dup2(null_fd, 2)
+    sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        sys.stderr.close()
+        sys.stderr = saved_stderr
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        os.close(null_fd)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)

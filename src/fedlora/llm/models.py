@@ -15,7 +15,7 @@ Accepted specs (`load_model(spec)`):
 
 Models come back in eval mode with ``use_cache=False`` and every base parameter frozen; with
 ``dtype="bf16"`` the base is stored in bfloat16 and uses eager attention (SDPA's bf16 backward
-is slow on CPU, see DESIGN.md).
+is slow on CPU, see docs/models.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fedlora.errors import ConfigError, bad_value
-from fedlora.files import default_cache_dir  # lived here before issue 11; still importable
+from fedlora.files import default_cache_dir  # lived here once; still importable
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -100,7 +100,7 @@ def _torch_dtype(dtype: str):
 
 
 def _attn_implementation(dtype: str, device: str = "cpu") -> str:
-    # Eager attention: SDPA's bf16 backward on CPU is about half a training step (DESIGN.md);
+    # Eager attention: SDPA's bf16 backward on CPU is about half a training step (docs/models.md);
     # on a GPU SDPA (flash / memory-efficient kernels) is the fast path in any dtype.
     return "eager" if dtype == "bf16" and device == "cpu" else "sdpa"
 

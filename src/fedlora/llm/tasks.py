@@ -1,7 +1,7 @@
 """The commonsense tasks as `Example`s: LLM-Adapters files, directories and the hub.
 
 Records come from a directory in the LLM-Adapters layout (``<dir>/<Folder>/{train,test}.json``,
-see ``../shared/data/README.md``), from any single LLM-Adapters JSON file, or from the
+see docs/data.md), from any single LLM-Adapters JSON file, or from the
 Hugging Face hub (needs the optional ``datasets`` package). Every record becomes an `Example`
 whose allowed answers (``labels``) are read from the record itself: the instruction's
 ``Answer format: answer1/answer2/...`` line, else the set of answers in the file.
@@ -13,23 +13,16 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedlora.errors import DataError
+from fedlora.llm.task_registry import BUILTIN_TASKS, TASKS, get_task
+from fedlora.llm.task_types import TaskSpec
 
-# task name -> folder in the LLM-Adapters layout
-TASK_FOLDERS: dict[str, str] = {
-    "arc-e": "ARC-Easy",
-    "arc-c": "ARC-Challenge",
-    "obqa": "openbookqa",
-    "siqa": "social_i_qa",
-    "boolq": "boolq",
-    "piqa": "piqa",
-    "winogrande": "winogrande",
-    "hellaswag": "hellaswag",
-}
+# task name -> folder in the LLM-Adapters layout (the built-in tasks; `task_registry.TASKS`)
+TASK_FOLDERS: dict[str, str] = {spec.name: spec.folder for spec in BUILTIN_TASKS}
 SPLITS = ("train", "test")
 RESPONSE_PREFIX = "the correct answer is "  # the LLM-Adapters target: prefix + label
 
@@ -48,6 +41,8 @@ class Example:
     answer: str
     labels: tuple[str, ...]
     input: str = ""  # LLM-Adapters' optional context; empty for all commonsense tasks
+    # the record's other fields (your own data's columns), for data.partition_key
+    fields: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
 
 def _natural_key(s: str) -> tuple[Any, ...]:
@@ -143,9 +138,9 @@ def resolve_data_dir(data_dir: str) -> str | None:
 
 
 def check_task(name: str) -> None:
-    """Raise `DataError` unless `name` is one of `TASK_FOLDERS`."""
-    if name not in TASK_FOLDERS:
-        raise DataError(f"task = {name!r} is invalid: allowed: {', '.join(TASK_FOLDERS)}")
+    """Raise `DataError` unless `name` is a declared task (`task_registry.TASKS`)."""
+    if name not in TASKS:
+        raise DataError(f"task = {name!r} is invalid: allowed: {', '.join(TASKS)}")
 
 
 def task_path(name: str, data_dir: str, split: str) -> Path:
@@ -156,7 +151,9 @@ def task_path(name: str, data_dir: str, split: str) -> Path:
     root = Path(data_dir)
     if not root.is_dir():
         raise DataError(f"data directory {str(root)!r} does not exist")
-    folder = root / TASK_FOLDERS[name]
+    if not TASKS[name].folder:
+        raise DataError(f"task {name!r} has no folder in the LLM-Adapters layout")
+    folder = root / TASKS[name].folder
     if not folder.is_dir():
         present = sorted(d.name for d in root.iterdir() if d.is_dir())
         raise DataError(
@@ -195,83 +192,38 @@ def load_task(name: str, data_dir: str | None, split: str) -> list[Example]:
 # ----------------------------------------------------------------------------- hub
 
 
-def _options_text(prefix: str, options: Sequence[str]) -> str:
-    return " ".join(f"{prefix}{i + 1}: {o}" for i, o in enumerate(options))
-
-
-def _mc_example(task: str, head: str, options: Sequence[str], correct: int, word: str) -> Example:
-    """The LLM-Adapters instruction for a multiple-choice question (word: answer/solution/...)."""
-    labels = tuple(f"{word}{i + 1}" for i in range(len(options)))
-    instruction = (
-        f"{head}\n\n{_options_text(word.capitalize(), options)}\n\n"
-        f"Answer format: {'/'.join(labels)}"
-    )
-    answer = labels[correct]
-    return Example(task, instruction, RESPONSE_PREFIX + answer, answer, labels)
-
-
-def _letter_index(key: str, labels: Sequence[str]) -> int:
-    if key in labels:
-        return list(labels).index(key)
-    raise DataError(f"answer key {key!r} is not one of the choice labels {list(labels)}")
+def mc_example(spec: TaskSpec, question: str, options: Sequence[str], gold: int) -> Example:
+    """The LLM-Adapters record of a question: ``{lead-in} {question}``, the options marked
+    ``{Word}1: ...`` (none when the labels are the options, as true/false) and the
+    ``Answer format`` line; the answer is option `gold`'s label."""
+    if spec.option_word is None:
+        labels = tuple(options)
+        body = ""
+    else:
+        word = spec.option_word
+        labels = tuple(f"{word}{i + 1}" for i in range(len(options)))
+        marked = " ".join(f"{word.capitalize()}{i + 1}: {o}" for i, o in enumerate(options))
+        body = f"\n\n{marked}"
+    instruction = f"{spec.lead_in} {question}{body}\n\nAnswer format: {'/'.join(labels)}"
+    answer = labels[gold]
+    return Example(spec.name, instruction, RESPONSE_PREFIX + answer, answer, labels)
 
 
 def convert_hub_record(task: str, rec: dict[str, Any]) -> Example:
     """One hub record (allenai/ai2_arc, allenai/openbookqa, allenai/social_i_qa, google/boolq,
     piqa, winogrande, hellaswag) as the LLM-Adapters `Example`."""
-    q = "Please choose the correct answer to the question: "
-    if task in ("arc-e", "arc-c"):
-        ch = rec["choices"]
-        i = _letter_index(str(rec["answerKey"]), [str(x) for x in ch["label"]])
-        return _mc_example(task, q + rec["question"], ch["text"], i, "answer")
-    if task == "obqa":
-        ch = rec["choices"]
-        i = _letter_index(str(rec["answerKey"]), [str(x) for x in ch["label"]])
-        return _mc_example(task, q + rec["question_stem"], ch["text"], i, "answer")
-    if task == "siqa":
-        opts = [rec["answerA"], rec["answerB"], rec["answerC"]]
-        head = q + f"{rec['context']} {rec['question']}"
-        return _mc_example(task, head, opts, int(rec["label"]) - 1, "answer")
-    if task == "boolq":
-        question = rec["question"].rstrip("?")
-        instruction = (
-            "Please answer the following question with true or false, question: "
-            f"{question}?\n\nAnswer format: true/false"
-        )
-        answer = "true" if rec["answer"] else "false"
-        return Example(task, instruction, RESPONSE_PREFIX + answer, answer, ("true", "false"))
-    if task == "piqa":
-        head = f"Please choose the correct solution to the question: {rec['goal']}"
-        return _mc_example(task, head, [rec["sol1"], rec["sol2"]], int(rec["label"]), "solution")
-    if task == "winogrande":
-        head = (
-            "Please choose the correct answer to fill in the blank to complete the given "
-            f"sentence: {rec['sentence']}"
-        )
-        opts = [rec["option1"], rec["option2"]]
-        return _mc_example(task, head, opts, int(rec["answer"]) - 1, "option")
-    if task == "hellaswag":  # LLM-Adapters: "{activity_label}: {ctx}"; ctx_b capitalised as
-        ctx = rec["ctx"]  # lm-eval does, so that the harness format reads its exact context
-        if "ctx_a" in rec and "ctx_b" in rec:
-            ctx = f"{rec['ctx_a']} {rec['ctx_b'].capitalize()}".strip()
-        if rec.get("activity_label"):
-            ctx = f"{rec['activity_label']}: {ctx}"
-        head = f"Please choose the correct ending to complete the given sentence: {ctx}"
-        return _mc_example(task, head, rec["endings"], int(rec["label"]), "ending")
-    check_task(task)
-    raise DataError(f"task {task!r} has no hub converter")  # pragma: no cover
+    spec = get_task(task)
+    if spec.hub is None:
+        raise DataError(f"task {task!r} has no hub source")
+    question, options, gold = spec.hub.read(rec)
+    if not 0 <= gold < len(options):
+        raise DataError(f"task {task!r}: answer index {gold} is not in 0..{len(options) - 1}")
+    return mc_example(spec, question, options, gold)
 
 
 # task -> (hub id, config, {our split: hub split}); labelled test sets are hub validation sets
 HUB_SOURCES: dict[str, tuple[str, str | None, dict[str, str]]] = {
-    "arc-e": ("allenai/ai2_arc", "ARC-Easy", {"train": "train", "test": "test"}),
-    "arc-c": ("allenai/ai2_arc", "ARC-Challenge", {"train": "train", "test": "test"}),
-    "obqa": ("allenai/openbookqa", "main", {"train": "train", "test": "test"}),
-    "siqa": ("allenai/social_i_qa", None, {"train": "train", "test": "validation"}),
-    "boolq": ("google/boolq", None, {"train": "train", "test": "validation"}),
-    "piqa": ("ybisk/piqa", None, {"train": "train", "test": "validation"}),
-    "winogrande": ("allenai/winogrande", "winogrande_xl", {"train": "train", "test": "validation"}),
-    "hellaswag": ("Rowan/hellaswag", None, {"train": "train", "test": "validation"}),
+    s.name: (s.hub.repo, s.hub.config, dict(s.hub.splits)) for s in BUILTIN_TASKS if s.hub
 }
 
 
@@ -280,6 +232,9 @@ def load_hub_task(name: str, split: str) -> list[Example]:
     check_task(name)
     if split not in SPLITS:
         raise DataError(f"split = {split!r} is invalid: allowed: {', '.join(SPLITS)}")
+    hub = TASKS[name].hub
+    if hub is None:
+        raise DataError(f"task {name!r} has no hub source: give its files (--data-dir)")
     try:
         import datasets  # noqa: PLC0415 (optional, heavy)
     except ImportError:
@@ -288,7 +243,7 @@ def load_hub_task(name: str, split: str) -> list[Example]:
             "$FEDLORA_DATA) and loading from the hub needs the 'datasets' package: "
             "pip install datasets, or give a directory in the LLM-Adapters layout"
         ) from None
-    repo, config, splits = HUB_SOURCES[name]
+    repo, config, splits = hub.repo, hub.config, hub.splits
     try:
         ds = datasets.load_dataset(repo, config, split=splits[split])
     except Exception as e:  # network, missing dataset, ... : report, do not trace

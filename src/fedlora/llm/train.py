@@ -1,4 +1,4 @@
-"""Local training of several clients at once: H plain SGD steps on their LoRA slots.
+"""Local training of several clients at once: H SGD (or AdamW) steps on their LoRA slots.
 
 Shared by the round engine and the Flower client. One step for the c active slots:
 
@@ -8,7 +8,8 @@ Shared by the round engine and the Flower client. One step for the c active slot
    49k vocabulary is a large share of a small model's FLOPs, and the loss is exactly the
    full-logit loss,
 4. loss = Σ_c (mean token loss of client c); backward; X_c ← X_c − η ∇X_c per slot (paper
-   Eq. 4, the local update of each client's sketched adapter).
+   Eq. 4, the local update of each client's sketched adapter), or AdamW's update per slot and
+   per sketched rank component (`fedlora.llm.client_optim.SlotAdamW`).
 
 Because the slots share nothing but the frozen base, the result equals c separate
 single-client runs. With LoRA on the top K decoder layers only, the frozen layers below come
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fedlora.errors import ConfigError, DataError, FedloraError, bad_value
+from fedlora.llm.client_optim import SlotAdamW
 from fedlora.llm.device import autocast_context
 from fedlora.llm.layer_cache import (
     LayerCache,
@@ -150,8 +152,9 @@ def local_train(
     autocast_bf16: bool = False,
     cache: LayerCache | None = None,
     momentum: float = 0.0,
+    optimizer: SlotAdamW | None = None,
 ) -> np.ndarray:
-    """H SGD steps for the c active slots; `batches[c][h]` is client c's batch at step h.
+    """H local steps for the c active slots; `batches[c][h]` is client c's batch at step h.
 
     Each batch is a dict of (b, T) tensors input_ids, attention_mask, labels (labels -100 off
     the response tokens). Returns the losses (c, H), float64: client c's mean token loss
@@ -161,7 +164,9 @@ def local_train(
 
     `lr` is one η for every slot, or (c,) per-client step sizes (`client_step_sizes`).
     `momentum` μ > 0 uses heavy-ball SGD as torch.optim.SGD (v ← μ·v + g, X ← X − η·v; v = 0
-    at the call's start, so once per round); μ = 0 is plain SGD.
+    at the call's start, so once per round); μ = 0 is plain SGD. `optimizer`: AdamW instead
+    of SGD (`SlotAdamW`, built on these c slots; its state stays in it), stepping slot c with
+    η_c; `momentum` must then be 0.
     """
     c = len(batches)
     if c == 0:
@@ -184,6 +189,11 @@ def local_train(
         or not 0 <= momentum < 1
     ):
         raise bad_value("training.momentum", momentum, "a number in [0, 1)")
+    if optimizer is not None and (momentum or optimizer.active != c):
+        raise ConfigError(
+            f"an AdamW of {optimizer.active} slots with training.momentum = {momentum} for "
+            f"{c} active slots: build SlotAdamW after set_clients, and use momentum 0 with it"
+        )
     if cache is not None and (cache.model is not model or cache.lora is not lora):
         raise ConfigError(
             "cache belongs to another model/adapter: use layer_cache_for(model, lora)"
@@ -196,6 +206,9 @@ def local_train(
     lr_t = (
         None if lrs is None else torch.tensor(lrs, dtype=torch.float32, device=device).view(c, 1, 1)
     )
+    adam_lrs = None  # AdamW's (c,) step sizes
+    if optimizer is not None:
+        adam_lrs = torch.tensor(lrs if lrs is not None else [float(lr)] * c, dtype=torch.float32)
     autocast = autocast_context(device.type, autocast_bf16)
     lora.train(True)
     try:
@@ -221,6 +234,11 @@ def local_train(
             for p in params:
                 p.grad = None
             per_client.sum().backward()
+            if optimizer is not None:
+                optimizer.step(adam_lrs)
+                for p in params:
+                    p.grad = None
+                continue
             with torch.no_grad():
                 for i, p in enumerate(params):
                     if p.grad is not None:

@@ -1,4 +1,4 @@
-"""The paper's claims checked over seeds (issue 14): the runs grouped by label and paired by
+"""The paper's claims checked over seeds: the runs grouped by label and paired by
 seed, and one verdict per (claim, task) from the statistics of `fedlora.studies.seeds`:
 Table I's ordering and speed-up of `proposed` over FSLoRA, Fig. 2/3's planned q/k reaching
 the target first, and a similar final accuracy.

@@ -16,7 +16,7 @@ A suite file is an experiment TOML (the sections of `fedlora.config`) plus a `[s
     target_losses = {arc-e = 1.2}           # optional: target eval_loss per task
     similar_margin = 0.02                   # optional: "similar final accuracy" margin
 
-Targets by a rule from a pilot seed (issue 14) instead of `targets`:
+Targets by a rule from a pilot seed instead of `targets`:
 
     pilot_seed = 100                        # a seed none of the main runs uses
     target_rule = {budget_fraction = 0.6, floor_se = 4, text = "the level ..."}

@@ -1,4 +1,4 @@
-"""What the over-seeds figures share (issue 25): the chance and most-frequent-label scores
+"""What the over-seeds figures share: the chance and most-frequent-label scores
 over all seeds' questions, the rule that flags a diverged seed, y-limits that show every mean
 and line, and the paired-difference figure (`plot_paired`): each method minus a reference
 method, per seed and their mean with a 95% t band, on one common simulated-time grid.

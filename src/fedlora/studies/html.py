@@ -1,4 +1,4 @@
-"""report.html beside report.md (issue 25): the same text, tables and figures in one
+"""report.html beside report.md: the same text, tables and figures in one
 self-contained page (no network, no files beside it: every PNG embedded as a base64 data
 URI, SVG inline). Converts the subset of Markdown that `fedlora report` writes: headings,
 paragraphs, pipe tables, fenced code, bullet lists, images, `code` and **bold**.

@@ -1,6 +1,6 @@
 """The figures of the reports (matplotlib, Agg backend): accuracy and eval_loss against the
 simulated wall-clock, one colour per label (`plot_runs`, `plot_losses`), and over seeds the
-mean with its 95% band (`plot_bands`, issue 14).
+mean with its 95% band (`plot_bands`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ _pyplot, _panels, _clock_unit = pyplot, panels, clock_unit
 def plot_runs(
     runs: Sequence[RunRecord], targets: dict[str, float], path: Path, title: str = ""
 ) -> Path:
-    """Accuracy against simulated wall-clock (minutes, or seconds below 2 min), one panel per task, one colour per
-    label (every seed drawn; the target as a dashed line). Written with the Agg backend."""
+    """Accuracy against simulated wall-clock (minutes, or seconds below 2 min), one panel per
+    task (the targets' tasks, or every task the runs evaluated without targets), one colour
+    per label (every seed drawn; a target as a dashed line). Written with the Agg backend."""
     plt = _pyplot()
 
-    tasks = list(targets)
+    tasks = list(targets) or list(dict.fromkeys(t for r in runs for t in r.tasks()))
     fig, axes = _panels(plt, len(tasks), 6.0, 4.0)
     labels = list(dict.fromkeys(r.label for r in runs))
     unit, scale = _clock_unit(runs)
@@ -71,8 +72,11 @@ def plot_runs(
             value = _baseline(runs, task, key)
             if value is not None:
                 ax.axhline(100 * value, color="black", linestyle=style, linewidth=1, label=name)
-        ax.axhline(100 * targets[task], color="gray", linestyle="--", linewidth=1)
-        ax.set_title(f"{task} (target {100 * targets[task]:.0f}%)")
+        if task in targets:
+            ax.axhline(100 * targets[task], color="gray", linestyle="--", linewidth=1)
+            ax.set_title(f"{task} (target {100 * targets[task]:.0f}%)")
+        else:
+            ax.set_title(task)
         ax.set_xlabel(f"simulated wall-clock ({unit})")
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)

@@ -1,4 +1,4 @@
-"""The powered report (issue 14): several seeds, a common simulated-time budget, targets
+"""The powered report: several seeds, a common simulated-time budget, targets
 fixed by a written rule from a pilot seed (`fedlora.studies.target_rule`), intervals over
 seeds (`fedlora.studies.seeds`), paired comparisons and a verdict on each claim of the paper
 (`fedlora.studies.claims`); `render` writes the over-seeds sections appended to report.md,

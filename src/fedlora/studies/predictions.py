@@ -1,5 +1,5 @@
 """Paired tests on the questions: each evaluation writes, per task, which questions the adapter
-answered right (predictions.jsonl, issue 13); two runs' last evaluations pair on the question
+answered right (predictions.jsonl); two runs' last evaluations pair on the question
 ids they share, and McNemar's exact test compares them (one pair of runs, or pooled over the
 seeds of two methods).
 """
@@ -14,22 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import DataError
+from fedlora.llm.evaluation import mcnemar_p
 from fedlora.studies.runs import RunRecord
 
 PREDICTIONS_FILE = "predictions.jsonl"
-
-
-def mcnemar_p(b: int, c: int) -> float:
-    """Exact two-sided McNemar p-value: b, c are the discordant pairs (only run A right, only
-    run B right); under H0 (equal accuracy) b ~ Binomial(b + c, 1/2)."""
-    for name, v in (("b", b), ("c", c)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise DataError(f"{name} = {v!r} is invalid: a count >= 0")
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2.0 * tail)
 
 
 def read_predictions(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -98,8 +86,8 @@ def paired_tests(run_a: Path, run_b: Path) -> list[PairedTest]:
     for path, p in ((run_a, pa), (run_b, pb)):
         if not p:
             raise DataError(
-                f"{str(path)!r} has no {PREDICTIONS_FILE} (runs from before issue 13 or with "
-                "evaluation.predictions = false cannot be paired)"
+                f"{str(path)!r} has no {PREDICTIONS_FILE} (older runs, or runs with "
+                "evaluation.predictions = false, cannot be paired)"
             )
     tests = []
     for task in [t for t in pa if t in pb]:

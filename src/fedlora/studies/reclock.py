@@ -1,5 +1,5 @@
 """Re-clocking (`fedlora report --comm-cost/--comp-cost`): a recorded run's simulated clock
-under another cost model (PAPER_NOTES #4–#5), recomputed round by round from its metrics lines
+under another cost model (docs/paper.md, rows 4–5), recomputed round by round from its metrics lines
 (participants and k), its clients.csv and config.toml through the one round-time formula,
 `system.network.round_time`.
 """
@@ -65,7 +65,7 @@ def _reclock_lines(
 
 
 def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = None) -> RunRecord:
-    """The run's clock under another cost model (PAPER_NOTES #4–#5), from its metrics lines
+    """The run's clock under another cost model (docs/paper.md, rows 4–5), from its metrics lines
     (participants and k per round), its clients.csv (τ_n^γ, t_n^γ) and config.toml.
 
     Exact for every method whose training does not depend on the cost model: all baselines

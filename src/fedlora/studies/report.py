@@ -48,7 +48,9 @@ def render_markdown(
     Runs without metrics lines (failed before round 0) are listed under "Failed runs"."""
     failed = [r for r in runs if r.summary.error]
     runs = [r for r in runs if r.lines]
-    cells = summarize(runs, targets, order)
+    tasks = list(targets) or list(dict.fromkeys(t for r in runs for t in r.tasks()))
+    # without a target only the final accuracies of the cells are read (1.0: any target)
+    cells = summarize(runs, targets or {t: 1.0 for t in tasks}, order)
     seeds = sorted({r.seed for r in runs})
     out = [f"# {title}", ""]
     if command:
@@ -60,48 +62,13 @@ def render_markdown(
         "bound). `proposed` includes its calibration runs' simulated time.",
         "",
         *([note, ""] if note else []),
-        "## Time to target accuracy (s)",
-        "",
     ]
-    tasks = list(targets)
-    header = "| method | " + " | ".join(f"{t} (>= {100 * targets[t]:.0f}%)" for t in tasks) + " |"
-    out += [header, "|---" * (len(tasks) + 1) + "|"]
     labels = list(dict.fromkeys(c.label for c in cells))
     by = {(c.label, c.task): c for c in cells}
-    for label in labels:
-        out.append(f"| {label} | " + " | ".join(format_time(by[label, t]) for t in tasks) + " |")
-    ref_label = next((lab for lab in labels if lab == REFERENCE), None)
-    if ref_label is None:
-        ref_label = next(
-            (r.label for r in runs if r.method == REFERENCE and r.label in labels), None
-        )
-    if ref_label:
-        out += ["", f"## Speed-up over {ref_label} (its mean time / the method's)", ""]
-        out += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
-        for label in labels:
-            row = [speedup(by[label, t], by.get((ref_label, t))) for t in tasks]
-            out.append(f"| {label} | " + " | ".join(row) + " |")
-    calibrated = [lab for lab in labels if any(by[lab, t].calibration_s[0] > 0 for t in tasks)]
-    if calibrated:
-        out += ["", "## Time to target without the calibration runs (s)", ""]
-        out += [
-            "The same times minus the calibration's simulated time (as if the constants A–D "
-            "were known beforehand)"
-            + (f"; speed-up over {ref_label} in brackets." if ref_label else "."),
-            "",
-            "| method | " + " | ".join(tasks) + " |",
-            "|---" * (len(tasks) + 1) + "|",
-        ]
-        for label in calibrated:
-            row = []
-            for t in tasks:
-                c = by[label, t]
-                bare = dataclasses.replace(
-                    c, times_s=[x - s for x, s in zip(c.times_s, c.calibration_s)]
-                )
-                ref = by.get((ref_label, t)) if ref_label else None
-                row.append(format_time(bare) + (f" [{speedup(bare, ref)}]" if ref_label else ""))
-            out.append(f"| {label} | " + " | ".join(row) + " |")
+    if targets:
+        out += ["## Time to target accuracy (s)", "", *_time_sections(runs, targets, labels, by)]
+    else:
+        out += ["No target given: the time-to-target tables appear with `--target TASK=ACCURACY`."]
     out += ["", "## Final accuracy", ""]
     out += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
     for label in labels:
@@ -140,6 +107,51 @@ def render_markdown(
     return "\n".join(out)
 
 
+def _time_sections(
+    runs: Sequence[RunRecord], targets: dict[str, float], labels: list[str], by: dict
+) -> list[str]:
+    """Time to target, the speed-up over FSLoRA and the times without calibration."""
+    tasks = list(targets)
+    out: list[str] = []
+    header = "| method | " + " | ".join(f"{t} (>= {100 * targets[t]:.0f}%)" for t in tasks) + " |"
+    out += [header, "|---" * (len(tasks) + 1) + "|"]
+    for label in labels:
+        out.append(f"| {label} | " + " | ".join(format_time(by[label, t]) for t in tasks) + " |")
+    ref_label = next((lab for lab in labels if lab == REFERENCE), None)
+    if ref_label is None:
+        ref_label = next(
+            (r.label for r in runs if r.method == REFERENCE and r.label in labels), None
+        )
+    if ref_label:
+        out += ["", f"## Speed-up over {ref_label} (its mean time / the method's)", ""]
+        out += ["| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+        for label in labels:
+            row = [speedup(by[label, t], by.get((ref_label, t))) for t in tasks]
+            out.append(f"| {label} | " + " | ".join(row) + " |")
+    calibrated = [lab for lab in labels if any(by[lab, t].calibration_s[0] > 0 for t in tasks)]
+    if calibrated:
+        out += ["", "## Time to target without the calibration runs (s)", ""]
+        out += [
+            "The same times minus the calibration's simulated time (as if the constants A–D "
+            "were known beforehand)"
+            + (f"; speed-up over {ref_label} in brackets." if ref_label else "."),
+            "",
+            "| method | " + " | ".join(tasks) + " |",
+            "|---" * (len(tasks) + 1) + "|",
+        ]
+        for label in calibrated:
+            row = []
+            for t in tasks:
+                c = by[label, t]
+                bare = dataclasses.replace(
+                    c, times_s=[x - s for x, s in zip(c.times_s, c.calibration_s)]
+                )
+                ref = by.get((ref_label, t)) if ref_label else None
+                row.append(format_time(bare) + (f" [{speedup(bare, ref)}]" if ref_label else ""))
+            out.append(f"| {label} | " + " | ".join(row) + " |")
+    return out
+
+
 def write_report(
     runs: Sequence[RunRecord],
     targets: dict[str, float],
@@ -159,11 +171,6 @@ def write_report(
         raise DataError("no runs to report")
     if not any(r.lines for r in runs):
         raise DataError("no run has metrics yet: " + ", ".join(str(r.path) for r in runs))
-    if not targets:
-        raise ConfigError(
-            "no target accuracy: give --target TASK=ACCURACY (e.g. arc-e=0.5) or report a "
-            "suite directory whose suite.toml has [targets]"
-        )
     for task, value in targets.items():
         if not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ConfigError(f"target {task} = {value!r} is invalid: an accuracy in (0, 1]")

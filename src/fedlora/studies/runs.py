@@ -140,18 +140,73 @@ def load_run(run_dir: str | Path, label: str | None = None) -> RunRecord:
         )
     for message in dropped:
         print(message, file=sys.stderr)
+    _check_lines(metrics, lines)
     return RunRecord(path, label, method, seed, lines, summary, config)
 
 
+_NUMBER_MAPS = ("eval", "eval_losses", "eval_acc_norm", "eval_mc_losses")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check_lines(metrics: Path, lines: list[dict[str, Any]]) -> None:
+    """Every value a report reads is a number: `sim_time_s` (finite, on every line),
+    `eval_accuracy`, `eval_loss` and the per-task maps (None allowed: not evaluated)."""
+    for i, line in enumerate(lines, 1):
+        where = f"metrics file {str(metrics)!r} line {i}"
+        t = line.get("sim_time_s")
+        if not _is_number(t) or abs(t) == float("inf"):
+            raise DataError(f"{where}: sim_time_s = {str(t)[:200]!r} is invalid: a finite number")
+        for key in ("eval_accuracy", "eval_loss"):
+            if line.get(key) is not None and not _is_number(line[key]):
+                raise DataError(f"{where}: {key} = {str(line[key])[:200]!r} is invalid: a number")
+        for key in _NUMBER_MAPS:
+            table = line.get(key)
+            if table is None:
+                continue
+            bad = (
+                [(k, v) for k, v in table.items() if v is not None and not _is_number(v)]
+                if isinstance(table, dict)
+                else [("", table)]
+            )
+            if bad:
+                name = f"{key}.{bad[0][0]}" if bad[0][0] else key
+                raise DataError(
+                    f"{where}: {name} = {str(bad[0][1])[:200]!r} is invalid: "
+                    + ("a number" if isinstance(table, dict) else "a table {task: number}")
+                )
+
+
 def read_suite(path: Path) -> dict[str, Any]:
-    """A suite directory's suite.toml ({} if there is none)."""
+    """A suite directory's suite.toml ({} if there is none), its report fields checked."""
     file = path / SUITE_FILE
     if not file.is_file():
         return {}
     try:
-        return tomllib.loads(file.read_text(encoding="utf-8"))
+        suite = tomllib.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{file}: not valid TOML: {e}") from None
+    for key, lo, allowed in (
+        ("targets", 0.0, "a table of task = accuracy in (0, 1]"),
+        ("target_losses", 0.0, "a table of task = eval_loss > 0"),
+    ):
+        table = suite.get(key, {})
+        ok = isinstance(table, dict) and all(
+            _is_number(v) and v > lo and (key != "targets" or v <= 1) for v in table.values()
+        )
+        if not ok:
+            raise ConfigError(f"{file}: {key} = {str(table)[:200]} is invalid: {allowed}")
+    labels = suite.get("labels", [])
+    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+        raise ConfigError(f"{file}: labels = {str(labels)[:200]} is invalid: a list of strings")
+    for key in ("title", "command", "target_rule"):
+        if key in suite and not isinstance(suite[key], str):
+            raise ConfigError(f"{file}: {key} = {str(suite[key])[:200]} is invalid: a string")
+    return suite
 
 
 def collect_runs(paths: Sequence[str | Path]) -> tuple[list[RunRecord], dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Statistics over seeds (issue 14). A seed is one partition, one set of client profiles and one
+"""Statistics over seeds. A seed is one partition, one set of client profiles and one
 sampling stream, the same for every method of a suite, so comparisons are paired by seed.
 
 - A mean's 95% interval is the t interval over seeds (none for one seed).

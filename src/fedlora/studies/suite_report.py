@@ -37,6 +37,7 @@ def report_suite(
     `cost_model` = (comm_cost, comp_cost) re-clocks every run first (`fedlora.studies.reclock.reclock`).
     """
     runs, suite = collect_runs(paths)
+    check_one_config_per_label(runs)
     _check_reference(runs, reference)
     _check_targets(runs, targets or {})
     note = ""
@@ -61,11 +62,12 @@ def report_suite(
         target_loss=target_loss,
         mcnemar=mcnemar,
     )
-    pilots = [Path(p) / "pilot" for p in paths if (Path(p) / "pilot").is_dir()]
-    pilot_runs = collect_runs(pilots)[0] if pilots else []
-    path = _append_powered(
-        path, runs, merged, suite, title or suite.get("title", ""), pilot_runs, reference
-    )
+    if merged:  # the over-seeds sections measure time to the targets
+        pilots = [Path(p) / "pilot" for p in paths if (Path(p) / "pilot").is_dir()]
+        pilot_runs = collect_runs(pilots)[0] if pilots else []
+        path = _append_powered(
+            path, runs, merged, suite, title or suite.get("title", ""), pilot_runs, reference
+        )
     try:
         write_html(path)
     except OSError as e:
@@ -73,6 +75,52 @@ def report_suite(
             f"--out {str(out_dir)!r}: cannot write report.html: {e.strerror or e}"
         ) from None
     return path
+
+
+IGNORED_SECTIONS = ("output",)  # where a run's files go: not part of the experiment
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_one_config_per_label(runs: Sequence[Any]) -> None:
+    """The runs of one label are seeds of one method: refused when two of them have the same
+    seed, or configs that differ in anything but training.seed (and [output])."""
+    first: dict[str, Any] = {}
+    seen: dict[tuple[str, int], Any] = {}
+    for run in runs:
+        if (run.label, run.seed) in seen:
+            raise ConfigError(
+                f"runs {str(seen[run.label, run.seed].path)!r} and {str(run.path)!r} are both "
+                f"{run.label!r} seed {run.seed}: report each seed of a method once"
+            )
+        seen[run.label, run.seed] = run
+        mine = {
+            k: v
+            for k, v in _flat(run.config).items()
+            if k != "training.seed" and k.split(".")[0] not in IGNORED_SECTIONS
+        }
+        if run.label not in first:
+            first[run.label] = (run, mine)
+            continue
+        other, theirs = first[run.label]
+        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if differ:
+            k = differ[0]
+            raise ConfigError(
+                f"runs {str(other.path)!r} and {str(run.path)!r} are both reported as "
+                f"{run.label!r}, but their configs differ in {k} ({theirs.get(k)!r} vs "
+                f"{mine.get(k)!r}{f' and {len(differ) - 1} more' if len(differ) > 1 else ''}): "
+                "the seeds of one method must differ only in training.seed; report them "
+                "separately (or in directories named <label>-seed<N> with distinct labels)"
+            )
 
 
 def _check_reference(runs: Sequence[Any], reference: str | None) -> None:

@@ -11,7 +11,7 @@ METHOD_SUITE = tuple(  # the `methods` suite's non-planned methods
 Q_FIXED = ("method.q=fixed", "method.q_fixed=0.2")  # q = 0.2 (Figure 3, and Figure 2's fixed)
 SUITES: dict[str, dict[str, tuple[str, ...]]] = {
     "table1": {
-        # the paper's Algorithm 2: four separate calibration runs (issue 21 adds in-run)
+        # the paper's Algorithm 2: four separate calibration runs (not fedlora's in-run default)
         "proposed": ("method.name=proposed", "planner.optimize=qk", "planner.calibration=separate"),
         "fslora": ("method.name=fslora",),
         "heterolora": ("method.name=heterolora",),
@@ -44,7 +44,7 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
         "normal": ("method.name=sketched", "method.k=normal", *Q_FIXED),
         "uniform": ("method.name=sketched", "method.k=uniform", *Q_FIXED),
     },
-    # every federated method on one setting (issue 22): the paper's, its baselines and the
+    # every federated method on one setting: the paper's, its baselines and the
     # aggregation rules published after FSLoRA (docs/methods.md)
     # (on the exact clock: their savings are in the bits they send, and the rank-based cost
     # models charge every full-rank method the full adapter's time)

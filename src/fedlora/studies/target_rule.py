@@ -1,4 +1,4 @@
-"""Targets by a written rule (issue 14 item 2): a suite's `target_rule` fixes the target
+"""Targets by a written rule: a suite's `target_rule` fixes the target
 accuracies and eval_losses from a pilot seed's baselines before the main runs; the pilot
 writes them with the numbers behind them to targets.toml.
 """
@@ -38,7 +38,7 @@ def check_rule(rule: Any, where: str = "suite.target_rule") -> dict[str, Any]:
 def rule_targets(
     runs: Sequence[RunRecord], tasks: Sequence[str], budget_s: float, rule: dict[str, Any]
 ) -> dict[str, Any]:
-    """Targets from pilot runs by the rule (issue 14 item 2).
+    """Targets from pilot runs by the rule.
 
     Per task, at t = budget_fraction · budget_s, over the *baselines* (labels not starting
     with "proposed"): accuracy target = the lowest level any baseline has reached by t (the
@@ -130,8 +130,8 @@ def loss_drops(pilot: Sequence[RunRecord], target_losses: dict[str, float]) -> d
     """Each task's eval_loss target as a decrease from round 0 on the pilot's questions:
     Δ = (the pilot's round-0 eval_loss, the mean over its runs, which share the untrained
     adapter and the questions) − target. Every seed evaluates other questions, whose
-    untrained eval_loss can already be below an absolute target (it was on issue 14's
-    powered suites); a decrease of Δ from each run's own round 0 means the same on every
+    untrained eval_loss can already be below an absolute target (it was on the powered
+    suites in results/); a decrease of Δ from each run's own round 0 means the same on every
     seed (`runs.time_to`'s "loss_drop"). Tasks without pilot evaluations, or Δ <= 0, are left
     out."""
     drops: dict[str, float] = {}

@@ -25,7 +25,7 @@ COST_MODELS = ("quadratic", "linear", "affine")
 
 
 def comm_factor(k: np.ndarray | Sequence[int] | int, gamma: int, model: str) -> np.ndarray:
-    """Upload size of a k-of-γ sketch relative to the full adapter (PAPER_NOTES #4).
+    """Upload size of a k-of-γ sketch relative to the full adapter (docs/paper.md, row 4).
 
     `quadratic`: k²/γ² (paper §V-B). `linear` (and `exact`): k/γ — a sketch sends k columns
     of B (m×γ) and k rows of A (γ×n), k(m+n) of γ(m+n) parameters.
@@ -41,7 +41,7 @@ def comm_factor(k: np.ndarray | Sequence[int] | int, gamma: int, model: str) -> 
 def comp_factor(
     k: np.ndarray | Sequence[int] | int, gamma: int, model: str, rho: float = 0.0
 ) -> np.ndarray:
-    """Local compute time of a k-of-γ sketch relative to k = γ (PAPER_NOTES #5).
+    """Local compute time of a k-of-γ sketch relative to k = γ (docs/paper.md, row 5).
 
     `quadratic`: k²/γ² (paper). `linear`: k/γ. `affine`: ρ + (1−ρ)k/γ, where ρ is the share
     of a step (the frozen base model's forward and backward) that does not shrink with k.
@@ -72,7 +72,7 @@ def _check_times(name: str, x: np.ndarray) -> None:
 def allocate_bandwidth(
     tau_s: Sequence[float] | np.ndarray, t: Sequence[float] | np.ndarray, f_tot: float
 ) -> tuple[float, np.ndarray]:
-    """Exact per-round allocation (PAPER_NOTES #15): the round time T and each client's band.
+    """Exact per-round allocation (docs/paper.md, row 15): the round time T and each client's band.
 
     Finds T > max τ_n (over clients with t_n > 0) with Σ t_n / (T − τ_n) = f_tot, so that every
     sampled client finishes at T; f_n = t_n / (T − τ_n). The left side is strictly decreasing
@@ -139,7 +139,7 @@ def round_time(
     efficiency: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[float, np.ndarray]:
     """The round time T (s) of the participants and each one's band (Hz): the ONE round-time
-    formula (PAPER_NOTES #4–#6, #15), used by the engine and by report's re-clocking.
+    formula (docs/paper.md, rows 4–6 and 15), used by the engine and by report's re-clocking.
 
     τ_n = tau_full_s · comp_factor(k_n). t_n = t_full · uplink_bits / full_bits for
     comm_cost = exact when the payload bits are given, else t_full · comm_factor(k_n).
@@ -160,7 +160,7 @@ def round_time(
 
 
 def expected_max_tau(q: Sequence[float] | np.ndarray, tau_s: Sequence[float] | np.ndarray) -> float:
-    """Eq. (16) with PAPER_NOTES #14: E[max_{n∈K} τ_n] under independent sampling, max ∅ = 0.
+    """Eq. (16), docs/paper.md row 14: E[max_{n∈K} τ_n] under independent sampling, max ∅ = 0.
 
     Clients sorted by τ ascending; client n is the slowest participant with probability
     q_n Π_{i>n} (1 − q_i).

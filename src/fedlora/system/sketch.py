@@ -54,7 +54,7 @@ def check_q(q: Sequence[float] | np.ndarray, name: str = "q") -> np.ndarray:
 
 
 def check_k(k: Sequence[int] | np.ndarray, gamma: int, name: str = "k") -> np.ndarray:
-    """Validate sketch sizes: integers in 1..γ (PAPER_NOTES #12: k_n = 0 is not allowed)."""
+    """Validate sketch sizes: integers in 1..γ (k_n = 0 is not allowed: docs/paper.md, row 12)."""
     if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
         raise bad_value("gamma", gamma, "the LoRA rank γ must be an integer >= 1")
     arr = np.asarray(k)
@@ -133,7 +133,7 @@ def draw_participants(q: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Independent Bernoulli participation 𝕀_n ~ Bernoulli(q_n): sorted participant indices.
 
     Trusts `q`: a checked (N,) float vector in (0, 1] (`check_q`). The result can be empty
-    (PAPER_NOTES #13): the caller records a round with no update.
+    (docs/paper.md, row 13): the caller records a round with no update.
     """
     assert q.ndim == 1 and q.dtype.kind == "f", f"q must be a checked float vector: {q!r}"
     return np.flatnonzero(rng.random(q.size) < q)
@@ -163,7 +163,7 @@ def unbiased_aggregate(
     client_params: Sequence[Mapping[str, np.ndarray]],
     weights: Sequence[float] | np.ndarray,
 ) -> dict[str, np.ndarray]:
-    """Eq. (6) as PAPER_NOTES #7: X ← X − Σ_{n∈K} (a_n/q_n)(X − X_n^H).
+    """Eq. (6), unbiased (docs/paper.md, row 7): X ← X − Σ_{n∈K} (a_n/q_n)(X − X_n^H).
 
     `weights` are a_n/q_n of the participants, in the order of `client_params`. With no
     participant the global parameters are returned unchanged (copied). Taking expectation
@@ -199,7 +199,7 @@ def algorithm1_literal_aggregate(
     participants: np.ndarray,
     lr: float,
 ) -> dict[str, np.ndarray]:
-    """Algorithm 1, lines 13 and 16–17, taken literally (biased; kept to show PAPER_NOTES #7).
+    """Algorithm 1, lines 13 and 16–17, taken literally, to show its bias (docs/paper.md, row 7).
 
     Clients send ΔX/q_n with ΔX = X − X_n^H (already containing η); the server applies
     X ← X − η Σ a_n 𝕀_n (1/q_n) · (ΔX/q_n): one η and one 1/q too many.

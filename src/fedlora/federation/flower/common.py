@@ -127,11 +127,19 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
     """ConfigError for what the Flower runtime cannot run like the engine does: `fedstacklora`
     (its merged base update stays on the server, so the nodes would train on a stale base),
     `fedsalora` (its evaluation view needs every client's B) and `proposed` without a plan
-    file (the calibration runs of Algorithm 2 are engine runs). FedEx-LoRA's base merges
+    file (the calibration runs of Algorithm 2 are engine runs), and a client AdamW state kept
+    across rounds (``training.optimizer_state = "keep"``). FedEx-LoRA's base merges
     travel to the nodes with every train message (the ``base`` ArrayRecord)."""
     from fedlora.federation.methods.registry import check_method_config
 
     check_method_config(cfg)
+    if cfg.training.optimizer_state == "keep":
+        raise ConfigError(
+            "training.optimizer_state = 'keep' is not supported on Flower: a node trains "
+            "whichever client the server sends it and the server's checkpoints do not hold "
+            "the nodes' AdamW states, so a resumed run would not continue them; use 'reset' "
+            "(a new AdamW per client per round) or `fedlora run`"
+        )
     m = cfg.method
     if m.name == "fedstacklora":
         raise ConfigError(

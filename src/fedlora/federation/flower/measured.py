@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.errors import ConfigError, DataError
+from fedlora.config.toml_io import read_user_file
+from fedlora.errors import ConfigError, DataError, shown
 
 NODE_TIMES = "node_times.csv"
 NODE_TIMES_COLUMNS = (
@@ -63,23 +64,81 @@ def append_node_times(run_dir: Path, rows: list[dict[str, Any]]) -> None:
             f.write(",".join(repr(row[c]) for c in NODE_TIMES_COLUMNS) + "\n")
 
 
-def read_node_times(run_dir: Path) -> list[dict[str, float]]:
+# what each column of node_times.csv may hold: (integer?, lowest, lowest excluded?)
+_COLUMN_RULES = {
+    "round": (True, 1, False),
+    "client": (True, 0, False),
+    "node_id": (True, None, False),
+    "rank_used": (True, 1, False),
+    "local_steps": (True, 1, False),
+    "train_s": (False, 0, True),
+    "upload_params": (True, 1, False),
+    "upload_bytes": (True, 0, False),
+}
+
+
+def _value(path: Path, line: int, column: str, raw: Any, n_clients: int | None) -> float:
+    """One cell of node_times.csv as a number, or a DataError naming the file, the line,
+    the column, the value and what is allowed."""
+    integer, lo, lo_open = _COLUMN_RULES[column]
+    hi = n_clients - 1 if column == "client" and n_clients is not None else None
+    allowed = "an integer" if integer else "a number"
+    if lo is not None:
+        allowed += f" {'>' if lo_open else '>='} {lo}"
+    if hi is not None:
+        allowed += f" and <= {hi} (the run's data.n_clients = {n_clients})"
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    ok = math.isfinite(value) and (not integer or value.is_integer())
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value <= hi
+    if not ok:
+        what = "missing" if raw is None else f"{shown(raw)} is invalid"
+        raise DataError(
+            f"{path}: line {line}: {column} {'' if raw is None else '= '}{what}: {allowed}"
+        )
+    return value
+
+
+def read_node_times(run_dir: Path, n_clients: int | None = None) -> list[dict[str, float]]:
     """node_times.csv's rows (numbers), the last one per (round, client); DataError when the
-    run has none (not a Flower run, or one from before fedlora measured)."""
+    run has none (not a Flower run, or one from before fedlora measured), or naming the
+    line and the column of a value that no node reports (a client outside 0..n_clients-1,
+    a time that is not finite and > 0, ...)."""
     path = run_dir / NODE_TIMES
-    if not path.is_file():
+    if not path.exists():
         raise DataError(
             f"{path} does not exist: measured profiles come from a run on Flower "
             "(fedlora flower run / deploy) whose nodes report their times"
         )
+    try:
+        data = read_user_file(path, NODE_TIMES)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path} is not UTF-8 text (line {line}, byte 0x{data[e.start]:02x}): fedlora "
+            "writes it as CSV; restore it, or run the deployment again"
+        ) from None
     rows: dict[tuple[int, int], dict[str, float]] = {}
-    with path.open(encoding="utf-8") as f:
-        for n, raw in enumerate(csv.DictReader(f), start=2):
-            try:
-                row = {c: float(raw[c]) for c in NODE_TIMES_COLUMNS}
-            except (KeyError, TypeError, ValueError):
-                raise DataError(f"{path}: line {n} is not a row of {NODE_TIMES_COLUMNS}") from None
+    reader = csv.DictReader(text.splitlines())
+    missing = [c for c in NODE_TIMES_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise DataError(f"{path}: line 1 lacks the column(s) {', '.join(missing)}")
+    try:
+        for raw in reader:
+            n = reader.line_num
+            row = {c: _value(path, n, c, raw.get(c), n_clients) for c in NODE_TIMES_COLUMNS}
             rows[(int(row["round"]), int(row["client"]))] = row
+    except csv.Error as e:
+        raise DataError(f"{path}: line {reader.line_num} is not CSV ({e})") from None
     return [rows[key] for key in sorted(rows)]
 
 

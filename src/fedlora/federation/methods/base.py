@@ -1,4 +1,4 @@
-"""The verbs every federated method shares (DESIGN.md): `plan_round`, `aggregate`, `payload`.
+"""The verbs every federated method shares: `plan_round`, `aggregate`, `payload`.
 
 A method decides who trains on what and how updates combine. It sees adapters as dicts of
 numpy arrays (``"<module>.lora_A"`` of shape (r, in), ``"<module>.lora_B"`` of shape (out, r))

@@ -50,7 +50,7 @@ class FSLoRA(Method):
     def from_config(cls, ctx: MethodContext) -> FSLoRA:
         m, gamma = ctx.cfg.method, ctx.gamma
         ranks = ctx.ranks()
-        # "reference": k_n uniform on [4, γ] (γ < 4: γ), issue #12's reading of the authors'
+        # "reference": k_n uniform on [4, γ] (γ < 4: γ), our reading of the authors'
         # code at 1bc7362; their current code: fslora_k = "ranks" with ranks = "fslora_*"
         # (docs/methods.md, "FSLoRA as its authors run it")
         if m.fslora_k == "reference":

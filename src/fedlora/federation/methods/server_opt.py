@@ -27,8 +27,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedlora.config.sections import SERVER_OPTIMIZERS, MethodConfig
+from fedlora.errors import FedloraError
 
 Arrays = dict[str, np.ndarray]
+
+
+class ServerStepDiverged(FedloraError):
+    """A server step made the global adapter non-finite from a finite update: the step is
+    not taken (the run stops; its last checkpoint, from before this round, is kept)."""
 
 
 @dataclass
@@ -67,7 +73,14 @@ class ServerOptimizer:
             if self.weight_decay:
                 x = x * (1.0 - self.lr * self.weight_decay)
             x = x + self.lr * self._direction(name, delta, t)
-            out[name] = x.astype(new.dtype)
+            with np.errstate(over="ignore", invalid="ignore"):  # checked just below
+                out[name] = x.astype(new.dtype)
+            if not np.isfinite(out[name]).all() and np.isfinite(delta).all():
+                raise ServerStepDiverged(
+                    f"server step {t}: method.server_optimizer = {self.kind!r} with "
+                    f"method.server_lr = {self.lr:g} made the global adapter non-finite in "
+                    f"{name} (the clients' update was finite): lower method.server_lr"
+                )
         return out
 
     def _direction(self, name: str, delta: np.ndarray, t: int) -> np.ndarray:

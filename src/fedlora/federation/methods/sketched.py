@@ -2,7 +2,7 @@
 
 Each round client n joins with probability q_n (Bernoulli, independent), trains a fresh
 uniformly random k_n-of-γ sketch scaled by γ/k_n, and the server applies the unbiased rule
-X ← X − Σ_{n∈K} (a_n/q_n)(X − X_n^H) (PAPER_NOTES #7). A round may have no participant.
+X ← X − Σ_{n∈K} (a_n/q_n)(X − X_n^H) (docs/paper.md, row 7). A round may have no participant.
 
 q and k are checked once, where `from_config` resolves ``method.q`` / ``method.k``
 (`strategies.resolve_q` / `resolve_k`); the method and the round kernels of

@@ -1,4 +1,4 @@
-"""Algorithm 2's alternation (PAPER_NOTES #11): q-step → k-step until k reaches a fixed point
+"""Algorithm 2's alternation (docs/paper.md, row 11): q-step → k-step until k reaches a fixed point
 or a cycle, keeping the best (q, k) seen, from several starting k⁰; and `plan`, the whole
 algorithm (estimate A–D from calibration runs if needed, then the alternation).
 
@@ -73,7 +73,7 @@ def alternate(
     k0: Sequence[int] | np.ndarray | None = None,
 ) -> PlanResult:
     """Alternate q-step and greedy k-step from k0 (default k = γ); stop on a fixed point or a
-    cycle of k (or max_iterations q-steps) and return the best (q, k) by P2 (PAPER_NOTES #11)."""
+    cycle of k (or max_iterations q-steps) and return the best (q, k) seen by P2, not the last."""
     k = problem.full_rank() if k0 is None else np.asarray(k0, dtype=np.int64)
     seen = {k.tobytes()}
     history: list[float] = []
@@ -147,7 +147,7 @@ UNIFORM_LEVELS = 64  # the uniform start tries every κ up to this γ, then a ge
 def uniform_start(problem: PlanProblem, constants: Constants, options: PlanOptions) -> np.ndarray:
     """k⁰ = κ for every client, with κ in 1..γ the level whose exact P2 q-step is lowest
     (γ q-steps). The coordinate descent cannot raise q and lower k together; this start
-    lets it begin where both are already traded (issue 21: from k = γ the exact q is small,
+    lets it begin where both are already traded (from k = γ the exact q is small,
     and small q blocks every k decrement)."""
     best, best_k = math.inf, problem.full_rank()
     levels = range(problem.gamma, 0, -1)
@@ -206,7 +206,7 @@ def multi_start(
     options: PlanOptions,
     starts: dict[str, Sequence[int] | np.ndarray] | None = None,
 ) -> PlanResult:
-    """The alternation from several k⁰, keeping the best plan by P2 (PAPER_NOTES #11).
+    """The alternation from several k⁰, keeping the best plan by P2 (docs/paper.md, row 11).
 
     The alternation is a descent on P2 that ends in a fixed point or a cycle, and different
     k⁰ can end in different ones. Default starts, in order: ``gamma`` (k = γ, Algorithm 2's

@@ -1,4 +1,4 @@
-"""The constants A–D of P2 from calibration runs (Eq. 21, PAPER_NOTES #1–#3), and how well
+"""The constants A–D of P2 from calibration runs (Eq. 21, docs/paper.md, rows 1–3), and how well
 a set of constants explains those runs."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _observation_matrix(
         q = np.asarray(o.q, dtype=float)
         k = np.asarray(o.k, dtype=float)
         y = float(np.sum(a2 / q))
-        z = float(np.sum(a2 / q * gamma**2 / k**2))  # γ²/k², PAPER_NOTES #2
+        z = float(np.sum(a2 / q * gamma**2 / k**2))  # γ²/k², docs/paper.md, row 2
         r = observations[0].rounds if (estimation_matrix == "paper" and i == 1) else o.rounds
         rows.append([1.0 / r, -1.0, y, z])
     return np.asarray(rows)
@@ -40,7 +40,7 @@ def estimate_constants(
     a: Sequence[float] | np.ndarray,
     estimation_matrix: str = "fixed",
 ) -> Constants:
-    """A–D from >= 4 calibration runs (Eq. 21, PAPER_NOTES #1–#3).
+    """A–D from >= 4 calibration runs (Eq. 21, docs/paper.md, rows 1–3).
 
     Row i is [1/R_i, −1, Y_i, Z_i] with Y = Σ a²/q, Z = Σ a²/q·γ²/k²; x = [A, B, C, D] is the
     right singular vector of the smallest singular value (least squares in ‖Mx‖ with ‖x‖ = 1

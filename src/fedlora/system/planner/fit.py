@@ -1,7 +1,7 @@
-"""A fit of Theorem 1's constants that cannot fool the planner (issue 21), and the per-round
+"""A fit of Theorem 1's constants that cannot fool the planner, and the per-round
 progress rates of one run's own rounds (in-run calibration and re-planning).
 
-Model (Theorem 1, PAPER_NOTES #2): a setting (q, k) needs R = A / (B − C·Y − D·Z) rounds to
+Model (Theorem 1, docs/paper.md, row 2): a setting (q, k) needs R = A / (B − C·Y − D·Z) rounds to
 reach a fixed level, Y = Σ a²/q, Z = Σ a²/q·γ²/k². With B = 1 each observed rate ρ = 1/R gives
 one linear row A·ρ + C·Y + D·Z = 1.
 

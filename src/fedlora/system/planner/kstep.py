@@ -1,4 +1,4 @@
-"""The k-step of Algorithm 2 (lines 12–21, PAPER_NOTES #11): greedy on the true P2 with q
+"""The k-step of Algorithm 2 (lines 12–21, docs/paper.md, row 11): greedy on the true P2 with q
 fixed. Start from k_n = γ, pass over the clients in order and decrement k_n when that strictly
 lowers P2 and keeps q feasible; repeat until a pass changes nothing. A pass is computed
 exactly without a Python loop over clients (see `greedy_k`).

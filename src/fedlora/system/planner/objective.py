@@ -1,4 +1,4 @@
-"""The objective P2 of Algorithm 2 and its pieces (PAPER_NOTES #4–#6, #9, #12).
+"""The objective P2 of Algorithm 2 and its pieces (docs/paper.md, rows 4–6, 9 and 12).
 
 Sketched times are the cost model applied once: t_n = t_full·comm_factor(k_n),
 τ_n = τ_full·comp_factor(k_n), and w_n = t_n/f_tot + τ_n is client n's share of the round-time
@@ -20,7 +20,7 @@ from fedlora.system.planner.problem import Q_LOWER_BOUNDS, Constants, PlanOption
 
 
 def sketched_round_weights(problem: PlanProblem, k: np.ndarray, options: PlanOptions) -> np.ndarray:
-    """w_n = t_n/f_tot + τ_n with the cost model applied once (PAPER_NOTES #4–#6)."""
+    """w_n = t_n/f_tot + τ_n with the cost model applied once (docs/paper.md, rows 4–6)."""
     t = problem.t_full * comm_factor(k, problem.gamma, options.comm_cost)
     tau = problem.tau_full_s * comp_factor(k, problem.gamma, options.comp_cost, options.rho)
     return t / problem.f_tot + tau
@@ -34,7 +34,7 @@ def sketch_penalty(k: np.ndarray, gamma: int, constants: Constants) -> np.ndarra
 def q_lower_bounds(
     problem: PlanProblem, constants: Constants, k: np.ndarray, mode: str
 ) -> np.ndarray:
-    """lo_n of P2 (PAPER_NOTES #9): per_client a_n²N c_n/B, paper a_n²N(C+DK²)/B, none 0."""
+    """lo_n of P2 (docs/paper.md, row 9): per_client a_n²N c_n/B, paper a_n²N(C+DK²)/B, none 0."""
     a2n = problem.a**2 * problem.n / constants.B
     if mode == "per_client":
         return a2n * sketch_penalty(k, problem.gamma, constants)
@@ -79,7 +79,7 @@ def plan_degeneracy(
     """Whether a plan is degenerate: every k_n = 1, or every q_n at one of its bounds
     (the lower bound lo_n of `options.q_lower_bound`, or 1). Such a plan is the optimiser
     pressed against its box rather than a trade-off, and says more about the constants
-    than about the clients (issue 14). Also counts k_n = γ and each bound."""
+    than about the clients. Also counts k_n = γ and each bound."""
     q = np.asarray(q, dtype=float)
     k = np.asarray(k, dtype=np.int64)
     lo = q_lower_bounds(problem, constants, k, options.q_lower_bound)

@@ -4,7 +4,7 @@ problem and the options, each checked when it is built.
 `Constants(A, B, C, D)`
     The constants of Theorem 1 as used in P2: R(q, k) = A / (B − Σ a_n²/q_n · c_n) with
     c_n = C + D·γ²/k_n². All four are > 0; an estimate is normalised to B = 1 (P2 and P3
-    are unchanged by a common scale, PAPER_NOTES #3).
+    are unchanged by a common scale, docs/paper.md, row 3).
 `Observation(q, k, rounds)`
     One calibration run: per-client q and k vectors and the rounds R it needed to reach the
     calibration loss F_s.
@@ -14,7 +14,7 @@ problem and the options, each checked when it is built.
     adapter with one unit of band (`t_full`, so t_full/f_tot is seconds). Exactly one of
     `constants` or `calibration` (>= 4 observations).
 `PlanOptions(...)`
-    The variants of PAPER_NOTES #1–#11 (see the field comments); `PlanOptions.from_config`
+    The variants of docs/paper.md, rows 1–11 (see the field comments); `PlanOptions.from_config`
     builds them from `PlannerConfig` and `NetworkConfig`.
 """
 
@@ -172,7 +172,7 @@ class PlanProblem:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """Variants of Algorithm 2 (PAPER_NOTES #1–#11). Defaults match `PlannerConfig` and
+    """Variants of Algorithm 2 (docs/paper.md, rows 1–11). Defaults match `PlannerConfig` and
     `NetworkConfig`."""
 
     solver: str = "exact"  # exact | cvxpy (reference q-step)

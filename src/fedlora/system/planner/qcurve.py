@@ -1,10 +1,10 @@
-"""The q-step's curve (P3, PAPER_NOTES #8–#10): for fixed k, the exact minimiser of the
+"""The q-step's curve (P3, docs/paper.md, rows 8–10): for fixed k, the exact minimiser of the
 fixed-M problem for every M, and the M that minimises the surrogate along it.
 
 For fixed k, P3 minimises f(q) = M · Σ_n A q_n / (N B q_n − e_n), M = Σ w_n q_n,
 e_n = a_n² N² c_n, over lo_n < q_n <= 1. Writing A q/(NBq − e) = A/(NB) + κ_n/(q − p_n) with
 p_n = e_n/(NB) and κ_n = A e_n/(NB)², the fixed-M problem min Σ κ_n/(q_n − p_n) s.t.
-Σ w_n q_n = M has the KKT solution q_n(λ) = clip(p_n + √(κ_n/(λ w_n)), lo_n, 1) (PAPER_NOTES #10).
+Σ w_n q_n = M has the KKT solution q_n(λ) = clip(p_n + √(κ_n/(λ w_n)), lo_n, 1).
 Along this curve df/dλ has the sign of ψ(λ) = λ·M(λ) − H(λ) (H = the sum of the terms), and ψ
 is continuous, piecewise linear and strictly increasing in λ (each free client contributes
 λ e_n w_n/(NB) − A/(NB), each clipped one λ w_n q_n − const). So f is unimodal in λ, hence in M,
@@ -224,7 +224,7 @@ def q_curve(
 
 def _weight_bound(problem: PlanProblem, options: PlanOptions, lower: np.ndarray) -> np.ndarray:
     """lower raised to a_n/w_max where `options.max_weight` = w_max > 0: the unbiased weight
-    a_n/q_n of a sampled client is at most w_max (issue 21)."""
+    a_n/q_n of a sampled client is at most w_max."""
     if options.max_weight > 0:
         return np.maximum(lower, problem.a / options.max_weight)
     return lower

@@ -37,7 +37,7 @@ def _m_range(
     problem: PlanProblem, k: np.ndarray, curve: QCurve, options: PlanOptions
 ) -> tuple[float, float]:
     """[M_a, M_b] searched: the feasible (Σ w lo, Σ w], or the paper's
-    [N·(min k/max k)²·min w, N·max w] (§V-D, with the sketched w of PAPER_NOTES #6) intersected
+    [N·(min k/max k)²·min w, N·max w] (§V-D, with the sketched w: docs/paper.md, row 6) intersected
     with it. The paper's range always meets the feasible one (its M_min <= N·min w <= Σ w)."""
     lo, hi = curve.m_min, curve.m_max
     if options.m_range == "paper":
@@ -178,7 +178,7 @@ def p2_q_step(
     P2 = A·M/(B − V), V = Σ κ_n/q_n with κ_n = a_n² c_n, M = Σ w_n q_n: the KKT curve of
     `QCurve` with p = 0 (its "P2" surrogate), clipped to the bounds. P3 >= P2 is only an upper
     bound, so the P3 q-step can leave P2 on the table; the alternation (`alternate`) keeps the
-    better of the two by P2 (issue 21: the grid path's worse-on-P3 q beat the exact one)."""
+    better of the two by P2 (the grid path's worse-on-P3 q once beat the exact one)."""
     k = np.asarray(k, dtype=np.int64)
     a2 = problem.a**2
     kappa = a2 * sketch_penalty(k, problem.gamma, constants)

@@ -1,0 +1,281 @@
+"""Your own multiple-choice questions: JSON, JSONL or CSV records read through a field map.
+
+    [data]
+    mc_files = ["quiz_train.csv"]       # trained on (one task, named data.mc_task)
+    mc_eval_files = ["quiz_test.csv"]   # evaluated on, as that task
+    mc_question = "question"
+    mc_choices = ["A", "B", "C", "D"]   # one column per choice, or one field holding a list
+    mc_answer = "answer"
+    mc_answer_type = "label"            # index (0-based) | label (A, B, .. or the column) | text
+    mc_context = ""                     # optional: a passage read before the question
+
+Each record becomes the LLM-Adapters question ``Please choose the correct answer to the
+question: {question}`` with ``Answer1: ...`` options and the context as its input, so it
+trains and evaluates in both formats; its lm-eval request is arc's (``{context}\\nQuestion:
+{question}\\nAnswer:`` and each option). A record that does not fit raises `DataError` naming
+the file, the line (the record's first line) and the field.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedlora.errors import DataError
+from fedlora.llm.harness import harness_request
+from fedlora.llm.task_registry import QUESTION_LEAD_IN, TASKS, question_answer, register_task
+from fedlora.llm.task_types import TaskSpec
+from fedlora.llm.tasks import Example, mc_example
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedlora.config.sections import DataConfig
+
+ANSWER_TYPES = ("index", "label", "text")
+SUFFIXES = (".json", ".jsonl", ".csv")
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    """Which record field holds what (`data.mc_*`)."""
+
+    question: str = "question"
+    choices: tuple[str, ...] = ("choices",)  # one field holding a list, or one per choice
+    answer: str = "answer"
+    answer_type: str = "index"  # index (0-based) | label (A, B, ... / the column) | text
+    context: str = ""  # "" = none
+
+    @classmethod
+    def of(cls, cfg: DataConfig) -> FieldMap:
+        return cls(
+            question=cfg.mc_question,
+            choices=tuple(cfg.mc_choices),
+            answer=cfg.mc_answer,
+            answer_type=cfg.mc_answer_type,
+            context=cfg.mc_context,
+        )
+
+
+def user_task(name: str) -> TaskSpec:
+    """The declaration of a user's multiple-choice task (registered once per name)."""
+    spec = TaskSpec(
+        name=name,
+        folder="",
+        lm_eval=name,
+        lead_in=QUESTION_LEAD_IN,
+        option_word="answer",
+        request=question_answer,
+    )
+    old = TASKS.get(name)
+    if old is not None and old.folder:
+        raise DataError(f"data.mc_task = {name!r} is a built-in task: choose another name")
+    return register_task(spec)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _json_records(text: str, source: str) -> Iterator[tuple[int, Any]]:
+    """The objects of a JSON list with the line each starts on."""
+    decoder = json.JSONDecoder()
+    pos = len(text) - len(text.lstrip())
+    if not text.startswith("[", pos):
+        raise DataError(f"{source}: expected a JSON list of records (or use .jsonl)")
+    pos += 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text):
+            raise DataError(f"{source}: the JSON list is not closed with ']'")
+        if text[pos] == "]":
+            return
+        try:
+            rec, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{source}: line {text.count(chr(10), 0, pos) + 1}: {e.msg}") from None
+        yield text.count("\n", 0, pos) + 1, rec
+        pos = end
+
+
+HUB_PREFIX = "hf:"  # hf:owner/name[:config]@split, e.g. hf:allenai/sciq@train
+
+
+def hub_records(spec: str) -> list[tuple[str, Any]]:
+    """(where, record) for every record of a hub dataset ``hf:owner/name[:config]@split``,
+    through the `datasets` package; online only (offline: one line saying so)."""
+    body = spec[len(HUB_PREFIX) :]
+    name, at, split = body.rpartition("@")
+    repo, _, config = (name if at else body).partition(":")
+    if not at or not split or repo.count("/") != 1 or not all(repo.split("/")):
+        raise DataError(f"{spec!r}: a hub dataset reads hf:owner/name[:config]@split")
+    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v) == "1"]
+    if offline:
+        raise DataError(
+            f"{spec!r}: hub datasets load online only and {offline[0]}=1 is set: unset it, or "
+            "save the dataset as a .jsonl file and name that file"
+        )
+    try:
+        import datasets  # noqa: PLC0415 (optional, heavy)
+    except ImportError:
+        raise DataError(
+            f"{spec!r}: hub datasets need the 'datasets' package: pip install datasets"
+        ) from None
+    try:
+        ds = datasets.load_dataset(repo, config or None, split=split)
+    except Exception as e:  # noqa: BLE001 - network, missing dataset, ...: one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(f"{spec!r}: cannot load {repo} ({split}) from the hub: {first}") from None
+    return [(f"{spec}: record {i}", dict(rec)) for i, rec in enumerate(ds)]
+
+
+def read_records(path: str) -> list[tuple[str, Any]]:
+    """(where, record) for every record of a .json (a list), .jsonl or .csv file (`where`
+    names the file and the line the record starts on), or of a hub dataset
+    ``hf:owner/name[:config]@split`` (`hub_records`: the record's index)."""
+    if path.startswith(HUB_PREFIX):
+        out = hub_records(path)
+        if not out:
+            raise DataError(f"{path!r} holds no records")
+        return out
+    p = Path(path)
+    if p.suffix.lower() not in SUFFIXES:
+        raise DataError(f"{path!r}: unknown file type {p.suffix!r}: allowed: {', '.join(SUFFIXES)}")
+    try:
+        text = p.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise DataError(f"{path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {path!r}: {e}") from None
+    out: list[tuple[str, Any]] = []
+    if p.suffix.lower() == ".json":
+        out = [(f"{path}: line {n}", rec) for n, rec in _json_records(text, path)]
+    elif p.suffix.lower() == ".jsonl":
+        for n, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    out.append((f"{path}: line {n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: line {n}: not a JSON object: {e.msg}") from None
+    else:
+        reader = csv.DictReader(text.splitlines(keepends=True))
+        start = 2
+        for row in reader:
+            out.append((f"{path}: line {start}", row))
+            start = reader.line_num + 1
+    if not out:
+        raise DataError(f"{path!r} holds no records")
+    return out
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def _field(rec: Mapping[str, Any], name: str, where: str) -> Any:
+    if name not in rec or rec[name] is None or rec[name] == "":
+        present = ", ".join(map(str, rec)) or "none"
+        raise DataError(f"{where}: field {name!r} is missing or empty (fields: {present})")
+    return rec[name]
+
+
+def _choices(rec: Mapping[str, Any], fm: FieldMap, where: str) -> tuple[list[str], list[str]]:
+    """The option texts and their labels (A, B, ... or the choice columns' names)."""
+    if len(fm.choices) == 1:
+        value = _field(rec, fm.choices[0], where)
+        if isinstance(value, str):  # a CSV cell holding a JSON list
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = None
+        if not isinstance(value, list):
+            raise DataError(
+                f"{where}: field {fm.choices[0]!r} must be a list of choices (in CSV: a JSON "
+                f"list), got {rec[fm.choices[0]]!r:.80}; or name one field per choice"
+            )
+        fields = [f"{fm.choices[0]}[{i}]" for i in range(len(value))]
+        labels = [chr(ord("A") + i) for i in range(len(value))]
+    else:
+        value = [_field(rec, name, where) for name in fm.choices]
+        fields, labels = list(fm.choices), list(fm.choices)
+    if len(value) < 2:
+        raise DataError(f"{where}: field {fm.choices[0]!r} needs >= 2 choices, got {value!r:.80}")
+    texts = []
+    for f, v in zip(fields, value):
+        text = str(v).strip() if isinstance(v, (str, int, float)) else ""
+        if not text:
+            raise DataError(f"{where}: choice {f!r} is empty or not text: {v!r:.80}")
+        texts.append(text)
+    return texts, labels
+
+
+def _gold(value: Any, texts: list[str], labels: list[str], fm: FieldMap, where: str) -> int:
+    field = f"field {fm.answer!r} = {value!r:.80}"
+    if fm.answer_type == "index":
+        try:
+            i = int(str(value).strip()) if not isinstance(value, bool) else -1
+        except ValueError:
+            i = -1
+        if not 0 <= i < len(texts):
+            raise DataError(f"{where}: {field} is not a choice index 0..{len(texts) - 1}")
+        return i
+    if fm.answer_type == "label":
+        by_label = {lab.strip().lower(): i for i, lab in enumerate(labels)}
+        i = by_label.get(str(value).strip().lower(), -1)
+        if i < 0:
+            raise DataError(f"{where}: {field} is not one of the choice labels {labels}")
+        return i
+    if str(value).strip() not in texts:
+        raise DataError(f"{where}: {field} is not among the choices {texts!r:.200}")
+    return texts.index(str(value).strip())
+
+
+def scalars(rec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The record's scalar fields as (name, text) pairs (for data.partition_key)."""
+    return tuple(
+        (str(k), str(v).lower() if isinstance(v, bool) else str(v))
+        for k, v in rec.items()
+        if isinstance(v, (str, int, float, bool))
+    )
+
+
+def record_to_example(rec: Any, fm: FieldMap, task: str, where: str) -> Example:
+    """One user record as the LLM-Adapters `Example` of task `task` (its harness request
+    checked to read back the same question and options)."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: a record must be an object, got {rec!r:.80}")
+    question = str(_field(rec, fm.question, where)).strip()
+    texts, labels = _choices(rec, fm, where)
+    gold = _gold(_field(rec, fm.answer, where), texts, labels, fm, where)
+    context = str(_field(rec, fm.context, where)).strip() if fm.context else ""
+    spec = user_task(task)
+    ex = mc_example(spec, question, texts, gold)
+    ex = Example(ex.task, ex.instruction, ex.output, ex.answer, ex.labels, context, scalars(rec))
+    try:
+        req = harness_request(ex)
+    except DataError as e:
+        raise DataError(
+            f"{where}: field {fm.question!r} or the choices cannot be read: {e}"
+        ) from None
+    if req.choices != tuple(texts) or f"Question: {question}\n" not in req.contexts[0]:
+        raise DataError(
+            f"{where}: field {fm.question!r} or a choice holds an 'AnswerN:' marker or an "
+            "'Answer format:' line, which the question format reserves"
+        )
+    return ex
+
+
+def load_mc_files(paths: Sequence[str], fm: FieldMap, task: str) -> list[Example]:
+    """Every record of the user's files as `Example`s of task `task`."""
+    if fm.answer_type not in ANSWER_TYPES:
+        raise DataError(
+            f"data.mc_answer_type = {fm.answer_type!r} is invalid: allowed: "
+            f"{', '.join(ANSWER_TYPES)}"
+        )
+    return [
+        record_to_example(rec, fm, task, where)
+        for path in paths
+        for where, rec in read_records(path)
+    ]
