@@ -274,7 +274,7 @@ def main() -> None:
                 "share_of_mm": flops * rate / 1e9 / peak,
             }  # fmt: skip
             print(
-                f"  {prec:5s} {name:20s} {rate:6.3f} client-steps/s ({seconds:.1f} s), "
+                f"  {prec:5s} {name:24s} {rate:6.3f} client-steps/s ({seconds:.1f} s), "
                 f"{flops / 1e9:.1f} GFLOP/client-step, {flops * rate / 1e9:.1f} GFLOP/s",
                 flush=True,
             )
