@@ -50,6 +50,7 @@ def test_defaults_are_valid_and_loading_nothing_gives_them():
         "planner",
         "output",
         "evaluation",
+        "privacy",
     ]
     # a few defaults the rest of fedlora relies on
     assert cfg.lora.rank == 16

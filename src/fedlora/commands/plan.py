@@ -1,4 +1,4 @@
-"""`fedlora plan PROBLEM.json [--solver exact|cvxpy] [--max-weight W] [-o PLAN.json]`: Algorithm 2 on a problem
+"""`fedlora plan PROBLEM.json [--solver exact|cvxpy] [--max-weight W] [--max-epsilon E] [-o PLAN.json]`: Algorithm 2 on a problem
 file (schema: docs/planner.md); prints the plan as JSON, or writes it and prints a summary."""
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "stated floors, or refuse (overrides options.calibration_fit)",
     )
     p.add_argument(
+        "--max-epsilon",
+        type=float,
+        metavar="E",
+        help="a privacy budget: every client's epsilon(delta) after the planned rounds <= E "
+        "(overrides options.max_epsilon; with --noise-multiplier, --delta; docs/privacy.md)",
+    )
+    p.add_argument("--noise-multiplier", type=float, metavar="S", help="sigma of the budget")
+    p.add_argument("--delta", type=float, metavar="D", help="delta of the budget's epsilon")
+    p.add_argument(
         "--normalize-a",
         action="store_true",
         help="rescale the clients' a to sum to 1 instead of refusing them",
@@ -62,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
         overrides["max_weight"] = args.max_weight
     if args.calibration_fit:
         overrides["calibration_fit"] = args.calibration_fit
+    for key in ("max_epsilon", "noise_multiplier", "delta"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
     problem, options = load_problem(args.problem, overrides)
     try:
         with np.errstate(all="ignore"):  # a degenerate result is refused below, not warned of
@@ -89,4 +101,21 @@ def run(args: argparse.Namespace) -> int:
     )
     if result.floors:
         print("floored: " + "; ".join(f"{k} ({v})" for k, v in result.floors.items()))
+    for line in budget_lines(result.privacy, result.q):
+        print(line)
     return 0
+
+
+def budget_lines(privacy: dict, q) -> list[str]:
+    """With a privacy budget: one line per client, its q, bound, ε and budget."""
+    if not privacy:
+        return []
+    lines = [
+        f"privacy budget: σ = {privacy['noise_multiplier']:g}, δ = {privacy['delta']:g}, "
+        f"ε after R = {privacy['rounds']} rounds (bounds set for {privacy['bound_rounds']})"
+    ]
+    for n, (qn, u, e, b) in enumerate(
+        zip(q, privacy["q_max"], privacy["epsilon"], privacy["max_epsilon"])
+    ):
+        lines.append(f"  client {n}: q = {qn:.4g} <= {u:.4g}, ε = {e:.3g} <= {b:g}")
+    return lines

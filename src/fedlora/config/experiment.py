@@ -1,4 +1,4 @@
-"""The whole experiment config: `ExperimentConfig` of the nine sections, its cross-section
+"""The whole experiment config: `ExperimentConfig` of the ten sections, its cross-section
 checks, and how it is built from nested ``{section: {key: value}}`` (TOML-shaped) data."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from fedlora.config.planner_section import PlannerConfig
+from fedlora.config.privacy_section import PrivacyConfig, check_private_method
 from fedlora.config.sections import (
     DataConfig,
     EvaluationConfig,
@@ -34,9 +35,12 @@ class ExperimentConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         n = self.data.n_clients
+        check_private_method(self.privacy, self.method.name, self.method.heterolora_pruning)
+        _check_budget(self.planner.max_epsilon, self.privacy, n)
         for name in ("q", "k", "ranks"):
             value = getattr(self.method, name)
             if isinstance(value, tuple) and len(value) != n:
@@ -76,6 +80,21 @@ class ExperimentConfig:
             f.name: {k: _to_plain(v) for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
             for f in dataclasses.fields(self)
         }
+
+
+def _check_budget(max_epsilon: float | tuple[float, ...], privacy: PrivacyConfig, n: int) -> None:
+    """planner.max_epsilon: one budget per client (or one for all), and central privacy."""
+    if isinstance(max_epsilon, tuple) and len(max_epsilon) != n:
+        raise bad_value(
+            "planner.max_epsilon", max_epsilon, f"one number, or one per client: {n} numbers"
+        )
+    if max_epsilon and privacy.mode != "central":
+        raise bad_value(
+            "planner.max_epsilon",
+            max_epsilon,
+            f"a privacy budget needs privacy.mode = 'central' (got {privacy.mode!r}); "
+            "0 = no budget",
+        )
 
 
 SECTIONS: dict[str, type] = {

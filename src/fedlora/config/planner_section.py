@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 from fedlora.config.checks import check_choice, check_int, check_number
 from fedlora.errors import ConfigError, bad_value
@@ -48,6 +49,9 @@ class PlannerConfig:
     fit_floor_share: float = 0.1
     replan_every: int = 0  # in-run: refit and re-plan every R rounds after the probes; 0 = off
     replan_margin: float = 0.05  # adopt a new plan only if its predicted time is this much lower
+    # privacy budget: every client's ε(privacy.delta) at the planned rounds stays below this
+    # (one number for all or one per client; 0 = no budget); needs privacy.mode = "central"
+    max_epsilon: Union[float, tuple[float, ...]] = 0.0  # noqa: UP007
 
     def __post_init__(self) -> None:
         check_choice("planner.solver", self.solver, ("exact", "cvxpy"))
@@ -85,6 +89,10 @@ class PlannerConfig:
                 f"planner.replan_every = {self.replan_every} needs planner.calibration = "
                 f"'in-run' (got {self.calibration!r}): the refit uses the run's own probe rounds"
             )
+        budgets = self.max_epsilon if isinstance(self.max_epsilon, tuple) else (self.max_epsilon,)
+        for i, e in enumerate(budgets):
+            name = "planner.max_epsilon" + (f"[{i}]" if isinstance(self.max_epsilon, tuple) else "")
+            check_number(name, e, lo=0, lo_open=isinstance(self.max_epsilon, tuple))
         if not isinstance(self.calibration_in_budget, bool):
             raise bad_value(
                 "planner.calibration_in_budget", self.calibration_in_budget, "true or false"

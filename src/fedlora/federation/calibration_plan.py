@@ -76,7 +76,7 @@ def plan_from_calibration(
     observations = [
         Observation(np.full(n, r["q"]), np.full(n, r["k"]), float(r["rounds"])) for r in records
     ]
-    options = PlanOptions.from_config(cfg.planner, cfg.network)
+    options = PlanOptions.from_config(cfg.planner, cfg.network, cfg.privacy)
     problem = PlanProblem(
         gamma=gamma,
         f_tot=cfg.network.f_tot_hz,

@@ -36,6 +36,7 @@ from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
 from fedlora.federation.clock import round_cost
 from fedlora.federation.methods.base import RoundPlan
 from fedlora.federation.methods.proposed import Plan
+from fedlora.federation.privacy import account_round
 from fedlora.federation.profiles import write_clients_csv
 from fedlora.federation.progress import (
     Progress,
@@ -379,6 +380,8 @@ def _one_round(run: Run, trainer: Trainer, plan: RoundPlan, progress: Progress) 
             train_loss = float(np.mean(trained.losses))
     else:
         progress.empty_rounds += 1
+    if run.method.privacy is not None and run.method.privacy.noise_alone(trained):
+        apply_aggregate(run, RoundPlan(plan.round, ()), to_numpy(run.lora.global_state()), [])
     close_round(run, cost_plan, progress, line, train_loss)
-    line.update(trainer.line_fields(trained))
+    line.update(trainer.line_fields(trained), **account_round(run.method, cost_plan, progress))
     return line

@@ -9,7 +9,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from fedlora.config.experiment import ExperimentConfig
+from fedlora.system.privacy import PrivacyLedger
 
 
 @dataclass
@@ -46,6 +49,8 @@ class Progress:
     # eval_every_s grid is laid from here, so that every method's evaluations fall at the
     # same times after its start
     clock_start_s: float = 0.0
+    # privacy.mode set: every client's privacy events so far (fedlora.system.privacy)
+    privacy_ledger: list | None = None
 
 
 class Reporter:
@@ -72,6 +77,8 @@ class Reporter:
             "acc": "-" if acc is None else f"{acc:.3f}",
             "mc_loss": "-" if progress.last_mc_loss is None else f"{progress.last_mc_loss:.3f}",
         }
+        if line.get("epsilon"):  # privacy: the largest client ε so far
+            text["eps"] = _largest(line["epsilon"])
         if self.bar is not None:
             self.bar.set_postfix(text, refresh=False)
             self.bar.update(1)
@@ -165,7 +172,32 @@ def summarize(
         "wall_s": time.perf_counter() - wall_start,
         "method": cfg.method.name,
         "seed": cfg.training.seed,
+        **_privacy_summary(cfg, progress),
     }
+
+
+def _privacy_summary(cfg: ExperimentConfig, progress: Progress) -> dict[str, Any]:
+    """summary.json's ``privacy``: the settings and every client's final ε(δ) (null: not
+    finite, σ = 0); nothing without privacy."""
+    p = cfg.privacy
+    if not p.enabled:
+        return {}
+    ledger = PrivacyLedger(cfg.data.n_clients, progress.privacy_ledger)
+    eps = [e if math.isfinite(e) else None for e in ledger.epsilons(p.noise_multiplier, p.delta)]
+    return {
+        "privacy": {
+            "mode": p.mode,
+            "clip_norm": p.clip_norm,
+            "noise_multiplier": p.noise_multiplier,
+            "delta": p.delta,
+            "epsilon": eps,
+            "max_epsilon": None if None in eps else max(eps, default=0.0),
+        }
+    }
+
+
+def _largest(eps: list[float | None]) -> str:
+    return "inf" if None in eps else f"{max(eps):.2f}"
 
 
 def describe(summary: dict[str, Any]) -> str:
@@ -187,8 +219,23 @@ def describe(summary: dict[str, Any]) -> str:
             f"time to {pct(summary['target_accuracy'])}: "
             + ("not reached" if ttt is None else f"{ttt:.1f} s")
         )
+    if summary.get("privacy"):
+        lines.append(_describe_privacy(summary["privacy"]))
     lines.extend(describe_eval(summary))
     return "\n".join(lines)
+
+
+def _describe_privacy(p: dict[str, Any]) -> str:
+    """The privacy line: the settings, the largest client ε (and whose) and the median."""
+    eps = p["epsilon"]
+    text = f"privacy: {p['mode']}, σ = {p['noise_multiplier']:g}, clip {p['clip_norm']:g}, "
+    if None in eps or not eps:
+        return text + f"δ = {p['delta']:g}: ε = inf (σ = 0: no guarantee)"
+    worst = int(np.argmax(eps))
+    return text + (
+        f"δ = {p['delta']:g}: ε max {eps[worst]:.3g} (client {worst}), "
+        f"median {float(np.median(eps)):.3g}"
+    )
 
 
 def _known(x: Any) -> bool:

@@ -155,7 +155,7 @@ def _refit(run: Any, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
     settings = [(np.asarray(s["q"], float), np.asarray(s["k"], np.int64)) for s in st["settings"]]
     rates, counts = progress_rates(st["log_loss"], st["of_round"])
     yz = np.array([_yz(a, q, k, gamma) for q, k in settings])
-    options = PlanOptions.from_config(cfg.planner, cfg.network)
+    options = PlanOptions.from_config(cfg.planner, cfg.network, cfg.privacy)
     entry: dict[str, Any] = {
         "kind": "calibration" if initial else "replan",
         "rates": [None if not math.isfinite(x) else float(x) for x in rates],

@@ -2,7 +2,7 @@
 (seed, stream, r, ...), so a resumed run replays exactly the draws of an uninterrupted one
 and a Flower node can rebuild its own batches.
 
-Streams: partition, profiles, strategy, sampling, sketch, data, fading, torch, init.
+Streams: partition, profiles, strategy, sampling, sketch, data, fading, torch, init, privacy.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ STREAMS = {
     "fading": 7,
     "torch": 8,
     "init": 9,
+    "privacy": 10,
 }
 
 

@@ -17,6 +17,7 @@ from fedlora.federation.methods.base import Method, MethodContext
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.methods.registry import check_method_config
 from fedlora.federation.methods.server_opt import ServerOptimizer
+from fedlora.federation.privacy import make_privacy
 
 for _module in pkgutil.iter_modules(__path__):  # a method is one file: its decorator runs
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -48,4 +49,5 @@ def make_method(
     method = cls.from_config(ctx)
     server_opt = ServerOptimizer.from_config(cfg.method)
     method.server_opt = None if server_opt.is_identity else server_opt
+    method.privacy = make_privacy(cfg)  # None unless privacy.mode is set
     return method

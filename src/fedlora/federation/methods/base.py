@@ -123,6 +123,7 @@ class Method:
     name = "base"
     delta_aggregate = False
     server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
+    privacy: Any = None  # federation.privacy.ClientPrivacy, set by make_method (None: no DP)
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
@@ -149,8 +150,14 @@ class Method:
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]
     ) -> Aggregation:
         """What the engine applies: `aggregate`, then the server optimizer on its update Δ
-        (``method.server_optimizer``; a round without participants is no optimizer step)."""
+        (``method.server_optimizer``; a round without participants is no optimizer step).
+        With ``privacy.mode`` set, the updates are clipped before and the noise added after
+        `aggregate`, before the optimizer (`fedlora.federation.privacy`)."""
+        if self.privacy is not None:
+            client_states = self.privacy.clip(global_state, plan, client_states)
         agg = self.aggregate(global_state, plan, client_states)
+        if self.privacy is not None:
+            agg.global_state = self.privacy.noise(global_state, agg.global_state, plan)
         if self.server_opt is not None and plan.tasks:
             agg.global_state = self.server_opt.step(global_state, agg.global_state)
         return agg

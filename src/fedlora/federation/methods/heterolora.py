@@ -96,6 +96,7 @@ class HeteroLoRA(RankTruncationMethod):
             clients_per_round=m.clients_per_round,
             pruning=m.heterolora_pruning,
             rslora=ctx.cfg.lora.rslora,
+            weighting="data" if ctx.cfg.privacy.enabled else "sparsity",  # DP: data-independent
         )
 
     def __init__(

@@ -15,6 +15,8 @@ algorithm uses them:
 - `qcurve`, `qstep`: the q-step for fixed k (P3 along its exact KKT curve; cvxpy reference);
 - `kstep`: the greedy k-step for fixed q;
 - `alternation`: q-step → k-step to a fixed point or cycle, from several starts; `plan`;
+- `budget`: a privacy budget (planner.max_epsilon) as upper bounds on q at the planned rounds,
+  iterated to a fixed point with the round estimate (`plan_within_budget`);
 - `schema`: the PROBLEM.json structure → (PlanProblem, PlanOptions).
 
 Every public name is importable from `fedlora.system.planner` itself.
@@ -30,6 +32,7 @@ from fedlora.system.planner.alternation import (
     plan,
     uniform_start,
 )
+from fedlora.system.planner.budget import plan_within_budget, rate_bounds
 from fedlora.system.planner.estimate import calibration_fit, estimate_constants
 from fedlora.system.planner.fit import FLOOR_SHARE, FitResult, constrained_fit, progress_rates
 from fedlora.system.planner.kstep import greedy_k
@@ -63,6 +66,8 @@ from fedlora.system.planner.qstep import QStepResult, p2_q_step, q_step
 from fedlora.system.planner.schema import problem_from_dict
 
 __all__ = [
+    "plan_within_budget",
+    "rate_bounds",
     "CALIBRATION_FITS",
     "FLOOR_SHARE",
     "FitResult",

@@ -1,6 +1,7 @@
 """Algorithm 2's alternation (docs/paper.md, row 11): q-step → k-step until k reaches a fixed point
 or a cycle, keeping the best (q, k) seen, from several starting k⁰; and `plan`, the whole
-algorithm (estimate A–D from calibration runs if needed, then the alternation).
+algorithm (estimate A–D from calibration runs if needed, then the alternation, within a
+privacy budget if one is given: `budget.plan_within_budget`).
 
 `PlanResult(q, k, objective, expected_round_time_s, expected_rounds, constants, ...)`
     The best (q, k) seen by the alternation, its P2 value = expected_rounds ·
@@ -19,11 +20,13 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.system.planner.budget import over_rounds, plan_within_budget
 from fedlora.system.planner.estimate import estimate_constants
 from fedlora.system.planner.fit import constrained_fit
 from fedlora.system.planner.kstep import greedy_k, k_floor
 from fedlora.system.planner.objective import expected_rounds, p2_objective, sketched_round_weights
 from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
+from fedlora.system.planner.qcurve import q_upper_bounds
 from fedlora.system.planner.qstep import QStepResult, p2_q_step, q_step
 
 
@@ -46,6 +49,7 @@ class PlanResult:
     starts: dict[str, float] = field(default_factory=dict)  # P2 reached from each start
     constants_fit: str = ""  # how A–D were obtained by `plan` ("" = given)
     floors: dict[str, str] = field(default_factory=dict)  # constants floored by the fit, why
+    privacy: dict[str, Any] = field(default_factory=dict)  # planner.max_epsilon (`budget`)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +67,7 @@ class PlanResult:
             "starts": {name: float(v) for name, v in self.starts.items()},
             **({"constants_fit": self.constants_fit} if self.constants_fit else {}),
             **({"floors": dict(self.floors)} if self.floors else {}),
+            **({"privacy": dict(self.privacy)} if self.privacy else {}),
         }
 
 
@@ -94,6 +99,8 @@ def alternate(
             polished = _polish(problem, constants, kk, options, polish_cache)
             if polished is not None and polished.objective < value:  # a candidate, not the path
                 value, q_it, m_it = polished.objective, polished.q, polished.m
+            if over_rounds(problem, constants, q_it, kk, options):  # options.max_rounds
+                value = math.inf
             history.append(value)
             if best is None or value < best[0]:
                 best = (value, q_it, kk, m_it)
@@ -232,11 +239,12 @@ def multi_start(
         restart = True
     else:
         restart = False
-    lift = k_floor(problem, constants, np.ones(problem.n), options.q_lower_bound)
+    lift = k_floor(problem, constants, q_upper_bounds(problem, options), options.q_lower_bound)
     best: PlanResult | None = None
     reached: dict[str, float] = {}
     iterations = 0
     tried: set[bytes] = set()
+    failure: ConfigError | None = None
     queue = list(starts.items())
     while queue:
         name, k0 = queue.pop(0)
@@ -244,15 +252,23 @@ def multi_start(
         if k0.tobytes() in tried:
             continue
         tried.add(k0.tobytes())
-        res = alternate(problem, constants, options, k0=k0)
-        iterations += res.iterations
-        reached[name] = res.objective
-        if best is None or res.objective < best.objective:
-            best = dataclasses.replace(res, start=name)
-        if not queue and restart:
+        try:
+            res = alternate(problem, constants, options, k0=k0)
+        except ConfigError as e:  # upper bounds (q_max) can leave a start with no feasible q
+            if not options.q_max:
+                raise
+            failure, res = e, None
+        if res is not None:
+            iterations += res.iterations
+            reached[name] = res.objective
+            if best is None or res.objective < best.objective:
+                best = dataclasses.replace(res, start=name)
+        if not queue and restart and best is not None:
             restart = False
             queue.append(("previous_best", best.k))
     if best is None:
+        if failure is not None:
+            raise failure
         raise bad_value("starts", starts, "at least one k⁰")
     return dataclasses.replace(best, iterations=iterations, starts=reached)
 
@@ -283,5 +299,5 @@ def plan(problem: PlanProblem, options: PlanOptions | None = None) -> PlanResult
             )
             constants, floors = fit.constants, fit.floors
             how = f"constrained (the SVD fit was refused: {e})"
-    result = multi_start(problem, constants, options)
+    result = plan_within_budget(problem, options, lambda o: multi_start(problem, constants, o))
     return dataclasses.replace(result, constants_fit=how, floors=floors)

@@ -190,6 +190,13 @@ class PlanOptions:
     polish: bool = True  # each iterate's k also scored with the exact P2 minimiser over q
     calibration_fit: str = "constrained"  # constrained (A, C, D >= 0, floors) | refuse (SVD only)
     fit_floor_share: float = 0.1  # φ of the floors of C and D where not identified (`fit`)
+    # a privacy budget (`budget.plan_within_budget`): every client's ε(delta) at the planned
+    # rounds <= max_epsilon (one for all, or one per client; 0 = none) at noise multiplier σ
+    max_epsilon: float | tuple[float, ...] = 0.0
+    noise_multiplier: float = 1.0
+    delta: float = 1e-5
+    q_max: tuple[float, ...] = ()  # q_n <= q_max_n (the budget's rates; () = 1 for all)
+    max_rounds: float = 0.0  # the exact q-step keeps R(q, k) <= max_rounds (0 = no bound)
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -236,15 +243,22 @@ class PlanOptions:
         fs = self.fit_floor_share
         if isinstance(fs, bool) or not isinstance(fs, (int, float)) or not (0.0 < fs < 1.0):
             raise bad_value("options.fit_floor_share", fs, "a number in (0, 1)")
+        _check_budget_options(self)
         if not isinstance(self.polish, bool):
             raise bad_value("options.polish", self.polish, "true or false")
         if not isinstance(self.normalize_a, bool):
             raise bad_value("options.normalize_a", self.normalize_a, "true or false")
 
     @classmethod
-    def from_config(cls, planner: Any, network: Any) -> PlanOptions:
-        """From a `PlannerConfig` and a `NetworkConfig` (the engine's `proposed` method)."""
+    def from_config(cls, planner: Any, network: Any, privacy: Any = None) -> PlanOptions:
+        """From a `PlannerConfig`, a `NetworkConfig` and a `PrivacyConfig` (its σ and δ for
+        planner.max_epsilon) (the engine's `proposed` method)."""
+        budget = {}
+        if privacy is not None:
+            budget = {"noise_multiplier": privacy.noise_multiplier, "delta": privacy.delta}
         return cls(
+            max_epsilon=planner.max_epsilon,
+            **budget,
             solver=planner.solver,
             estimation_matrix=planner.estimation_matrix,
             q_lower_bound=planner.q_lower_bound,
@@ -258,3 +272,24 @@ class PlanOptions:
             max_weight=planner.max_weight,
             fit_floor_share=planner.fit_floor_share,
         )
+
+
+def _check_budget_options(options: PlanOptions) -> None:
+    """max_epsilon (a number >= 0 or one > 0 per client), σ >= 0, δ in (0, 1), q_max in (0, 1]."""
+    for name in ("max_epsilon", "q_max"):
+        value = getattr(options, name)
+        if isinstance(value, list):
+            object.__setattr__(options, name, tuple(value))
+    budgets = options.max_epsilon
+    items = budgets if isinstance(budgets, tuple) else (budgets,)
+    for e in items:
+        ok = isinstance(e, (int, float)) and not isinstance(e, bool) and math.isfinite(e)
+        if not ok or e < 0 or (isinstance(budgets, tuple) and e <= 0):
+            raise bad_value("options.max_epsilon", budgets, "a number >= 0 or one > 0 per client")
+    sigma, delta = options.noise_multiplier, options.delta
+    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma >= 0:
+        raise bad_value("options.noise_multiplier", sigma, "a number >= 0")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise bad_value("options.delta", delta, "a number in (0, 1)")
+    if any(not (isinstance(u, (int, float)) and 0 < u <= 1) for u in options.q_max):
+        raise bad_value("options.q_max", options.q_max, "one number in (0, 1] per client")

@@ -2,7 +2,8 @@
 fixed-M problem for every M, and the M that minimises the surrogate along it.
 
 For fixed k, P3 minimises f(q) = M · Σ_n A q_n / (N B q_n − e_n), M = Σ w_n q_n,
-e_n = a_n² N² c_n, over lo_n < q_n <= 1. Writing A q/(NBq − e) = A/(NB) + κ_n/(q − p_n) with
+e_n = a_n² N² c_n, over lo_n < q_n <= u_n (u_n = 1, or a privacy budget's rate,
+`options.q_max`: 1 below stands for u_n). Writing A q/(NBq − e) = A/(NB) + κ_n/(q − p_n) with
 p_n = e_n/(NB) and κ_n = A e_n/(NB)², the fixed-M problem min Σ κ_n/(q_n − p_n) s.t.
 Σ w_n q_n = M has the KKT solution q_n(λ) = clip(p_n + √(κ_n/(λ w_n)), lo_n, 1).
 Along this curve df/dλ has the sign of ψ(λ) = λ·M(λ) − H(λ) (H = the sum of the terms), and ψ
@@ -45,22 +46,24 @@ class QCurve:
         lower: np.ndarray,
         surrogate: str,
         constants: Constants,
+        upper: np.ndarray | None = None,
     ) -> None:
         self.w, self.p, self.kappa, self.lower = w, p, kappa, lower
+        self.upper = np.ones_like(w) if upper is None else upper  # q_n <= u_n (1: none)
         self.surrogate = surrogate
         self.A, self.B = constants.A, constants.B
         self.h0 = constants.A / constants.B  # Σ_n A/(NB): the constant part of P3's sum
         self.g = np.sqrt(kappa / w)
         self.skw = np.sqrt(kappa * w)
         self.mu_lo = np.maximum((lower - p) / self.g, 0.0)
-        self.mu_hi = (1.0 - p) / self.g
+        self.mu_hi = (self.upper - p) / self.g
         self.m_min = float(np.dot(w, lower))
-        self.m_max = float(w.sum())
+        self.m_max = float(np.dot(w, self.upper))
         self._sweep()
 
     # --- pieces of the objective
     def q(self, mu: float) -> np.ndarray:
-        return np.clip(self.p + self.g * mu, self.lower, 1.0)
+        return np.clip(self.p + self.g * mu, self.lower, self.upper)
 
     def value(self, q: np.ndarray) -> float:
         """f(q): P3 = M·(Σ A/(NB) + V), or P2 = A·M/(B − V); V = Σ κ/(q − p)."""
@@ -81,7 +84,7 @@ class QCurve:
         return np.concatenate([self._values(mus[i : i + step]) for i in range(0, mus.size, step)])
 
     def _values(self, mus: np.ndarray) -> np.ndarray:
-        q = np.clip(self.p + self.g * mus[:, None], self.lower, 1.0)
+        q = np.clip(self.p + self.g * mus[:, None], self.lower, self.upper)
         d = q - self.p
         ok = np.all(d > 0, axis=1)
         d = np.where(d > 0, d, 1.0)
@@ -101,7 +104,7 @@ class QCurve:
 
     def _sweep(self) -> None:
         """State (Wc, Vc, G) after each breakpoint, in increasing μ."""
-        w, p, lo, kap = self.w, self.p, self.lower, self.kappa
+        w, p, lo, kap, up = self.w, self.p, self.lower, self.kappa, self.upper
         at_lo = self.mu_lo > 0
         free = ~at_lo
         wc0 = float(np.dot(w[at_lo], lo[at_lo]) + np.dot(w[free], p[free]))
@@ -109,8 +112,8 @@ class QCurve:
         g0 = float(np.sum(self.skw[free]))
         idx_lo = np.flatnonzero(at_lo)
         mus = np.concatenate([self.mu_lo[idx_lo], self.mu_hi])
-        d_wc = np.concatenate([w[idx_lo] * (p[idx_lo] - lo[idx_lo]), w * (1.0 - p)])
-        d_vc = np.concatenate([-kap[idx_lo] / (lo[idx_lo] - p[idx_lo]), kap / (1.0 - p)])
+        d_wc = np.concatenate([w[idx_lo] * (p[idx_lo] - lo[idx_lo]), w * (up - p)])
+        d_vc = np.concatenate([-kap[idx_lo] / (lo[idx_lo] - p[idx_lo]), kap / (up - p)])
         d_g = np.concatenate([self.skw[idx_lo], -self.skw])
         order = np.argsort(mus, kind="stable")
         self.ev_mu = mus[order]
@@ -131,10 +134,13 @@ class QCurve:
         at_lo = self.mu_lo > mid
         at_hi = (self.mu_hi < mid) & ~at_lo
         free = ~(at_lo | at_hi)
-        w, p, lo, kap = self.w, self.p, self.lower, self.kappa
-        wc = float(np.dot(w[at_lo], lo[at_lo]) + w[at_hi].sum() + np.dot(w[free], p[free]))
+        w, p, lo, kap, up = self.w, self.p, self.lower, self.kappa, self.upper
+        wc = float(
+            np.dot(w[at_lo], lo[at_lo]) + np.dot(w[at_hi], up[at_hi]) + np.dot(w[free], p[free])
+        )
         vc = float(
-            np.sum(kap[at_lo] / (lo[at_lo] - p[at_lo])) + np.sum(kap[at_hi] / (1 - p[at_hi]))
+            np.sum(kap[at_lo] / (lo[at_lo] - p[at_lo]))
+            + np.sum(kap[at_hi] / (up[at_hi] - p[at_hi]))
         )
         return wc, vc, float(self.skw[free].sum())
 
@@ -191,18 +197,20 @@ def q_curve(
     c = sketch_penalty(k, problem.gamma, constants)
     w = sketched_round_weights(problem, k, options)
     a2 = problem.a**2
+    upper = q_upper_bounds(problem, options)
     if options.q_lower_bound == "none":
         p = np.zeros(n)
         kappa = a2 * c
         lower = _weight_bound(problem, options, np.zeros(n))
-        total = float(kappa.sum())
+        total = float(np.sum(kappa / upper))
         if total >= constants.B:
             raise ConfigError(
-                f"infeasible: even q_n = 1 for every client gives B − Σ a_n² c_n = "
-                f"{constants.B - total:.4g} <= 0 at k = {_short(k)} (the target needs infinitely "
-                "many rounds); reduce C, D or raise B"
+                f"infeasible: even q_n = {_bound_text(options)} for every client gives B − "
+                f"Σ a_n² c_n / q_n = {constants.B - total:.4g} <= 0 at k = {_short(k)} (the "
+                "target needs infinitely many rounds); reduce C, D or raise B"
             )
-        return QCurve(w, p, kappa, lower, "P2", constants)
+        _check_upper(options, lower, upper)
+        return QCurve(w, p, kappa, lower, "P2", constants, upper)
     e = a2 * n * n * c
     p = e / nb  # = a_n² N c_n / B, the per-client bound
     kappa = constants.A * e / nb**2
@@ -219,7 +227,29 @@ def q_curve(
             f"N = {n}, max_weight = {options.max_weight:g}); raise B or max_weight or lower "
             "that client's weight a_n"
         )
-    return QCurve(w, p, kappa, lower, "P3", constants)
+    _check_upper(options, lower, upper)
+    return QCurve(w, p, kappa, lower, "P3", constants, upper)
+
+
+def q_upper_bounds(problem: PlanProblem, options: PlanOptions) -> np.ndarray:
+    """u_n: q_n <= u_n (`options.q_max`, e.g. the privacy budget's rates); 1 without."""
+    return np.asarray(options.q_max, dtype=float) if options.q_max else np.ones(problem.n)
+
+
+def _bound_text(options: PlanOptions) -> str:
+    return "q_max_n" if options.q_max else "1"
+
+
+def _check_upper(options: PlanOptions, lower: np.ndarray, upper: np.ndarray) -> None:
+    """ConfigError when a client's lower bound meets its upper bound u_n < 1."""
+    bad = np.flatnonzero(lower >= upper)
+    if bad.size:
+        i = int(bad[0])
+        raise ConfigError(
+            f"infeasible: client {i} needs q_{i} > {lower[i]:.6g} but its privacy budget "
+            f"(planner.max_epsilon) allows at most q_{i} = {upper[i]:.6g}; raise the budget or "
+            "privacy.noise_multiplier"
+        )
 
 
 def _weight_bound(problem: PlanProblem, options: PlanOptions, lower: np.ndarray) -> np.ndarray:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.system.planner.budget import rounds_mu
 from fedlora.system.planner.objective import q_lower_bounds, sketch_penalty, sketched_round_weights
 from fedlora.system.planner.problem import Constants, PlanOptions, PlanProblem
-from fedlora.system.planner.qcurve import STRICT_MARGIN, QCurve, q_curve
+from fedlora.system.planner.qcurve import STRICT_MARGIN, QCurve, q_curve, q_upper_bounds
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def q_step(
         m = float(np.dot(curve.w, curve.q(mu)))
         if m < m_lo or m > m_hi:  # unimodal: the constrained optimum is the nearer end
             mu = float(curve.mu_for_m(min(max(m, m_lo), m_hi))[0])
+        mu = max(mu, rounds_mu(problem, constants, k, curve, options.max_rounds))
     else:
         grid = _grid(m_lo, m_hi, options.grid_eps, open_low)
         mus = curve.mu_for_m(grid)
@@ -117,7 +119,7 @@ def _q_step_cvxpy(
     coef = curve.skw / scale
     y = cp.Variable(curve.w.size)
     m_par = cp.Parameter()
-    constraints = [coef @ y == m_par, y <= (1.0 - curve.p) / curve.g]
+    constraints = [coef @ y == m_par, y <= (curve.upper - curve.p) / curve.g]
     if np.any(curve.lower > curve.p):
         constraints.append(y >= (curve.lower - curve.p) / curve.g)
     problem = cp.Problem(cp.Minimize(coef @ cp.inv_pos(y)), constraints)
@@ -134,7 +136,7 @@ def _q_step_cvxpy(
             return math.inf
         if y.value is None or problem.status not in ("optimal", "optimal_inaccurate"):
             return math.inf
-        qv = np.clip(curve.p + curve.g * np.asarray(y.value, dtype=float), curve.lower, 1.0)
+        qv = np.clip(curve.p + curve.g * np.asarray(y.value, dtype=float), curve.lower, curve.upper)
         solved[m] = qv
         return curve.value(qv)
 
@@ -185,11 +187,14 @@ def p2_q_step(
     lower = q_lower_bounds(problem, constants, k, options.q_lower_bound) * (1.0 + STRICT_MARGIN)
     if options.max_weight > 0:
         lower = np.maximum(lower, problem.a / options.max_weight)
-    if np.any(lower >= 1.0) or float(kappa.sum()) >= constants.B:
+    upper = q_upper_bounds(problem, options)
+    if np.any(lower >= upper) or float(np.sum(kappa / upper)) >= constants.B:
         return None
     w = sketched_round_weights(problem, k, options)
-    curve = QCurve(w, np.zeros(problem.n), kappa, lower, "P2", constants)
-    q = curve.q(curve.optimum_mu())
+    curve = QCurve(w, np.zeros(problem.n), kappa, lower, "P2", constants, upper)
+    q = curve.q(
+        max(curve.optimum_mu(), rounds_mu(problem, constants, k, curve, options.max_rounds))
+    )
     value = curve.value(q)
     if not math.isfinite(value):
         return None
