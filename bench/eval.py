@@ -259,6 +259,9 @@ def bench_lmeval(examples, args) -> None:
             f"CPU, {lm_wall / cold_wall:.2f}x wall (goal >= 1x: "
             f"{'met' if cold_cpu <= lm_cpu and cold_wall <= lm_wall else 'NOT met'})"
         )
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)  # lm-eval's task files and the disk store
     report["load_end"] = list(os.getloadavg())
     print(f"(load average at end {report['load_end'][0]:.2f})")
     if args.json:
