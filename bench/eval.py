@@ -1,5 +1,23 @@
-"""Evaluation inside a run, side by side in one process (``--mode pairs``, the default, or
-``--mode cache``).
+"""Evaluation speed, side by side in one process: fedlora's scorer against lm-eval in fp32
+and bf16 (``--mode lmeval``, the default), the scoring paths (``--mode pairs``) or the
+frozen-layer eval cache (``--mode cache``).
+
+``--mode lmeval``: per precision (fp32, then bf16: stored in bf16, as `load_model` gives it),
+on the same questions of `--task` in lm-evaluation-harness's zero-shot format:
+
+- lm-eval        : lm-eval's `simple_evaluate` with its HFLM on the model instance, offline
+                   (`fedlora.llm.lm_eval_bridge.run_lm_eval`), batch `--batch-size`
+- fedlora cold   : `evaluate` standalone (`fedlora eval`: no cache)
+- fedlora in-run : LoRA on the top `--k` layers, the eval cache (memory, and the disk store in
+                   a temporary folder); the first evaluation fills it, the later ones (a new
+                   adapter each, as after a round) are timed: "warm"
+
+Wall and CPU seconds (this process, all threads) of each, the ratios to lm-eval (goals: warm
+>= 4x less CPU than lm-eval; cold never slower), acc of each and the questions whose acc
+differs from lm-eval's, the CPU flags and the load; `--json PATH` writes the figures.
+
+    .venv/bin/python bench/eval.py --threads 2 --json eval.json           # ~2-4 min
+    .venv/bin/python bench/eval.py --threads 2 --n 500 --json eval.json   # the issue's size
 
 ``--mode pairs``: lm-evaluation-harness's requests (evaluation.format = "harness") for the same
 questions, scored three ways by `fedlora.llm.scoring.pair_logliks`:
@@ -53,10 +71,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mode", default="pairs", choices=("pairs", "cache"))
+    ap.add_argument("--mode", default="lmeval", choices=("lmeval", "pairs", "cache"))
+    ap.add_argument("--precisions", default="fp32,bf16", help="--mode lmeval")
+    ap.add_argument("--json", default="", help="--mode lmeval: write the figures here")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="arc-e")
-    ap.add_argument("--n", type=int, default=200, help="eval questions (seeded subset)")
+    ap.add_argument("--n", type=int, default=100, help="eval questions (seeded subset)")
     ap.add_argument("--k", type=int, default=8, help="LoRA on the top K layers")
     ap.add_argument("--scoring", default="label", choices=("label", "option", "option_norm"))
     ap.add_argument("--batch-size", type=int, default=16)
@@ -79,6 +99,8 @@ def main() -> None:
     examples = seeded_subset(
         load_task(args.task, resolve_data_dir(""), "test"), args.n, stream_rng(0, "eval", args.task)
     )
+    if args.mode == "lmeval":
+        return bench_lmeval(examples, args)
     model, tok = load_model(args.model, dtype="fp32", progress=False)
     if args.mode == "pairs":
         return bench_pairs(model, tok, examples, args)
@@ -140,6 +162,111 @@ def main() -> None:
         f"predictions that differ: {worst_pred}; max |eval_loss diff| per question: "
         f"{worst_nll:.2e}; cache: {cache.stats()}"
     )
+
+
+def _timed(fn, *a, **kw):
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn(*a, **kw)
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def bench_lmeval(examples, args) -> None:
+    """--mode lmeval: lm-eval, fedlora cold and fedlora in-run warm, per precision."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from fedlora.config import LoraConfig
+    from fedlora.llm import disk_cache
+    from fedlora.llm.device import cpu_flags
+    from fedlora.llm.evaluation import eval_cache_for, evaluate
+    from fedlora.llm.lm_eval_bridge import run_lm_eval
+    from fedlora.llm.lora import inject_lora
+    from fedlora.llm.models import load_model
+
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+             if f in cpu_flags()]  # fmt: skip
+    load = os.getloadavg()
+    print(
+        f"{args.model}, {args.task}, n = {len(examples)}, harness format, batch "
+        f"{args.batch_size}, threads {torch.get_num_threads()}, CPU flags {' '.join(flags)}, "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (cpus {os.cpu_count()})"
+    )
+    report = {"n": len(examples), "task": args.task, "threads": torch.get_num_threads(),
+              "cpu_flags": flags, "load_start": list(load), "args": vars(args), "rows": {}}  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="fedlora-bench-eval-"))
+    for i, prec in enumerate(args.precisions.split(",")):
+        model, tok = load_model(args.model, dtype=prec, progress=False)
+        if i == 0:  # lm-eval's one-off imports and set-up, not counted (each run's are)
+            run_lm_eval(model, tok, examples[:2], work / "warm-up", batch_size=args.batch_size)
+        lm, lm_wall, lm_cpu = _timed(
+            run_lm_eval, model, tok, examples, work / f"lm-{prec}", batch_size=args.batch_size
+        )
+        lm_acc = [lm[i].acc == 1.0 for i in range(len(examples))]
+        cold, cold_wall, cold_cpu = _timed(
+            evaluate, model, tok, examples, batch_size=args.batch_size, fmt="harness"
+        )
+        lora = inject_lora(model, LoraConfig(rank=16, layers=args.k), slots=1, seed=0)
+        cache = eval_cache_for(model, lora, 4096.0)
+        disk_cache.ENABLED = True
+        cache.disk = disk_cache.disk_store(work / f"disk-{prec}", 4096.0)
+        gen = torch.Generator().manual_seed(0)
+        warm_wall = warm_cpu = 0.0
+        for e in range(max(2, args.evals)):
+            lora.load_global(
+                {k: torch.randn(v.shape, generator=gen) * 0.02
+                 for k, v in lora.global_state().items()}
+            )  # fmt: skip
+            lora.set_clients(torch.ones(1, 16))
+            _, wall, cpu = _timed(
+                evaluate, model, tok, examples, batch_size=args.batch_size, fmt="harness",
+                cache=cache,
+            )  # fmt: skip
+            if e == 0:
+                first_wall, first_cpu = wall, cpu
+            else:
+                warm_wall, warm_cpu = warm_wall + wall, warm_cpu + cpu
+        later = max(2, args.evals) - 1
+        warm_wall, warm_cpu = warm_wall / later, warm_cpu / later
+        lora.remove()
+        rows = {
+            "lm-eval": (lm_wall, lm_cpu, sum(lm_acc) / len(lm_acc), 0),
+            "fedlora cold (standalone)": (
+                cold_wall, cold_cpu, cold.accuracy,
+                sum(a != b for a, b in zip(cold.correct, lm_acc)),
+            ),
+            "fedlora in-run, 1st (cache filled)": (first_wall, first_cpu, float("nan"), -1),
+            "fedlora in-run, warm": (warm_wall, warm_cpu, float("nan"), -1),
+        }  # fmt: skip
+        print(f"\n{prec}:")
+        print(
+            "| path | wall s | CPU s | lm-eval CPU / CPU | lm-eval wall / wall | acc | acc differs |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for name, (wall, cpu, acc, differ) in rows.items():
+            report["rows"][f"{name} {prec}"] = {
+                "path": name, "precision": prec, "wall_s": wall, "cpu_s": cpu, "acc": acc,
+                "acc_differs_from_lm_eval": differ,
+            }  # fmt: skip
+            print(
+                f"| {name} | {wall:.1f} | {cpu:.1f} | {lm_cpu / cpu:.2f}x | {lm_wall / wall:.2f}x "
+                f"| {acc:.3f} | {differ if differ >= 0 else '-'} |",
+                flush=True,
+            )
+        print(
+            f"{prec}: in-run warm uses {lm_cpu / warm_cpu:.2f}x less CPU than lm-eval (goal >= 4x:"
+            f" {'met' if lm_cpu >= 4 * warm_cpu else 'NOT met'}); cold {lm_cpu / cold_cpu:.2f}x "
+            f"CPU, {lm_wall / cold_wall:.2f}x wall (goal >= 1x: "
+            f"{'met' if cold_cpu <= lm_cpu and cold_wall <= lm_wall else 'NOT met'})"
+        )
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)  # lm-eval's task files and the disk store
+    report["load_end"] = list(os.getloadavg())
+    print(f"(load average at end {report['load_end'][0]:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"figures: {args.json}")
 
 
 def bench_pairs(model, tok, examples, args) -> None:

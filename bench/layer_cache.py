@@ -7,6 +7,9 @@ Runs, side by side in one process, `local_train` with LoRA (q,v) on the top K of
               grad, padded to the misses' longest row) and stored, then the top K run
 - cache warm: the same examples again (a client's partition is reused every round it joins):
               only the top K layers, the final norm and the target-only LM head run
+- disk warm : a new memory cache whose examples an earlier run left in the disk store
+              (`model.disk_cache_mb`): a later run's or evaluation's first visit, read
+              from disk instead of computed
 
 and checks that the losses and the trained adapters of the three runs agree (max |diff|).
 The model is random-initialised from SmolLM2-135M's config (see bench/train_step.py).
@@ -20,7 +23,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +72,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from fedlora.config import LoraConfig
+    from fedlora.llm.disk_cache import DiskStore
     from fedlora.llm.layer_cache import LayerCache
     from fedlora.llm.lora import inject_lora
 
@@ -92,14 +98,22 @@ def main() -> None:
     run(model, lora, warm, args.lr, None)  # warm-up: allocator, thread pools
     run(model, lora, warm, args.lr, LayerCache(model, lora))
 
-    times: dict[str, list[float]] = {"no cache": [], "cache cold": [], "cache warm": []}
-    for _ in range(args.repeats):  # interleaved, so a load change hits every path alike
+    times: dict[str, list[float]] = {
+        "no cache": [], "cache cold": [], "cache warm": [], "disk warm": []
+    }  # fmt: skip
+    store_root = Path(tempfile.mkdtemp(prefix="fedlora-bench-disk-"))
+    for rep in range(args.repeats):  # interleaved, so a load change hits every path alike
         cache = LayerCache(model, lora, dtype=args.cache_dtype)  # empty: a cold start
         t_plain, l_plain, s_plain = run(model, lora, batches, args.lr, None)
         t_cold, l_cold, s_cold = run(model, lora, copy.deepcopy(batches), args.lr, cache)
         t_warm, l_warm, s_warm = run(model, lora, copy.deepcopy(batches), args.lr, cache)
-        for name, t in zip(times, (t_plain, t_cold, t_warm)):
+        store = DiskStore(store_root / str(rep), 4096.0)  # an earlier run fills it (untimed)
+        run(model, lora, copy.deepcopy(batches), args.lr, LayerCache(model, lora, disk=store))
+        later = LayerCache(model, lora, dtype=args.cache_dtype, disk=store)  # a new run
+        t_disk, l_disk, s_disk = run(model, lora, copy.deepcopy(batches), args.lr, later)
+        for name, t in zip(times, (t_plain, t_cold, t_warm, t_disk)):
             times[name].append(t)
+    shutil.rmtree(store_root, ignore_errors=True)
     stats = cache.stats()
 
     steps = args.slots * args.steps
@@ -119,7 +133,8 @@ def main() -> None:
     print(
         f"agreement with no cache: losses max |diff| cold {np.abs(l_cold - l_plain).max():.2e}, "
         f"warm {np.abs(l_warm - l_plain).max():.2e}; adapters max |diff| cold "
-        f"{max_diff(s_cold, s_plain):.2e}, warm {max_diff(s_warm, s_plain):.2e}"
+        f"{max_diff(s_cold, s_plain):.2e}, warm {max_diff(s_warm, s_plain):.2e}; disk warm "
+        f"losses {np.abs(l_disk - l_plain).max():.2e}, adapters {max_diff(s_disk, s_plain):.2e}"
     )
     print(
         f"cache: {stats['entries']} examples, {stats['mb']:.1f} MB ({args.cache_dtype}), "

@@ -1,31 +1,50 @@
-"""Client-steps per second of local LoRA training on a SmolLM2-135M-shaped model.
+"""Client-steps per second of local LoRA training on a SmolLM2-135M-shaped model, against the
+field's usual client loop, with each path's GFLOP/s beside a torch.mm of the same dtype.
 
 Prints, side by side in one run, for fp32 and bf16 (bf16 = frozen base stored in bf16, eager
-attention, autocast; LoRA weights stay fp32):
+attention, autocast; LoRA weights stay fp32), LoRA (q,v, rank 16) on the top `--k` layers:
 
-- peft deep-copy   : a fresh deep copy of the PEFT model per client, H SGD steps each
-- peft swap        : one PEFT model; per client, copy the global adapter in, H steps, read out
-- fedlora C=1      : `local_train` with one slot (LM head only at target tokens)
-- fedlora C=<slots>: `local_train` with <slots> clients in one forward/backward
+- peft adamw       : the field's client loop: one PEFT model; per client, the global adapter
+                     copied in, a new torch.optim.AdamW, H steps of the full-logit loss
+- peft sgd         : the same loop with plain SGD steps
+- fedlora C=1      : `local_train` with one slot (LM head only at target tokens), no cache
+- fedlora C=<slots>: `local_train` with <slots> clients in one forward/backward, no cache
+- fedlora C=<slots> warm: the same with the frozen-layer cache warm (every example seen
+                     before, as on every round after a client's first; in a suite or study,
+                     from the disk cache)
+- fedlora C=<slots> warm adamw: the same with a new per-slot AdamW per client (SlotAdamW,
+                     `training.optimizer = "adamw"`): the like-for-like of the PEFT AdamW loop
+
+Each path's FLOPs per client-step are counted by torch's FlopCounterMode (matmuls and
+attention, forward and backward); GFLOP/s = those FLOPs / the time, and "% of mm" compares it
+with torch.mm of a (batch*seq, hidden) x (hidden, intermediate) product in the same dtype at
+the same threads (what the machine's matmuls reach). The goal line: fedlora warm >= 4x the
+PEFT AdamW loop in client-steps/s (both warm paths are checked). The CPU flags and the load average are printed: timings
+taken beside other jobs are not comparable across machines or runs, only side by side.
 
 The model is random-initialised from SmolLM2-135M's config (30 layers, hidden 576, 9 heads,
 3 kv heads, intermediate 1536, vocab 49152): speed does not depend on the weights. Each
 example has `--seq` tokens of which the last `--target` are the response (loss tokens).
 
-    .venv/bin/python bench/train_step.py --threads 2
-    .venv/bin/python bench/train_step.py --slots 10 --steps 3   # needs ~15 GB in fp32
+    .venv/bin/python bench/train_step.py --threads 2 --json train_step.json   # ~2-4 min
+    .venv/bin/python bench/train_step.py --threads 2 --k 0 --steps 3          # LoRA on all 30
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LAYERS = 30
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 def smollm2_shaped(dtype: torch.dtype, seed: int = 0):
@@ -77,65 +96,110 @@ def autocast(enabled: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
-def peft_steps(model, batches, lr: float, bf16: bool) -> None:
-    params = [p for p in model.parameters() if p.requires_grad]
-    for batch in batches:
-        with autocast(bf16):
-            loss = model(**batch).loss  # full-logit loss, as a plain PEFT loop computes it
-        loss.backward()
-        with torch.no_grad():
-            for p in params:
-                p.sub_(p.grad, alpha=lr)
-                p.grad = None
+def cpu_flags() -> list[str]:
+    from fedlora.llm.device import cpu_flags as flags
+
+    have = flags()
+    return [f for f in FLAGS if f in have]
 
 
-def peft_model(base, rank: int):
+def peft_model(base, rank: int, k: int):
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"])
-    return get_peft_model(base, cfg)
+    layers = list(range(LAYERS - k, LAYERS)) if k else None
+    cfg = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+        layers_to_transform=layers,
+    )  # fmt: skip
+    return get_peft_model(copy.deepcopy(base), cfg)
 
 
-def bench_deepcopy(base, batches, rank, lr, bf16) -> float:
-    template = peft_model(copy.deepcopy(base), rank)
-    t0 = time.perf_counter()
-    for client in batches:
-        model = copy.deepcopy(template)
-        peft_steps(model, client, lr, bf16)
-        _ = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
-    return time.perf_counter() - t0
+class Peft:
+    """One PEFT model; per client: the global adapter in, H steps (AdamW or SGD), read out."""
+
+    def __init__(self, base, rank: int, k: int, lr: float, bf16: bool, adamw: bool) -> None:
+        self.model = peft_model(base, rank, k)
+        self.lora = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.global_state = {n: p.detach().clone() for n, p in self.lora.items()}
+        self.lr, self.bf16, self.adamw = lr, bf16, adamw
+
+    def __call__(self, batches) -> None:
+        params = list(self.lora.values())
+        for client in batches:
+            with torch.no_grad():
+                for n, p in self.lora.items():
+                    p.copy_(self.global_state[n])
+            opt = (
+                torch.optim.AdamW(params, lr=self.lr)
+                if self.adamw
+                else torch.optim.SGD(params, lr=self.lr)
+            )
+            for batch in client:
+                with autocast(self.bf16):
+                    loss = self.model(**batch).loss  # full-logit loss, as a PEFT loop computes
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            _ = {n: p.detach().clone() for n, p in self.lora.items()}
 
 
-def bench_swap(base, batches, rank, lr, bf16) -> float:
-    model = peft_model(copy.deepcopy(base), rank)
-    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    global_state = {n: p.detach().clone() for n, p in lora.items()}
-    t0 = time.perf_counter()
-    for client in batches:
-        with torch.no_grad():
-            for n, p in lora.items():
-                p.copy_(global_state[n])
-        peft_steps(model, client, lr, bf16)
-        _ = {n: p.detach().clone() for n, p in lora.items()}
-    return time.perf_counter() - t0
+class Fedlora:
+    """`local_train` on `slots` clients per forward/backward, optionally the layer cache."""
+
+    def __init__(
+        self, base, rank: int, k: int, lr: float, bf16: bool, slots: int, cache: bool,
+        adamw: bool = False,
+    ):  # fmt: skip
+        from fedlora.config import LoraConfig
+        from fedlora.llm.layer_cache import LayerCache
+        from fedlora.llm.lora import inject_lora
+
+        self.model = copy.deepcopy(base)
+        cfg = LoraConfig(rank=rank, alpha=2.0 * rank, layers=k or "all")
+        self.lora = inject_lora(self.model, cfg, slots=slots)
+        self.cache = LayerCache(self.model, self.lora) if cache else None
+        self.rank, self.lr, self.bf16, self.slots, self.adamw = rank, lr, bf16, slots, adamw
+
+    def __call__(self, batches) -> None:
+        from fedlora.llm.train import local_train
+
+        for start in range(0, len(batches), self.slots):
+            chunk = batches[start : start + self.slots]
+            self.lora.set_clients(torch.ones(len(chunk), self.rank))
+            optimizer = None
+            if self.adamw:  # a new AdamW per client and round (the field's convention)
+                from fedlora.llm.client_optim import SlotAdamW
+
+                optimizer = SlotAdamW(self.lora)
+            local_train(
+                self.model, self.lora, chunk, self.lr, autocast_bf16=self.bf16, cache=self.cache,
+                optimizer=optimizer,
+            )  # fmt: skip
+            _ = [self.lora.slot_state(i) for i in range(len(chunk))]
 
 
-def bench_fedlora(base, batches, rank, lr, bf16, slots: int) -> float:
-    from fedlora.config import LoraConfig
-    from fedlora.llm.lora import inject_lora
-    from fedlora.llm.train import local_train
+def flops_per_client_step(path, batches) -> float:
+    """FLOPs of one client-step of `path` (FlopCounterMode over one step of every client)."""
+    from torch.utils.flop_counter import FlopCounterMode
 
-    model = copy.deepcopy(base)
-    cfg = LoraConfig(rank=rank, alpha=2.0 * rank, layers="all")  # q,v on all 30 layers
-    lora = inject_lora(model, cfg, slots=slots)
-    t0 = time.perf_counter()
-    for start in range(0, len(batches), slots):
-        chunk = batches[start : start + slots]
-        lora.set_clients(torch.ones(len(chunk), rank))
-        local_train(model, lora, chunk, lr, autocast_bf16=bf16)
-        _ = [lora.slot_state(i) for i in range(len(chunk))]
-    lora.remove()
-    return time.perf_counter() - t0
+    one = [client[:1] for client in batches]
+    with FlopCounterMode(display=False) as counter:
+        path(one)
+    return counter.get_total_flops() / len(one)
+
+
+def mm_gflops(dtype: torch.dtype, m: int, k: int, n: int, repeats: int = 10) -> float:
+    """GFLOP/s of torch.mm (m, k) x (k, n) in `dtype`, fastest of `repeats`."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(k, n, generator=gen).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * k * n / best / 1e9
 
 
 def main() -> None:
@@ -145,67 +209,114 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--target", type=int, default=16, help="response (loss) tokens per example")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--k", type=int, default=8, help="LoRA on the top K layers (0 = all 30)")
     ap.add_argument("--steps", type=int, default=2, help="local steps H per client")
-    ap.add_argument("--clients", type=int, default=2, help="clients for the PEFT loops and C=1")
-    ap.add_argument("--slots", type=int, default=5, help="C of the batched fedlora run")
+    ap.add_argument("--clients", type=int, default=2, help="clients of the PEFT loops and C=1")
+    ap.add_argument("--slots", type=int, default=5, help="C of the batched fedlora runs")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--json", default="", help="write the figures to this JSON file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     load = os.getloadavg()
+    flags = cpu_flags()
     print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU flags "
+        f"{' '.join(flags) or 'none of ' + ' '.join(FLAGS)}, load average {load[0]:.2f} "
+        f"{load[1]:.2f} {load[2]:.2f} (cpus {os.cpu_count()})"
     )
+    where = f"the top K = {args.k}" if args.k else "all 30"
     print(
         f"SmolLM2-135M-shaped, batch {args.batch}, seq {args.seq} ({args.target} target tokens),"
-        f" rank {args.rank}, q,v on all 30 layers, H = {args.steps} steps per client"
+        f" rank {args.rank}, q,v on {where} layers, H = {args.steps} steps per client"
     )
-    results: dict[tuple[str, str], float] = {}
-    for prec in args.precisions.split(","):
-        bf16 = prec == "bf16"
-        base = smollm2_shaped(torch.bfloat16 if bf16 else torch.float32)
-        small = make_batches(args.clients, args.steps, args.batch, args.seq, args.target)
-        big = make_batches(args.slots, args.steps, args.batch, args.seq, args.target, seed=1)
-        # warm-up: one step each path (allocator, thread pools)
-        bench_fedlora(base, [small[0][:1]], args.rank, args.lr, bf16, 1)
-        runs = [
-            ("peft deep-copy", "deepcopy", small, 1),
-            ("peft swap", "swap", small, 1),
-            ("fedlora C=1", "fedlora", small, 1),
-            (f"fedlora C={args.slots}", "fedlora", big, args.slots),
-        ]
-        for name, kind, data, slots in runs:
-            if kind == "deepcopy":
-                seconds = bench_deepcopy(base, data, args.rank, args.lr, bf16)
-            elif kind == "swap":
-                seconds = bench_swap(base, data, args.rank, args.lr, bf16)
-            else:
-                seconds = bench_fedlora(base, data, args.rank, args.lr, bf16, slots)
-            rate = len(data) * args.steps / seconds
-            results[(name, prec)] = rate
-            print(
-                f"  {prec:5s} {name:16s} {rate:6.3f} client-steps/s  ({seconds:.1f} s)", flush=True
-            )
+    report = {
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_flags": flags,
+        "load_start": list(load), "args": vars(args), "paths": {},
+    }  # fmt: skip
     precs = args.precisions.split(",")
-    names = list(dict.fromkeys(n for n, _ in results))
+    c = args.slots
+    names = ["peft adamw", "peft sgd", "fedlora C=1", f"fedlora C={c}", f"fedlora C={c} warm",
+             f"fedlora C={c} warm adamw"]  # fmt: skip
+    for prec in precs:
+        bf16 = prec == "bf16"
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        base = smollm2_shaped(dtype)
+        small = make_batches(args.clients, args.steps, args.batch, args.seq, args.target)
+        big = make_batches(c, args.steps, args.batch, args.seq, args.target, seed=1)
+        common = (base, args.rank, args.k, args.lr, bf16)
+        paths = {
+            names[0]: (Peft(*common, adamw=True), small),
+            names[1]: (Peft(*common, adamw=False), small),
+            names[2]: (Fedlora(*common, 1, cache=False), small),
+            names[3]: (Fedlora(*common, c, cache=False), big),
+            names[4]: (Fedlora(*common, c, cache=args.k > 0), big),
+            names[5]: (Fedlora(*common, c, cache=args.k > 0, adamw=True), big),
+        }
+        peak = mm_gflops(dtype, args.batch * args.seq, 576, 1536)
+        report[f"mm_gflops_{prec}"] = peak
+        print(f"  {prec}: torch.mm ({args.batch * args.seq}x576)x(576x1536): {peak:.1f} GFLOP/s")
+        for path, data in paths.values():  # warm-up: allocator, thread pools; the cache filled
+            path([client[:1] for client in data])
+        for name in names[4:]:  # every example of the warm paths seen once
+            paths[name][0](big)
+        for name, (path, data) in paths.items():
+            t0 = time.perf_counter()
+            path(data)
+            seconds = time.perf_counter() - t0
+            steps = len(data) * args.steps
+            flops = flops_per_client_step(path, data)
+            rate = steps / seconds
+            report["paths"][f"{name} {prec}"] = {
+                "path": name, "precision": prec, "client_steps_per_s": rate, "seconds": seconds,
+                "gflop_per_client_step": flops / 1e9, "gflops": flops * rate / 1e9,
+                "share_of_mm": flops * rate / 1e9 / peak,
+            }  # fmt: skip
+            print(
+                f"  {prec:5s} {name:24s} {rate:6.3f} client-steps/s ({seconds:.1f} s), "
+                f"{flops / 1e9:.1f} GFLOP/client-step, {flops * rate / 1e9:.1f} GFLOP/s",
+                flush=True,
+            )
+    rows = report["paths"]
     print()
     print(
         "| path | "
-        + " | ".join(f"{p} steps/s" for p in precs)
-        + " | "
-        + " | ".join(f"{p} vs swap" for p in precs)
+        + " | ".join(f"{p} steps/s | {p} GFLOP/s | {p} % of mm | {p} vs peft adamw" for p in precs)
         + (" | bf16 / fp32 |" if {"fp32", "bf16"} <= set(precs) else " |")
     )
-    print("|---" * (1 + 2 * len(precs) + ({"fp32", "bf16"} <= set(precs))) + "|")
+    print("|---" * (1 + 4 * len(precs) + ({"fp32", "bf16"} <= set(precs))) + "|")
     for n in names:
-        cells = [f"{results[(n, p)]:.3f}" for p in precs]
-        cells += [f"{results[(n, p)] / results[('peft swap', p)]:.2f}x" for p in precs]
+        cells = []
+        for p in precs:
+            r = rows[f"{n} {p}"]
+            cells += [
+                f"{r['client_steps_per_s']:.3f}",
+                f"{r['gflops']:.1f}",
+                f"{100 * r['share_of_mm']:.0f}%",
+                f"{r['client_steps_per_s'] / rows[f'peft adamw {p}']['client_steps_per_s']:.2f}x",
+            ]
         if {"fp32", "bf16"} <= set(precs):
-            cells.append(f"{results[(n, 'bf16')] / results[(n, 'fp32')]:.2f}x")
+            cells.append(
+                f"{rows[f'{n} bf16']['client_steps_per_s'] / rows[f'{n} fp32']['client_steps_per_s']:.2f}x"
+            )
         print(f"| {n} | " + " | ".join(cells) + " |")
-    print(f"(threads {torch.get_num_threads()}; load average at end {os.getloadavg()[0]:.2f})")
+    for p in precs:
+        for name in names[4:]:
+            ratio = (
+                rows[f"{name} {p}"]["client_steps_per_s"]
+                / rows[f"peft adamw {p}"]["client_steps_per_s"]
+            )
+            report[f"{name.replace(' ', '_')}_vs_peft_adamw_{p}"] = ratio
+            print(
+                f"{p}: {name} vs peft adamw: {ratio:.2f}x (goal >= 4x: "
+                f"{'met' if ratio >= 4 else 'NOT met'})"
+            )
+    report["load_end"] = list(os.getloadavg())
+    print(f"(threads {torch.get_num_threads()}; load average at end {report['load_end'][0]:.2f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"figures: {args.json}")
 
 
 if __name__ == "__main__":

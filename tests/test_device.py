@@ -8,7 +8,6 @@ aggregation or evaluation shows up there, as it would on a GPU.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.llm.device import (
     activation_bytes_per_slot,
+    choose_dtype,
     cpu_flags,
     inherit_auto,
     resolve_device,
@@ -83,7 +83,7 @@ def _probe(speedup: float, calls: list | None = None):
     def probe() -> dict[str, float]:
         if calls is not None:
             calls.append(1)
-        return {"fp32_s": 1.0, "bf16_s": 1.0 / speedup, "bf16_speedup": speedup}
+        return {"fp32_s": 1.0, "bf16_s": 1.0 / speedup}
 
     return probe
 
@@ -145,32 +145,76 @@ def test_cpu_flags_are_read_from_cpuinfo_text():
     assert cpu_flags("") == set()
 
 
-def test_auto_dtype_on_a_cpu_without_native_bf16_is_fp32_without_probing(tmp_path):
-    dtype, why = resolve_dtype(
-        "auto", "cpu", flags=cpu_flags(CPUINFO_PLAIN), probe=_never, cache_dir=tmp_path
-    )
+def test_auto_dtype_on_a_cpu_without_native_bf16_is_fp32_without_probing():
+    dtype, why = resolve_dtype("auto", "cpu", flags=cpu_flags(CPUINFO_PLAIN), probe=_never)
     assert dtype == "fp32" and "no native bf16" in why
 
 
 @pytest.mark.parametrize("info", [CPUINFO_BF16, CPUINFO_AMX])
-def test_auto_dtype_on_a_cpu_with_native_bf16_follows_the_probe(tmp_path, info):
+def test_auto_dtype_on_a_cpu_with_native_bf16_follows_the_timings(info):
     flags = cpu_flags(info)
-    fast = resolve_dtype("auto", "cpu", flags=flags, probe=_probe(2.0), cache_dir=tmp_path / "a")
+    fast = resolve_dtype("auto", "cpu", flags=flags, probe=_probe(2.0))
     assert fast[0] == "bf16" and "2.00x" in fast[1]
-    slow = resolve_dtype("auto", "cpu", flags=flags, probe=_probe(0.5), cache_dir=tmp_path / "b")
+    slow = resolve_dtype("auto", "cpu", flags=flags, probe=_probe(0.5))
     assert slow[0] == "fp32" and "not 1.1x faster" in slow[1]
     # a 5% win is within noise: not enough to leave fp32
-    near = resolve_dtype("auto", "cpu", flags=flags, probe=_probe(1.05), cache_dir=tmp_path / "c")
+    near = resolve_dtype("auto", "cpu", flags=flags, probe=_probe(1.05))
     assert near[0] == "fp32"
 
 
-def test_the_probe_runs_once_per_machine_and_is_kept_on_disk(tmp_path):
-    flags, calls = cpu_flags(CPUINFO_BF16), []
-    first = resolve_dtype("auto", "cpu", flags=flags, probe=_probe(3.0, calls), cache_dir=tmp_path)
-    again = resolve_dtype("auto", "cpu", flags=flags, probe=_probe(0.1, calls), cache_dir=tmp_path)
-    assert calls == [1] and first[0] == again[0] == "bf16" and "cached" in again[1]
-    (entry,) = json.loads((tmp_path / "bf16_probe.json").read_text()).values()
-    assert entry["bf16_speedup"] == 3.0
+def test_choose_dtype_from_injected_timings():
+    # bf16 at 1.1x and above; the reason names both timings and what was timed
+    assert choose_dtype(1.0, 0.5, "training step") == (
+        "bf16",
+        "training step: fp32 1 s, bf16 0.5 s, bf16/fp32 speed 2.00x",
+    )
+    assert choose_dtype(1.1, 1.0)[0] == "bf16"  # exactly the threshold
+    assert choose_dtype(1.09, 1.0)[0] == "fp32"
+    # a machine where bf16 collapses under load now: fp32
+    dtype, why = choose_dtype(2.4, 29.0)
+    assert dtype == "fp32" and "bf16 29 s" in why and "not 1.1x faster" in why
+    for bad in (0.0, float("nan"), float("inf"), -1.0):  # never bf16 on a broken timing
+        assert choose_dtype(1.0, bad)[0] == "fp32" and choose_dtype(bad, 1.0)[0] == "fp32"
+
+
+def test_auto_times_the_runs_own_step_now_and_a_resume_keeps_the_choice(monkeypatch):
+    # Prepare: a CPU with AMX; the run's step timed by an injected timer (no real timings)
+    _no_gpu(monkeypatch)
+    monkeypatch.setattr(dev, "cpu_flags", lambda cpuinfo=None: cpu_flags(CPUINFO_AMX))
+    seen = []
+
+    def timer(cfg):
+        seen.append(cfg.training.batch_size)
+        return {"fp32_s": 3.0, "bf16_s": 1.0, "what": "training step of 8 x 64 tokens"}
+
+    monkeypatch.setattr(dev, "run_step_probe", timer)
+    cfg = load_config(None, ["model.name=tiny-llama", "training.batch_size=8"])
+    # Execute
+    res = resolve_runtime(cfg)
+    resumed = resolve_runtime(res.cfg)  # a resume reads the saved (resolved) config
+    # Assert: timed once, on the run's config; the choice and both timings recorded
+    assert seen == [8] and res.cfg.model.dtype == "bf16"
+    assert res.cfg.model.dtype_choice == (
+        "bf16: CPU with amx_bf16; training step of 8 x 64 tokens: fp32 3 s, "
+        "bf16 1 s, bf16/fp32 speed 3.00x"
+    )
+    assert "fp32 3 s, bf16 1 s" in res.describe()
+    assert resumed.cfg == res.cfg and seen == [8]  # never re-decided
+    assert resumed.dtype_reason.startswith("set in the config; chosen by auto")
+    # an explicit dtype is untouched and never timed
+    fixed = resolve_runtime(load_config(None, ["model.name=tiny-llama", "model.dtype=fp32"]))
+    assert fixed.cfg.model.dtype == "fp32" and fixed.cfg.model.dtype_choice == ""
+    assert seen == [8]
+
+
+def test_the_step_timer_measures_the_runs_shape(monkeypatch):
+    # The shape the timer uses: slots x batch rows, min(max_seq_len, 64) tokens
+    from fedlora.llm.step_probe import probe_shape
+
+    cfg = load_config(None, ["training.batch_size=4", "training.slots=5"])
+    assert probe_shape(cfg) == (20, 64, 16)
+    short = load_config(None, ["training.batch_size=2", "training.slots=1", "data.max_seq_len=32"])
+    assert probe_shape(short) == (2, 32, 8)
 
 
 def test_explicit_dtypes_are_kept_and_bad_ones_named(tmp_path):
@@ -200,10 +244,10 @@ def test_resolve_runtime_gives_concrete_values_and_says_why(monkeypatch, tmp_pat
         "dtype fp32 (the CPU has no native bf16 (no avx512_bf16/amx_bf16 flag))"
     )
     again = resolve_runtime(res.cfg)  # idempotent
-    assert again.cfg == res.cfg and again.dtype_reason == "set in the config"
+    assert again.cfg == res.cfg and again.dtype_reason.startswith("set in the config; chosen")
     monkeypatch.setattr(dev, "cpu_flags", lambda cpuinfo=None: cpu_flags(CPUINFO_BF16))
-    fresh = load_config(None, ["model.threads=1", f'model.cache_dir="{tmp_path}"'])
-    bf16 = resolve_runtime(fresh, probe=_probe(4.0))  # its own probe file
+    fresh = load_config(None, ["model.threads=1"])
+    bf16 = resolve_runtime(fresh, probe=_probe(4.0))
     assert bf16.cfg.model.dtype == "bf16" and "avx512_bf16" in bf16.dtype_reason
 
 

@@ -30,6 +30,11 @@ class ModelConfig:
     device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N | mps
     threads: int = 0  # torch threads; 0 = torch's default
     cache_dir: str = ""  # where converted models are kept; "" = ~/.cache/fedlora
+    # with lora.layers = K: the frozen layers' hidden states on disk under the cache dir,
+    # shared by every run and evaluation of the same model and tokens (MB bound; 0 = off)
+    disk_cache_mb: float = 4096.0
+    # written by the run when dtype = auto: the timed choice ("" otherwise; not an input)
+    dtype_choice: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -37,6 +42,9 @@ class ModelConfig:
         check_choice("model.dtype", self.dtype, ("auto", "fp32", "bf16"))
         check_device_spec("model.device", self.device)
         check_int("model.threads", self.threads, lo=0)
+        check_number("model.disk_cache_mb", self.disk_cache_mb, lo=0)
+        if not isinstance(self.dtype_choice, str):
+            raise bad_value("model.dtype_choice", self.dtype_choice, "a string")
 
 
 @dataclass(frozen=True)

@@ -8,20 +8,17 @@ values, once, before anything loads, and says why it chose them:
   off Apple silicon) is a `ConfigError` naming the devices that are.
 - dtype ``auto``: on a CUDA GPU, bf16 for the frozen base (when the GPU supports it) with
   fp32 master LoRA weights; on MPS, fp32; on a CPU, bf16 only where the CPU has native bf16
-  (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo) AND a one-off probe (`bf16_probe`) of a
-  training-shaped matmul measures bf16 at least `BF16_MIN_SPEEDUP` faster; else fp32. CPUs
-  without those flags emulate bf16 and run it about 2x slower (docs/models.md). The probe's
-  figures are kept in ``<cache_dir>/bf16_probe.json`` per CPU, torch version and thread
-  count, so every later run on the machine makes the same choice.
+  (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo) AND the run's own training step, timed
+  now in each precision (`run_step_probe`), is at least `BF16_MIN_SPEEDUP` faster in bf16;
+  else fp32 (`choose_dtype`). A machine that is busy now gets the precision that is faster
+  now. CPUs without those flags emulate bf16 and run it about 2x slower, so they are never
+  timed.
 
 The run directory's config.toml holds the resolved values, so a resumed run keeps them.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -40,7 +37,8 @@ __all__ = [
     "cpu_flags",
     "native_bf16_flags",
     "bf16_probe",
-    "probe_file",
+    "run_step_probe",
+    "choose_dtype",
     "resolve_dtype",
     "resolve_runtime",
     "resolve_device_dtype",
@@ -154,19 +152,6 @@ def native_bf16_flags(flags: set[str]) -> list[str]:
     return [f for f in BF16_CPU_FLAGS if f in flags]
 
 
-def _cpu_name(cpuinfo: str | None = None) -> str:
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            cpuinfo = ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return platform.processor() or platform.machine()
-
-
 def _time_step(dtype: Any, tokens: int, d_in: int, d_out: int, repeats: int) -> float:
     """Fastest of `repeats` forward + input-gradient matmuls shaped like a frozen linear
     layer in training (weights frozen, as the base model's)."""
@@ -189,53 +174,53 @@ def bf16_probe(
     *, tokens: int = 512, d_in: int = 576, d_out: int = 1536, repeats: int = 5
 ) -> dict[str, float]:
     """Seconds of one training-shaped matmul (forward + backward to the input) in fp32 and in
-    bf16, fastest of `repeats`, at the current torch thread count; and their ratio.
+    bf16, fastest of `repeats`, measured now at the current torch thread count: what
+    ``dtype = auto`` decides from where no run's shapes are known (`fedlora eval`).
 
     The default shape is SmolLM2-135M's MLP up-projection on a 4 x 128-token batch."""
     import torch
 
     fp32_s = _time_step(torch.float32, tokens, d_in, d_out, repeats)
     bf16_s = _time_step(torch.bfloat16, tokens, d_in, d_out, repeats)
-    return {"fp32_s": fp32_s, "bf16_s": bf16_s, "bf16_speedup": fp32_s / bf16_s}
+    return {"fp32_s": fp32_s, "bf16_s": bf16_s, "what": "matmul probe"}
 
 
-def _probe_key(cpuinfo: str | None = None) -> str:
+# (model, lora, shape, threads) -> (monotonic time, figures): a suite's runs started within
+# STEP_PROBE_TTL_S of each other share one timing
+_STEP_TIMINGS: dict[tuple, tuple[float, dict[str, float]]] = {}
+STEP_PROBE_TTL_S = 600.0
+
+
+def run_step_probe(cfg: Any) -> dict[str, Any]:
+    """One training step of `cfg`'s run timed in fp32 and in bf16, now
+    (`fedlora.llm.step_probe.time_precisions`); reused for STEP_PROBE_TTL_S by the runs of
+    this process with the same model, adapter, shape and threads."""
     import torch
 
-    return f"{_cpu_name(cpuinfo)} | torch {torch.__version__} | threads {torch.get_num_threads()}"
+    from fedlora.llm.step_probe import probe_shape, time_precisions
+
+    shape = probe_shape(cfg)
+    key = (cfg.model.name, cfg.model.cache_dir, cfg.lora, shape, torch.get_num_threads())
+    now = time.monotonic()
+    known = _STEP_TIMINGS.get(key)
+    what = f"training step of {shape[0]} x {shape[1]} tokens"
+    if known is not None and now - known[0] < STEP_PROBE_TTL_S:
+        return {**known[1], "what": f"{what}, timed {now - known[0]:.0f} s ago"}
+    figures = time_precisions(cfg)
+    _STEP_TIMINGS[key] = (now, figures)
+    return {**figures, "what": what}
 
 
-def probe_file(cache_dir: Path | None = None) -> Path:
-    """Where the probe's figures are kept: ``<cache_dir>/bf16_probe.json`` (default: the
-    model cache, ``$FEDLORA_CACHE`` or ``~/.cache/fedlora``)."""
-    from fedlora.files import default_cache_dir
-
-    return (cache_dir or default_cache_dir()) / "bf16_probe.json"
-
-
-def _cached_probe(cache_dir: Path | None, probe: Callable[[], dict[str, float]]) -> dict:
-    """The probe's figures for this CPU/torch/threads, measured once and kept on disk."""
-    path = probe_file(cache_dir)
-    key = _probe_key()
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
-    entry = known.get(key)
-    if isinstance(entry, dict) and {"fp32_s", "bf16_s", "bf16_speedup"} <= set(entry):
-        return {**entry, "cached": True}
-    entry = dict(probe())
-    known[key] = entry
-    try:  # a read-only cache only costs a new probe next time
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return {**entry, "cached": False}
+def choose_dtype(fp32_s: float, bf16_s: float, what: str = "timed") -> tuple[str, str]:
+    """(fp32 | bf16, why) from the seconds of the same work in each precision: bf16 when it
+    is at least `BF16_MIN_SPEEDUP` times faster, else fp32 (also when a timing is not a
+    positive finite number)."""
+    ok = all(isinstance(x, (int, float)) and 0 < x < float("inf") for x in (fp32_s, bf16_s))
+    speedup = fp32_s / bf16_s if ok else float("nan")
+    measured = f"{what}: fp32 {fp32_s:.3g} s, bf16 {bf16_s:.3g} s, bf16/fp32 speed {speedup:.2f}x"
+    if ok and speedup >= BF16_MIN_SPEEDUP:
+        return "bf16", measured
+    return "fp32", f"{measured} (bf16 not {BF16_MIN_SPEEDUP}x faster)"
 
 
 def resolve_dtype(
@@ -243,13 +228,13 @@ def resolve_dtype(
     device: str,
     *,
     flags: set[str] | None = None,
-    probe: Callable[[], dict[str, float]] | None = None,
-    cache_dir: Path | None = None,
+    probe: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[str, str]:
     """(fp32 | bf16, why) for `spec` on the concrete `device` (see the module docstring).
 
-    `flags` default to this machine's CPU flags; `probe` (default `bf16_probe`, cached on
-    disk under `cache_dir`) is called only on a CPU with native bf16 and `spec` = auto."""
+    `flags` default to this machine's CPU flags; `probe` (default `bf16_probe`) returns the
+    seconds of the same work in each precision ({"fp32_s", "bf16_s"}, optionally "what"); it
+    is called only on a CPU with native bf16 and `spec` = auto, and `choose_dtype` decides."""
     if spec not in DTYPE_CHOICES:
         raise bad_value("model.dtype", spec, f"allowed: {', '.join(DTYPE_CHOICES)}")
     if spec != "auto":
@@ -267,18 +252,11 @@ def resolve_dtype(
     have = native_bf16_flags(cpu_flags() if flags is None else flags)
     if not have:
         return "fp32", "the CPU has no native bf16 (no avx512_bf16/amx_bf16 flag)"
-    figures = _cached_probe(cache_dir, probe or bf16_probe)
-    speedup = float(figures["bf16_speedup"])
-    measured = (
-        f"probe: fp32 {1e3 * figures['fp32_s']:.2f} ms, bf16 {1e3 * figures['bf16_s']:.2f} ms "
-        f"({speedup:.2f}x{', cached' if figures.get('cached') else ''})"
+    figures = (probe or bf16_probe)()
+    dtype, measured = choose_dtype(
+        figures["fp32_s"], figures["bf16_s"], str(figures.get("what", "timed"))
     )
-    if speedup >= BF16_MIN_SPEEDUP:
-        return "bf16", f"CPU with {'/'.join(have)}; {measured}"
-    return (
-        "fp32",
-        f"CPU with {'/'.join(have)} but bf16 is not {BF16_MIN_SPEEDUP}x faster; {measured}",
-    )
+    return dtype, f"CPU with {'/'.join(have)}; {measured}"
 
 
 # ----------------------------------------------------------------------------- config
@@ -297,19 +275,26 @@ class Resolution:
         return f"device {m.device} ({self.device_reason}); dtype {m.dtype} ({self.dtype_reason})"
 
 
-def resolve_runtime(cfg: Any, *, probe: Callable[[], dict[str, float]] | None = None) -> Resolution:
+def resolve_runtime(cfg: Any, *, probe: Callable[[], dict[str, Any]] | None = None) -> Resolution:
     """`cfg` with ``model.device`` and ``model.dtype`` resolved (see the module docstring).
 
     A run resolves once, at its entry (`fedlora.federation.run.run`), and hands the
     `Resolution` on; nothing after it resolves again. Idempotent: a config with concrete
-    values comes back unchanged (the device checked to be available). Sets torch's thread
-    count from ``model.threads`` first, so the probe measures what the run will use."""
+    values comes back unchanged (the device checked to be available), so a resumed run keeps
+    the dtype it started with. Sets torch's thread count from ``model.threads`` first, so the
+    timing measures what the run will use. ``dtype = auto`` on a CPU with native bf16 times
+    the run's own training step in each precision (`run_step_probe`; `probe` replaces it);
+    the choice and its timings go to ``model.dtype_choice``."""
     m = cfg.model
-    cache_dir = Path(m.cache_dir).expanduser() if m.cache_dir else None
     device, device_reason, dtype, dtype_reason = resolve_device_dtype(
-        m.device, m.dtype, threads=m.threads, cache_dir=cache_dir, probe=probe
+        m.device, m.dtype, threads=m.threads, probe=probe or (lambda: run_step_probe(cfg))
     )
-    model = replace(m, device=device, dtype=dtype)
+    if m.dtype == "auto":
+        model = replace(m, device=device, dtype=dtype, dtype_choice=f"{dtype}: {dtype_reason}")
+    else:
+        model = replace(m, device=device)
+        if m.dtype_choice.startswith(f"{m.dtype}:"):  # a resumed run: what auto chose then
+            dtype_reason += f"; chosen by auto when the run started: {m.dtype_choice}"
     return Resolution(cfg.replace(model=model), device_reason, dtype_reason)
 
 
@@ -318,9 +303,8 @@ def resolve_device_dtype(
     dtype_spec: str,
     *,
     threads: int = 0,
-    cache_dir: Path | None = None,
     device_field: str = "model.device",
-    probe: Callable[[], dict[str, float]] | None = None,
+    probe: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[str, str, str, str]:
     """(device, why, dtype, why) for a device and a dtype setting: torch's thread count set
     from `threads` (0: left as is), then `resolve_device` and `resolve_dtype`. The one
@@ -331,7 +315,7 @@ def resolve_device_dtype(
         torch.set_num_threads(threads)
     device = resolve_device(device_spec, device_field)
     device_reason = "set in the config" if device_spec != "auto" else _auto_device_reason(device)
-    dtype, dtype_reason = resolve_dtype(dtype_spec, device, probe=probe, cache_dir=cache_dir)
+    dtype, dtype_reason = resolve_dtype(dtype_spec, device, probe=probe)
     return device, device_reason, dtype, dtype_reason
 
 

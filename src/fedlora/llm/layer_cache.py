@@ -25,6 +25,7 @@ from fedlora.errors import ConfigError, bad_value
 from fedlora.llm.device import autocast_state
 from fedlora.llm.lora import SlotLora
 from fedlora.llm.lora_targets import layer_index
+from fedlora.llm.packed_rows import PackedRows, row_keys
 
 __all__ = ["decoder_and_head", "cacheable_layers", "check_cache_options", "LayerCache"]
 
@@ -80,15 +81,9 @@ def check_cache_options(max_mb: float, dtype: str) -> None:
         raise bad_value("training.layer_cache_dtype", dtype, ", ".join(_CACHE_DTYPES))
 
 
-def _row_keys(lens: list[int], *rows: torch.Tensor) -> list[bytes]:
-    """A cache key per row: the bytes of its first `lens[i]` entries in each (N, T) tensor of
-    `rows` (token ids; for packed rows also positions and segments), read on the host."""
-    host = [x.cpu() for x in rows]
-    return [b"".join(x[i, : lens[i]].numpy().tobytes() for x in host) for i in range(len(lens))]
-
-
-class LayerCache:
-    """Hidden states of a model's frozen lower decoder layers, per example, LRU-bounded.
+class LayerCache(PackedRows):
+    """Hidden states of a model's frozen lower decoder layers, per example, LRU-bounded;
+    with `disk` (a `DiskStore`), a second tier on disk that other runs share.
 
     The lower part is embeddings + decoder layers ``0..L-1`` (L from `cacheable_layers`: the
     first layer with LoRA). An example's key is its token ids (the unpadded row), so the same
@@ -112,11 +107,14 @@ class LayerCache:
         max_mb: float = 2048.0,
         dtype: str = "fp32",
         evict: bool = True,
+        disk: Any = None,
     ) -> None:
         check_cache_options(max_mb, dtype)
         # evict=False: once full, new entries are not kept (a fixed set read in the same order
         # every time, e.g. the eval set, then hits on a fixed part instead of thrashing an LRU)
         self.evict = evict
+        self.disk = disk  # a `fedlora.llm.disk_cache.DiskStore`: entries shared across runs
+        self._disk_prefix: str | None = None
         first, reason = cacheable_layers(model, lora)
         if first == 0:
             raise ConfigError(f"the frozen-layer cache cannot be used: {reason}")
@@ -158,8 +156,10 @@ class LayerCache:
         self.nbytes = 0
 
     def stats(self) -> dict[str, Any]:
-        """Entries, MB held, hits, misses, evictions and steps that bypassed the cache."""
+        """Entries, MB held, hits, misses, evictions, steps that bypassed the cache, and the
+        disk store's counters."""
         return {
+            **(self.disk.stats() if self.disk is not None else {}),
             "entries": len(self._entries),
             "mb": self.nbytes / 2**20,
             "hits": self.hits,
@@ -199,6 +199,7 @@ class LayerCache:
 
     def _lower_hidden(
         self,
+        kind: str,
         keys: list[bytes],
         lens: list[int],
         t: int,
@@ -211,7 +212,7 @@ class LayerCache:
         state = self._lower_state()
         if state != self._state:
             self.clear()
-            self._state = state
+            self._state, self._disk_prefix = state, None
         found: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, int] = {}  # distinct missing key -> its first row
         for i, k in enumerate(keys):
@@ -225,6 +226,8 @@ class LayerCache:
                 self._entries.move_to_end(k)  # most recently used
                 found[k] = value
                 self.hits += 1
+        if missing and self.disk is not None:
+            self._from_disk(kind, missing, found, device)
         if missing:
             self.misses += len(missing)
             rows = list(missing.values())
@@ -235,12 +238,40 @@ class LayerCache:
                 value = lower[row, : lens[i]].to(self._store_dtype).clone()  # (n_i, d)
                 found[keys[i]] = value
                 self._put(keys[i], value)
+                if self.disk is not None:
+                    self.disk.put(self._disk_name(kind, keys[i]), value, lower.dtype)
         d = self.decoder.config.hidden_size
         dtype = self._hidden_dtype or next(iter(found.values())).dtype
         hidden = torch.zeros(len(keys), t, d, dtype=dtype, device=device)
         for i, k in enumerate(keys):
             hidden[i, : lens[i]] = found[k].to(dtype)
         return hidden
+
+    def _disk_name(self, kind: str, key: bytes) -> str:
+        from fedlora.llm.disk_cache import entry_name, entry_prefix
+
+        if self._disk_prefix is None:  # the weights' hash: once per lower-weight state
+            extra = (*(self._state or ())[:2], self.dtype, self._lower_params[0].device.type)
+            self._disk_prefix = entry_prefix(self.decoder, self.first_layer, extra)
+        return entry_name(self._disk_prefix, kind, key)
+
+    def _from_disk(
+        self,
+        kind: str,
+        missing: dict[bytes, int],
+        found: dict[bytes, torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        """Move the rows of `missing` that the disk store holds into `found` (and memory)."""
+        for k in list(missing):
+            entry = self.disk.get(self._disk_name(kind, k))
+            if entry is None:
+                continue
+            value, self._hidden_dtype = entry[0].to(device, self._store_dtype), entry[1]
+            found[k] = value
+            self._put(k, value)
+            self.hits += 1
+            del missing[k]
 
     # ------------------------------------------------------------------ forward
 
@@ -321,70 +352,14 @@ class LayerCache:
             return self._run_layers(self.decoder.embed_tokens(ids), mask, range(self.first_layer))
 
         hidden = self._lower_hidden(
-            _row_keys(lens, input_ids), lens, input_ids.shape[1], input_ids.device, lower_of
+            "rows",
+            row_keys(lens, input_ids),
+            lens,
+            input_ids.shape[1],
+            input_ids.device,
+            lower_of,
         )  # (N, T, d), 0 on padding
         hidden = self._run_layers(
             hidden, attention_mask, range(self.first_layer, len(self.decoder.layers))
-        )
-        return self.decoder.norm(hidden)
-
-    # ------------------------------------------------------------------ packed rows
-
-    def packable(self) -> bool:
-        """Whether `packed_last_hidden_state` can run this decoder (full attention only)."""
-        types = getattr(self.decoder.config, "layer_types", None) or []
-        return set(types) <= {"full_attention"}
-
-    def _packed_mask(self, segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(N, 1, T, T) attention mask of packed rows: query q sees key k <= q when k is in
-        the shared segment 0 or in q's own segment; padding (-1) sees only itself."""
-        n, t = segments.shape
-        q_seg, k_seg = segments.unsqueeze(2), segments.unsqueeze(1)  # (N, T, 1), (N, 1, T)
-        dev = segments.device
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril().unsqueeze(0)
-        allowed = causal & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
-        allowed |= torch.eye(t, dtype=torch.bool, device=dev).unsqueeze(0) & (q_seg < 0)
-        allowed = allowed.unsqueeze(1)
-        if getattr(self.decoder.config, "_attn_implementation", "sdpa") == "sdpa":
-            return allowed  # SDPA takes a boolean mask (True = attend)
-        zero = torch.zeros((), dtype=dtype, device=dev)
-        return torch.where(allowed, zero, torch.finfo(dtype).min)  # additive (eager)
-
-    def _run_packed(
-        self, hidden: torch.Tensor, segments: torch.Tensor, pos: torch.Tensor, layers: range
-    ) -> torch.Tensor:
-        mask = self._packed_mask(segments, hidden.dtype)
-        return self._layer_stack(hidden, pos, layers, lambda i: mask)
-
-    def packed_last_hidden_state(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: torch.Tensor
-    ) -> torch.Tensor:
-        """Final-norm hidden states (N, T, d) of right-padded *packed* rows, layers 0..L-1
-        from the cache (filled for the rows it misses).
-
-        A packed row is a shared prefix (segment 0) followed by several continuations
-        (segments 1, 2, ...), each attending to the prefix and to itself, with its own
-        `position_ids` continuing the prefix's: one row scores all candidates of a
-        multiple-choice question as if each ran after the prefix alone. Segment -1 is padding.
-        A row's key is its ids, positions and segments."""
-        if not self.packable():
-            raise ConfigError("packed rows need a decoder with full attention only")
-        lens = (segments >= 0).sum(dim=1).tolist()
-        keys = _row_keys(lens, input_ids, position_ids, segments)
-        device = self.decoder.embed_tokens.weight.device  # the rows follow the model
-        input_ids, position_ids = input_ids.to(device), position_ids.to(device)
-        segments = segments.to(device)
-
-        def lower_of(rows: list[int], t_miss: int) -> torch.Tensor:
-            return self._run_packed(
-                self.decoder.embed_tokens(input_ids[rows, :t_miss]),
-                segments[rows, :t_miss],
-                position_ids[rows, :t_miss],
-                range(self.first_layer),
-            )
-
-        hidden = self._lower_hidden(keys, lens, input_ids.shape[1], device, lower_of)
-        hidden = self._run_packed(
-            hidden, segments, position_ids, range(self.first_layer, len(self.decoder.layers))
         )
         return self.decoder.norm(hidden)

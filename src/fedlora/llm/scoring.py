@@ -22,12 +22,13 @@ tail) is an item of one candidate.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Item", "pair_items", "pair_logliks", "token_logprobs"]
+__all__ = ["Item", "inference_attention", "pair_items", "pair_logliks", "token_logprobs"]
 
 # (context ids, each candidate's scored tail ids)
 Item = tuple[list[int], list[list[int]]]
@@ -134,13 +135,16 @@ def _score_shared(model: Any, items: list[Item], pad_id: int) -> list[np.ndarray
             use_cache=True,
             **{cache_kw: cache},
         )
-        logp = torch.log_softmax(out2.logits.float(), dim=-1)  # (R, tc, V)
-        targets = torch.full((len(tails), tc), 0, dtype=torch.long)
+        # fp32 log-softmax only at the real tail positions (row by row, so fp32 values are
+        # those of the whole (R, tc, V) block; a bf16 model converts M rows, not R·tc)
+        real = cmask.bool().to(device)  # (R, tc)
+        logp = torch.log_softmax(out2.logits[real].float(), dim=-1)  # (M, V)
+        targets = torch.tensor([x for t in tails for x in t[1:]], dtype=torch.long)
+        tok_logp = logp.gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)  # (M,)
+        rest, k = tok_logp.double().cpu().numpy(), 0
         for r, t in enumerate(tails):
-            targets[r, : len(t) - 1] = torch.tensor(t[1:], dtype=torch.long)
-        tok_logp = logp.gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)  # (R, tc)
-        rest = tok_logp.double().cpu().numpy()
-        out = [np.concatenate([out[r], rest[r, : len(t) - 1]]) for r, t in enumerate(tails)]
+            out[r] = np.concatenate([out[r], rest[k : k + len(t) - 1]])
+            k += len(t) - 1
     return out
 
 
@@ -192,6 +196,24 @@ def _score_packed(model: Any, cache: Any, items: list[Item], pad_id: int) -> lis
     return out
 
 
+@contextmanager
+def inference_attention(model: Any) -> Iterator[None]:
+    """SDPA attention while scoring a model loaded with eager attention that supports SDPA
+    (a bf16 model on a CPU: eager is chosen there for training, whose SDPA backward is slow
+    in bf16; scoring has no backward, and eager's bf16 batched matmuls over a repeated KV
+    cache copy their inputs). fp32 models use SDPA already: their scores do not change."""
+    config = getattr(model, "config", None)
+    eager = getattr(config, "_attn_implementation", None) == "eager"
+    if not (eager and getattr(model, "_supports_sdpa", False)):
+        yield
+        return
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = "eager"
+
+
 def token_logprobs(
     model: Any,
     tokenizer: Any,
@@ -218,7 +240,7 @@ def token_logprobs(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), inference_attention(model):
             for start in range(0, len(order), batch_size):
                 group = order[start : start + batch_size]
                 row_lps = None
