@@ -33,7 +33,7 @@ test: lint
 	FEDLORA_DATA=$(DATA) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	FEDLORA_DATA=$(DATA) $(BIN)/fedlora run
+	FEDLORA_DATA=$(DATA) $(BIN)/fedlora run --config configs/demo.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
