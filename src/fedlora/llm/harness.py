@@ -5,14 +5,7 @@ lm-evaluation-harness (0.4.x) scores a multiple-choice question as a set of
 after its context. For every task fedlora reads, its declaration
 (`fedlora.llm.task_registry`) gives the same strings and this module applies it:
 
-    task (fedlora / lm-eval)        context                         continuations
-    arc-e, arc-c / arc_easy, ...    "Question: {question}\\nAnswer:"  " {option}"
-    obqa / openbookqa               "{question_stem}"                " {option}"
-    piqa / piqa                     "Question: {goal}\\nAnswer:"      " {solution}"
-    siqa / social_iqa               "Q: {context} {question}\\nA:"    " {answer}"
-    hellaswag / hellaswag           preprocess("{label}: {ctx}")     " " + preprocess(ending)
-    winogrande / winogrande         sentence[:blank] + option        " " + sentence after blank
-    boolq / boolq                   "Question: {question}?\\nAnswer:" " no", " yes"
+    (the table of every task's context and continuations is in `fedlora.llm.task_registry`)
 
 (target_delimiter " "; no few-shot examples, no description, no BOS.) Winogrande is
 "partial scoring": the context varies per option and the continuation is the shared tail.
