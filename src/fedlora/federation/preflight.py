@@ -174,6 +174,11 @@ def check_partition_size(cfg: ExperimentConfig) -> None:
     if need <= 1:
         return
     have = len(training_mix(data, cfg.training.seed))
+    if data.instruct_files:  # instruction records join the mix (before any is dropped for length)
+        from fedlora.llm.instruct import load_instructions
+
+        records = len(load_instructions(data.instruct_files, data.instruct_task))
+        have += min(records, data.train_limit) if data.train_limit else records
     if have < need:
         raise ConfigError(
             f"data.n_clients = {data.n_clients} with data.min_client_examples = "
