@@ -157,3 +157,23 @@ def test_a_run_on_instruction_records_from_the_cli(tmp_path: Path) -> None:
         lines[1]["eval_response"]["instruct"]["loss"]
         != lines[0]["eval_response"]["instruct"]["loss"]
     )
+
+
+def test_one_client_per_user_field_needs_no_minimum_size(tmp_path: Path) -> None:
+    """docs/data.md's command: one client per `user`, each holding fewer examples than the
+    default data.min_client_examples (no minimum applies to one client per value)."""
+    argv = [
+        "data.partition_key=user",
+        "data.partition_mode=per_value",
+        "data.n_clients=3",
+        "data.max_seq_len=96",
+        "lora.layers=1",
+        "method.q=full",
+        "method.k=full",
+        "training.rounds=1",
+        "training.local_steps=1",
+        "output.progress=false",
+    ]
+    assert main(["run", "--quiet", "--out", str(tmp_path / "run"), *RUN, *argv]) == 0
+    clients = (tmp_path / "run" / "clients.csv").read_text().splitlines()
+    assert len(clients) == 1 + 3  # a header and one row per user

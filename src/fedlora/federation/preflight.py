@@ -171,7 +171,7 @@ def check_partition_size(cfg: ExperimentConfig) -> None:
 
     data = cfg.data
     need = data.n_clients * data.min_client_examples
-    if need <= 1:
+    if need <= 1 or data.partition_mode == "per_value":  # one client per value: no minimum
         return
     have = len(training_mix(data, cfg.training.seed))
     if data.instruct_files:  # instruction records join the mix (before any is dropped for length)
