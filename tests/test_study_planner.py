@@ -320,10 +320,18 @@ def test_bench_runner_refuses_an_unfixed_protocol_and_reports(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("study_planner_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    # the committed config: valid, protocol placeholders, so `pilot` refuses and writes nothing
+    # the committed config is valid and its protocol fixed
     assert bench.main(["check"]) == 0
+    assert "protocol_fixed = false" not in capsys.readouterr().out
+    # the same config with the protocol not fixed: `pilot` refuses and writes nothing
+    committed = path.parents[1] / "configs" / "study_planner.toml"
+    unfixed = tmp_path / "unfixed.toml"
+    text = committed.read_text()
+    assert "protocol_fixed = true" in text
+    unfixed.write_text(text.replace("protocol_fixed = true", "protocol_fixed = false"))
+    assert bench.main(["check", "--config", str(unfixed)]) == 0
     assert "protocol_fixed = false" in capsys.readouterr().out
-    assert bench.main(["pilot", "--out", str(tmp_path / "p")]) == 2
+    assert bench.main(["pilot", "--config", str(unfixed), "--out", str(tmp_path / "p")]) == 2
     assert "protocol_fixed = false" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
     assert bench.main(["report", "--out", str(tmp_path / "none")]) == 2
