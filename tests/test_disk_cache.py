@@ -153,8 +153,7 @@ def test_bf16_values_round_trip_and_the_store_is_one_per_folder(tmp_path, monkey
 def test_runs_with_the_disk_cache_cold_and_warm_equal_a_run_without(tmp_path, monkeypatch):
     # Prepare: the tiny run (LoRA on tiny-llama's top layer, evaluated every round)
     from fedlora.config import load_config
-    from fedlora.federation.run import run_experiment
-    from fedlora.federation.run import prepare_run_dir
+    from fedlora.federation.run import prepare_run_dir, run_experiment
 
     monkeypatch.setattr(disk_cache, "ENABLED", True)
     cache_dir = tmp_path / "cache"
