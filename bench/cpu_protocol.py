@@ -284,6 +284,7 @@ def summarize(results: Path) -> str:
             f"{r['norm_o']} | {i['wall_s']:.0f} / {i['cpu_s']:.0f} | "
             f"{i['load_1min_start']}→{i['load_1min_end']} | {i['cpu_flags']} |"
         )
+    lines += ["", overlap_line(results / rows[0]["name"])]
     passing = [r for r in rows if r["passes"]]
     lines.append("")
     if not passing:
@@ -307,6 +308,22 @@ def summarize(results: Path) -> str:
         f"(ARC-e {100 * best['gain']:+.1f} points, p = {best['p']:.2g})."
     )
     return "\n".join(lines)
+
+
+EARLIER = Path("results/cpu_pilot_harness/alg1-1000-lr0.2")  # the seed-0 questions
+
+
+def overlap_line(run_dir: Path) -> str:
+    """How many of these questions the earlier (seed-0) harness pilot also asked, per task."""
+    if not (EARLIER / "predictions.jsonl").is_file():
+        return f"(no {EARLIER} here to check the questions are fresh)"
+    now, before = read_predictions(run_dir)[0], read_predictions(EARLIER)[0]
+    parts = [
+        f"{t} {len(set(now[t]['ids']) & set(before[t]['ids']))} of {len(now[t]['ids'])}"
+        for t in now
+        if t in before
+    ]
+    return f"Questions also asked by the seed-0 pilot ({EARLIER}): " + ", ".join(parts) + "."
 
 
 def due(name: str, results: Path) -> bool:
