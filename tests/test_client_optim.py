@@ -24,6 +24,7 @@ from fedlora.llm.client_optim import SlotAdamW
 from fedlora.llm.models import load_model
 from fedlora.llm.step_sizes import client_step_sizes, round_lr, step_sizes_for
 from fedlora.llm.train import collate_clients, local_train, target_token_loss
+from tiny_runs import TINY_FOUR_CLIENTS
 from train_cases import PROMPTS, RANK, fresh, make_batch
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
@@ -258,28 +259,13 @@ def test_the_defaults_are_plain_sgd_and_the_cli_exits_2_on_a_bad_value(capsys):
 # ----------------------------------------------------------------------------- runs
 
 TINY = [
-    "model.name=tiny-llama",
-    "model.dtype=fp32",
-    "model.threads=1",
-    f'data.data_dir="{DATA}"',
-    'data.tasks=["arc-e"]',
-    "data.train_limit=24",
-    "data.eval_limit=4",
-    "data.max_seq_len=64",
-    "data.n_clients=4",
-    "data.min_client_examples=4",
-    "lora.rank=4",
-    'lora.layers="all"',
+    *TINY_FOUR_CLIENTS,
     "training.rounds=2",
-    "training.local_steps=1",
-    "training.batch_size=2",
     "training.slots=4",
     "training.eval_every=2",
-    "training.checkpoint_every=1",
     "training.optimizer=adamw",
     "training.lr=3e-4",
     "method.q=full",
-    "output.progress=false",
 ]
 
 

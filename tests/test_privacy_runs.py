@@ -16,6 +16,7 @@ from fedlora.config import load_config
 from fedlora.federation.checkpoints import load_checkpoint
 from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.system.privacy import poisson_epsilon
+from tiny_runs import TINY_FOUR_CLIENTS
 
 pytest.importorskip("dp_accounting")
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
@@ -23,27 +24,12 @@ needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense dat
 
 Q = [0.5, 0.5, 0.3, 0.9]
 TINY = [
-    "model.name=tiny-llama",
-    "model.dtype=fp32",
-    "model.threads=1",
-    f'data.data_dir="{DATA}"',
-    'data.tasks=["arc-e"]',
-    "data.train_limit=24",
-    "data.eval_limit=4",
-    "data.max_seq_len=64",
-    "data.n_clients=4",
-    "data.min_client_examples=4",
-    "lora.rank=4",
-    'lora.layers="all"',
+    *TINY_FOUR_CLIENTS,
     "training.rounds=3",
-    "training.local_steps=1",
-    "training.batch_size=2",
     "training.eval_every=3",
-    "training.checkpoint_every=1",
     "training.lr=0.05",
     f"method.q={Q}",
     "method.k=[2, 4, 1, 3]",
-    "output.progress=false",
 ]
 DP = ['privacy.mode="central"', "privacy.noise_multiplier=1.0", "privacy.clip_norm=0.01"]
 

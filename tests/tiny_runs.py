@@ -30,3 +30,25 @@ TINY_EVAL_RUN = [
     "method.k=full",
     "output.progress=false",
 ]
+
+# Four clients of 6 ARC-e examples on tiny-llama with LoRA on every layer (one local step of
+# batch 2, 4 evaluation questions): the base of the optimizer and privacy runs, which add
+# their rounds, evaluation grid and method.
+TINY_FOUR_CLIENTS = [
+    "model.name=tiny-llama",
+    "model.dtype=fp32",
+    "model.threads=1",
+    f'data.data_dir="{DATA}"',
+    'data.tasks=["arc-e"]',
+    "data.train_limit=24",
+    "data.eval_limit=4",
+    "data.max_seq_len=64",
+    "data.n_clients=4",
+    "data.min_client_examples=4",
+    "lora.rank=4",
+    'lora.layers="all"',
+    "training.local_steps=1",
+    "training.batch_size=2",
+    "training.checkpoint_every=1",
+    "output.progress=false",
+]
