@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import resource
@@ -29,7 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import binomtest
+
+from fedlora.llm.evaluation import paired_change
 
 COMMON = [
     "model.name=smollm2-135m",
@@ -179,27 +179,19 @@ def read_predictions(run_dir: Path) -> dict[int, dict[str, dict]]:
     return out
 
 
-def mcnemar_p(before: np.ndarray, after: np.ndarray) -> tuple[float, int, int]:
-    """Exact two-sided McNemar test on the discordant pairs: (p, gained, lost)."""
-    gained = int(((after == 1) & (before == 0)).sum())
-    lost = int(((after == 0) & (before == 1)).sum())
-    if gained + lost == 0:
-        return 1.0, 0, 0
-    return float(binomtest(gained, gained + lost, 0.5).pvalue), gained, lost
-
-
-def paired(d: np.ndarray) -> tuple[float, float]:
-    """Mean of paired differences and the half-width of its normal 95% interval."""
-    se = float(np.std(d, ddof=1)) / math.sqrt(d.size)
-    return float(d.mean()), 1.959963984540054 * se
+def paired(before: list, after: list) -> tuple[float, float, float, int, int]:
+    """The library's paired comparison (`fedlora.llm.evaluation.paired_change`): mean change,
+    half-width of its normal 95% interval, exact McNemar p, questions gained and lost."""
+    pair = paired_change(before, after)
+    lo, hi = pair["gain_ci95"]
+    return pair["gain"], (hi - lo) / 2, pair["mcnemar_p"], pair["gained"], pair["lost"]
 
 
 def gain_text(first: dict, last: dict, key: str) -> tuple[str, float, float]:
     """'a→b (+g [lo, hi], p)' for one task's per-question 0/1 key; returns (text, gain, p)."""
     assert first["ids"] == last["ids"], "the same questions before and after"
     a0, a1 = np.asarray(first[key], float), np.asarray(last[key], float)
-    g, hw = paired(a1 - a0)
-    p, _, _ = mcnemar_p(a0, a1)
+    g, hw, p, _, _ = paired(first[key], last[key])
     text = (
         f"{100 * a0.mean():.1f}→{100 * a1.mean():.1f} "
         f"({100 * g:+.1f} [{100 * (g - hw):+.1f}, {100 * (g + hw):+.1f}], p {p:.2g})"
@@ -216,9 +208,8 @@ def evaluate_setting(results: Path, name: str) -> dict | None:
     e0, e1 = first["arc-e"], last["arc-e"]
     acc0, acc1 = np.asarray(e0["correct"], float), np.asarray(e1["correct"], float)
     mc0, mc1 = np.asarray(e0["mc_loss"]), np.asarray(e1["mc_loss"])
-    gain, hw = paired(acc1 - acc0)
-    p, gained, lost = mcnemar_p(acc0, acc1)
-    dmc, dmc_hw = paired(mc1 - mc0)
+    gain, hw, p, gained, lost = paired(e0["correct"], e1["correct"])
+    dmc, dmc_hw, *_ = paired(e0["mc_loss"], e1["mc_loss"])  # the mean change and its interval
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = 5 * sum(m.get("n_participants", 0) for m in metrics if m.get("round", 0) > 0)
     info = json.loads((run_dir / "run_info.json").read_text())
@@ -243,10 +234,6 @@ def evaluate_setting(results: Path, name: str) -> dict | None:
         "norm_o": gain_text(first["obqa"], last["obqa"], "correct_norm")[0],
         "info": info,
         "baselines": next(m for m in metrics if "eval_majority" in m),
-        "last_loss": next(
-            (m["train_loss"] for m in reversed(metrics) if m.get("train_loss") is not None),
-            None,
-        ),
     }
 
 

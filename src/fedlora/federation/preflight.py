@@ -167,18 +167,13 @@ def check_data(cfg: ExperimentConfig) -> None:
 def check_partition_size(cfg: ExperimentConfig) -> None:
     """The training mix (read, not tokenized) holds data.n_clients × data.min_client_examples
     examples: the partition's own check, before anything is created."""
-    from fedlora.llm.data import training_mix
+    from fedlora.llm.data import training_records
 
     data = cfg.data
     need = data.n_clients * data.min_client_examples
     if need <= 1 or data.partition_mode == "per_value":  # one client per value: no minimum
         return
-    have = len(training_mix(data, cfg.training.seed))
-    if data.instruct_files:  # instruction records join the mix (before any is dropped for length)
-        from fedlora.llm.instruct import load_instructions
-
-        records = len(load_instructions(data.instruct_files, data.instruct_task))
-        have += min(records, data.train_limit) if data.train_limit else records
+    have = training_records(data, cfg.training.seed)
     if have < need:
         raise ConfigError(
             f"data.n_clients = {data.n_clients} with data.min_client_examples = "

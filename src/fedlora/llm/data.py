@@ -53,10 +53,7 @@ def stream_rng(seed: int, *keys: str | int) -> np.random.Generator:
 
 def seeded_subset(examples: list[Example], limit: int, rng: np.random.Generator) -> list[Example]:
     """`limit` examples drawn without replacement, in their original order (0 = all)."""
-    if limit <= 0 or limit >= len(examples):
-        return list(examples)
-    keep = np.sort(rng.choice(len(examples), size=limit, replace=False))
-    return [examples[i] for i in keep]
+    return [examples[i] for i in _subset_indices(len(examples), limit, rng)]
 
 
 def training_mix(cfg: DataConfig, seed: int) -> list[Example]:
@@ -85,6 +82,17 @@ def training_mix(cfg: DataConfig, seed: int) -> list[Example]:
             f"(skipped: {', '.join(skipped)}) and data.task_files and data.mc_files are empty"
         )
     return mix
+
+
+def training_records(cfg: DataConfig, seed: int) -> int:
+    """How many records the training set holds before tokenizing: the multiple-choice mix plus
+    the instruction records, each cut to `cfg.train_limit` as `build_federated_data` cuts them
+    (records too long for `cfg.max_seq_len` are dropped only later)."""
+    n = len(training_mix(cfg, seed))
+    if cfg.instruct_files:
+        records = len(load_instructions(cfg.instruct_files, cfg.instruct_task))
+        n += min(records, cfg.train_limit) if cfg.train_limit else records
+    return n
 
 
 def own_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
