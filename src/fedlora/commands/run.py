@@ -1,4 +1,4 @@
-"""`fedlora run`: one federated experiment (with no arguments: the demo)."""
+"""`fedlora run`: one federated experiment (`make demo` is `--config configs/demo.toml`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fedlora.config.toml_io import apply_overrides, load_config, read_toml
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
-        help="run a federated experiment (no arguments: the demo)",
+        help="run a federated experiment (the demo: --config configs/demo.toml)",
         description=(
             "Run a federated LoRA experiment with a simulated wireless clock. With no arguments "
             "it runs the demo: SmolLM2-135M, the commonsense mix, 20 clients with Dirichlet(0.1) "
