@@ -9,7 +9,13 @@ each finished run in ledger.jsonl (a restart skips it) and writes the report
     .venv/bin/python bench/study_planner.py report --out results/study_planner
 
 `--config` takes another study config (the tests' tiny one); `--commit` git-commits each
-finished run directory (and the ledger, and rule.json) as it lands.
+finished run directory (and the ledger, and rule.json) as it lands. One runner per core:
+`pilot --only LABEL...` and `run --seeds S... --arms LABEL...` take a share of the jobs (a
+job's config does not depend on the runner that runs it; rule.json is written by the pilot
+runner that finds every pilot run finished):
+
+    taskset -c 0 .venv/bin/python bench/study_planner.py run --seeds 0 1 --commit &
+    taskset -c 1 .venv/bin/python bench/study_planner.py run --seeds 2 --commit &
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("results/study_planner"))
     ap.add_argument("--config", type=Path, default=CONFIG)
     ap.add_argument("--commit", action="store_true", help="git-commit each finished run")
+    ap.add_argument("--only", nargs="+", default=[], help="pilot: just these labels")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[], help="run: just these seeds")
+    ap.add_argument("--arms", nargs="+", default=[], help="run: just these arms")
     args = ap.parse_args(argv)
     try:
         if args.stage == "report":
@@ -50,9 +59,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {msg}", file=sys.stderr)
             return 2
         if args.stage == "pilot":
-            pilot_stage(spec, args.out, commit=args.commit, log=stderr_log)
+            pilot_stage(spec, args.out, commit=args.commit, log=stderr_log, only=args.only)
         elif args.stage == "run":
-            run_stage(spec, args.out, commit=args.commit, log=stderr_log)
+            run_stage(
+                spec,
+                args.out,
+                commit=args.commit,
+                log=stderr_log,
+                seeds=args.seeds,
+                arms_only=args.arms,
+            )
     except FedloraError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -338,3 +338,32 @@ def test_bench_runner_refuses_an_unfixed_protocol_and_reports(tmp_path, capsys):
     assert "no " in capsys.readouterr().err
     assert bench.main(["report", "--out", str(_study(tmp_path / "s"))]) == 0
     assert (tmp_path / "s" / "report.html").is_file()
+
+
+def test_runners_share_the_jobs_by_seed_arm_and_pilot_label(tmp_path):
+    spec = spec_from_dict(tomllib.loads(TINY_STUDY), "tiny")
+    calls = []
+
+    def fake(cfg, run_dir, *, resume):
+        calls.append(run_dir.relative_to(tmp_path).as_posix())
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text("")
+        (run_dir / "summary.json").write_text(json.dumps({"sim_time_s": 1.0, "rounds": 1}))
+        return {}
+
+    # a pilot share runs its labels only and writes no rule while another share is missing
+    assert pilot_stage(spec, tmp_path, run_fn=fake, log=print, only=["fslora"]) is None
+    assert calls == ["pilot/fslora-seed5"] and not (tmp_path / "rule.json").exists()
+    with pytest.raises(ConfigError, match=r"pilot --only: nope unknown \(allowed: fixed-full"):
+        pilot_stage(spec, tmp_path, run_fn=fake, log=print, only=["nope"])
+    rule = {"budget_s": 2.0, "grid_s": 0.5, "fixed_best": "fixed-0.5"}
+    (tmp_path / "rule.json").write_text(json.dumps(rule))
+    calls.clear()
+    got = run_stage(spec, tmp_path, run_fn=fake, log=print, seeds=[1], arms_only=["fslora"])
+    assert got == ["started"] and calls == ["fslora-seed1"]
+    run_stage(spec, tmp_path, run_fn=fake, log=print, seeds=[0])
+    assert calls[1:] == ["fslora-seed0", "proposed-separate-seed0", "fixed-best-seed0"]
+    outcomes = run_stage(spec, tmp_path, run_fn=fake, log=print)
+    assert outcomes == ["skipped"] * 4 + ["started"] * 2  # seed 0's three, then seed 1's
+    with pytest.raises(ConfigError, match=r"run --seeds: 7 unknown \(allowed: 0, 1\)"):
+        run_stage(spec, tmp_path, run_fn=fake, log=print, seeds=[7])

@@ -94,8 +94,20 @@ def git_commit(paths: Sequence[Path], message: str) -> None:
         raise ConfigError(f"--commit: {paths[0]} is not inside a git repository")
     cwd = top.stdout.strip()
     names = [str(p.resolve()) for p in paths]
-    subprocess.run(["git", "add", "--", *names], cwd=cwd, check=True)
-    subprocess.run(["git", "commit", "-q", "-m", message, "--", *names], cwd=cwd, check=True)
+    for argv in (["add", "--", *names], ["commit", "-q", "-m", message, "--", *names]):
+        _git_when_unlocked(argv, cwd)
+
+
+def _git_when_unlocked(argv: list[str], cwd: str, wait_s: float = 120.0) -> None:
+    """Run git, waiting while another runner (one per core) holds the index lock."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        done = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True)
+        if done.returncode == 0:
+            return
+        if "index.lock" not in done.stderr or time.monotonic() > deadline:
+            raise subprocess.CalledProcessError(done.returncode, ["git", *argv], stderr=done.stderr)
+        time.sleep(1.0)
 
 
 def run_job(
@@ -153,15 +165,20 @@ def pilot_stage(
     run_fn: RunFn | None = None,
     commit: bool = False,
     log: Log = print,
-) -> dict[str, Any]:
+    only: Sequence[str] = (),
+) -> dict[str, Any] | None:
     """Run the fixed rules and FSLoRA on the pilot seed, derive the rule, write rule.json
-    (refused when one with another rule exists). Returns the rule."""
+    (refused when one with another rule exists). Returns the rule. `only`: run just these
+    labels (one runner per core); the rule is derived once every pilot run has finished,
+    and None is returned before that."""
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out)
     jobs = {**spec.fixed_rules, REFERENCE: spec.arms[REFERENCE]}
-    dirs = {}
+    chosen = _chosen("pilot --only", only, list(jobs))
+    dirs = {label: out / PILOT_DIR / f"{label}-seed{spec.pilot_seed}" for label in jobs}
     for label, overrides in jobs.items():
-        dirs[label] = out / PILOT_DIR / f"{label}-seed{spec.pilot_seed}"
+        if label not in chosen:
+            continue
         run_job(
             spec,
             out,
@@ -172,6 +189,10 @@ def pilot_stage(
             commit=commit,
             log=log,
         )
+    waiting = [label for label, d in dirs.items() if not finished(d)]
+    if waiting:
+        log(f"pilot: {', '.join(waiting)} not finished yet; rule.json waits for every pilot run")
+        return None
     pts = {lab: metric_points(load_run(d), spec.metric) for lab, d in dirs.items()}
     runs = {lab: load_run(d) for lab, d in dirs.items()}
     budget = spec.budget_s or pilot_budget(runs[REFERENCE].total_time_s, spec.budget_round_s)
@@ -226,9 +247,12 @@ def run_stage(
     run_fn: RunFn | None = None,
     commit: bool = False,
     log: Log = print,
+    seeds: Sequence[int] = (),
+    arms_only: Sequence[str] = (),
 ) -> list[str]:
     """Every arm on every analysed seed, with the rule's budget and common grid; returns each
-    job's outcome (skipped/resumed/started) in order."""
+    job's outcome (skipped/resumed/started) in order. `seeds` / `arms_only`: run just these
+    (one runner per core; each job's config does not depend on which runner runs it)."""
     rule = read_rule(out)
     budget = rule["budget_s"]
     common = [
@@ -237,10 +261,16 @@ def run_stage(
         f"training.eval_every={spec.round_cap()}",
     ]
     arms = {**spec.arms, FIXED_BEST: spec.fixed_rules[rule["fixed_best"]]}
+    chosen_seeds = _chosen("run --seeds", [str(x) for x in seeds], [str(x) for x in spec.seeds])
+    chosen_arms = _chosen("run --arms", arms_only, list(arms))
     ledger = Ledger(out)
     outcomes = []
     for seed in spec.seeds:
+        if str(seed) not in chosen_seeds:
+            continue
         for label, overrides in arms.items():
+            if label not in chosen_arms:
+                continue
             run_dir = out / f"{label}-seed{seed}"
             outcomes.append(
                 run_job(
@@ -255,6 +285,14 @@ def run_stage(
                 )
             )
     return outcomes
+
+
+def _chosen(flag: str, wanted: Sequence[str], allowed: list[str]) -> list[str]:
+    """The subset `wanted` of `allowed` (all of them when empty); an unknown name is refused."""
+    unknown = [w for w in wanted if w not in allowed]
+    if unknown:
+        raise ConfigError(f"{flag}: {', '.join(unknown)} unknown (allowed: {', '.join(allowed)})")
+    return list(wanted) or allowed
 
 
 def stderr_log(message: str) -> None:
