@@ -55,6 +55,7 @@ def load_run(run_dir: Path) -> dict | None:
         "sigma": privacy.get("noise_multiplier"),
         "clip_norm": privacy.get("clip_norm"),
         "max_epsilon": privacy.get("max_epsilon"),  # None: σ = 0, no finite ε
+        "epsilon": privacy.get("epsilon"),  # every client's final ε (None: not finite)
         "wall_s": info["wall_s"],
         "cpu_s": info["cpu_s"],
         "load": [info["load_1min_start"], info["load_1min_end"]],

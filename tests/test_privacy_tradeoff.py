@@ -112,6 +112,7 @@ def test_clip_then_two_runs_then_the_summary_with_its_verdict(bench, tmp_path, m
     md = (out / "summary.md").read_text()
     doc = json.loads((out / "summary.json").read_text())
     assert doc["runs"]["lora-inf"] == {"status": "not run"}
+    assert doc["runs"]["lora-eps8"]["epsilon"] == summary["privacy"]["epsilon"]  # every client
     assert "| lora-inf | not run |" in md and "one core's time" in md
     assert doc["ffa_vs_lora"]["8"]["verdict"] in ("held", "not held", "inconclusive")
     assert doc["ffa_vs_lora"]["2"] is None and "| 2 | not run |" in md
