@@ -31,6 +31,7 @@ TINY = [
     f"method.q={Q}",
     "method.k=[2, 4, 1, 3]",
 ]
+PRIVACY_FIELDS = ("epsilon", "dp_update_norms", "dp_update_norm_median", "dp_clipped_fraction")
 DP = ['privacy.mode="central"', "privacy.noise_multiplier=1.0", "privacy.clip_norm=0.01"]
 
 
@@ -67,6 +68,7 @@ def test_fedlora_run_with_central_privacy_records_every_clients_epsilon(tmp_path
     assert "epsilon" not in lines[0]  # round 0: nothing released yet
     for r, line in enumerate(lines[1:], start=1):  # every client at its own q_n, r rounds
         assert line["epsilon"] == [poisson_epsilon(q, 1.0, r, 1e-5) for q in Q]
+        assert len(line["dp_update_norms"]) == line["n_participants"]  # one per participant
     summary = json.loads((out / "summary.json").read_text())
     assert summary["privacy"]["epsilon"] == lines[-1]["epsilon"]
     assert summary["privacy"]["max_epsilon"] == max(lines[-1]["epsilon"])
@@ -82,8 +84,10 @@ def test_zero_noise_with_a_bound_no_update_reaches_is_the_run_without_privacy(tm
     assert _same_adapter(tmp_path / "plain", tmp_path / "dp0")
     plain, dp0 = _lines(tmp_path / "plain"), _lines(tmp_path / "dp0")
     assert all(e is None for e in dp0[-1]["epsilon"])  # σ = 0: no finite ε
+    assert all(x["dp_clipped_fraction"] in (0, None) for x in dp0[1:])  # none reaches 1e9
+    assert all(x["dp_update_norm_median"] > 0 for x in dp0[1:] if x["n_participants"])
     assert _without_times(plain) == [
-        {k: v for k, v in line.items() if k != "epsilon"} for line in _without_times(dp0)
+        {k: v for k, v in line.items() if k not in PRIVACY_FIELDS} for line in _without_times(dp0)
     ]
     _run(tmp_path / "dp", *DP)  # and the noise does change the adapter
     assert not _same_adapter(tmp_path / "plain", tmp_path / "dp")

@@ -16,7 +16,9 @@
 The noise comes from the run's "privacy" stream (round r: (seed, privacy, r); a local
 client's: (seed, privacy, r, n + 1)), so a resumed run draws the same noise; σ = 0 draws none.
 `account_round` adds the round to every client's ledger (kept in `Progress`, so checkpoints
-carry it) and returns the metrics line's ``epsilon``: every client's ε(δ) after the round.
+carry it) and returns the metrics line's ``epsilon``: every client's ε(δ) after the round,
+with the norms ‖w_n Δ_n‖ the round's `clip` saw before clipping (``dp_update_norms``, their
+median ``dp_update_norm_median`` and the share above C, ``dp_clipped_fraction``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class ClientPrivacy:
         self.sampling = PRIVATE_SAMPLING[cfg.method.name]
         m = cfg.method.clients_per_round
         self.uniform_rate = 1.0 if m == 0 else m / self.n_clients
+        self.norms: list[float] = []  # ‖w_n Δ_n‖ before clipping, of the round's last `clip`
 
     @property
     def noise_std(self) -> float:
@@ -82,12 +85,15 @@ class ClientPrivacy:
         return w / w.sum() if self.method in NORMALISED and w.size else w
 
     def clip(self, global_state: Adapter, plan: Any, states: list[Adapter]) -> list[Adapter]:
-        """Each state with its weighted update clipped to C (and, local, noised)."""
+        """Each state with its weighted update clipped to C (and, local, noised); the norms
+        before clipping are kept in `norms` for the round's metrics line."""
         out = []
+        self.norms = []
         for task, w, state in zip(plan.tasks, self.weights(plan), states):
             keys = factor_keys(global_state, task.trains)
             delta = {k: state[k].astype(np.float64) - global_state[k] for k in keys}
             norm = w * math.sqrt(sum(float(np.sum(d * d)) for d in delta.values()))
+            self.norms.append(float(norm))
             scale = self.clip_norm / norm if norm > self.clip_norm else 1.0
             if scale == 1.0 and not (self.mode == "local" and self.sigma > 0):
                 out.append(state)  # within the bound: untouched
@@ -148,15 +154,32 @@ def make_privacy(cfg: ExperimentConfig) -> ClientPrivacy | None:
 
 def account_round(method: Any, sent: Any, progress: Any) -> dict[str, Any]:
     """After a round: the round in the ledger of `progress` (``privacy_ledger``) and the
-    metrics line's ``epsilon`` (every client's ε(δ); null where it is not finite, σ = 0).
-    `sent`: the plan of the tasks whose updates arrived. {} without privacy."""
+    metrics line's fields: ``epsilon`` (every client's ε(δ); null where it is not finite,
+    σ = 0) and the clipping's (`clip_fields`). `sent`: the plan of the tasks whose updates
+    arrived. {} without privacy."""
     dp = getattr(method, "privacy", None)
     if dp is None:
         return {}
     ledger = PrivacyLedger(dp.n_clients, progress.privacy_ledger)
     dp.account(ledger, method, sent)
     progress.privacy_ledger = ledger.to_list()
-    return {"epsilon": finite_or_none(ledger.epsilons(dp.sigma, dp.delta))}
+    norms, dp.norms = dp.norms, []  # this round's, and none carried to the next
+    eps = finite_or_none(ledger.epsilons(dp.sigma, dp.delta))
+    return {"epsilon": eps, **clip_fields(norms, dp.clip_norm)}
+
+
+def clip_fields(norms: list[float], clip_norm: float) -> dict[str, Any]:
+    """The metrics line's clipping fields of one round: ``dp_update_norms`` (every
+    participant's ‖w_n Δ_n‖ before clipping, in the plan's order), ``dp_update_norm_median``
+    (their median) and ``dp_clipped_fraction`` (the share above `clip_norm`, which were
+    clipped); both null in a round without participants."""
+    if not norms:
+        return {"dp_update_norms": [], "dp_update_norm_median": None, "dp_clipped_fraction": None}
+    return {
+        "dp_update_norms": list(norms),
+        "dp_update_norm_median": float(np.median(norms)),
+        "dp_clipped_fraction": sum(n > clip_norm for n in norms) / len(norms),
+    }
 
 
 def finite_or_none(values: list[float]) -> list[float | None]:

@@ -24,6 +24,7 @@ from fedlora.studies.tables import (
     format_time,
     loss_section,
     mcnemar_section,
+    privacy_section,
     speedup,
     summarize,
 )
@@ -75,7 +76,7 @@ def render_markdown(
         out.append(
             f"| {label} | "
             + " | ".join(format_accuracy(by[label, t].final_accuracy) for t in tasks)
-            + " |"  # fmt: skip
+            + " |"
         )
     out += ["", "## Runs", ""]
     out += [
@@ -94,6 +95,7 @@ def render_markdown(
                 f"{s.stop_reason or s.error or 'unfinished'} | {s.compute_s or 0.0:.0f} |"
             )
     out += baseline_section(runs, labels)
+    out += privacy_section(runs, labels)
     if target_loss:
         out += loss_section(runs, labels, target_loss)
     if mcnemar:

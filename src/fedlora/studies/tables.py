@@ -1,6 +1,7 @@
 """The tables of report.md over one or a few seeds: time to target per (method, task) as a
 `Cell`, the speed-up over the reference, the time to a mean eval_loss, the last evaluation
-against the baselines and McNemar's paired test.
+against the baselines, McNemar's paired test and, for runs with client-level DP, their
+privacy (mode, σ, clip bound, δ and the final largest client ε).
 
 Time to target (Table I): the simulated wall-clock `sim_time_s` of the first metrics line
 whose eval accuracy on the task is >= the task's target (line 0, the untrained adapter,
@@ -18,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fedlora.errors import DataError
 from fedlora.studies.predictions import paired_tests, read_predictions
 from fedlora.studies.runs import RunRecord, time_to_loss, time_to_target
 from fedlora.studies.seeds import t_interval95
@@ -235,3 +237,45 @@ def mcnemar_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
+
+
+def privacy_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
+    """Each run's client-level DP from its summary.json ``privacy``: mode, σ, clip bound, δ and
+    the final largest client ε(δ) (∞ with σ = 0); [] when no run used privacy."""
+    rows = []
+    for label in labels:
+        for r in sorted((r for r in runs if r.label == label), key=lambda r: r.seed):
+            p = r.summary.fields.get("privacy")
+            if p is None:
+                continue
+            if not isinstance(p, dict) or not isinstance(p.get("mode"), str):
+                raise DataError(
+                    f"{r.path}/summary.json: privacy = {p!r} is not what fedlora writes"
+                )
+            eps = p.get("max_epsilon")
+            eps_text = "∞ (σ = 0: no guarantee)" if eps is None else _number(eps, "max_epsilon", r)
+            rows.append(
+                f"| {label} | {r.seed} | {p['mode']} | {_number(p.get('noise_multiplier'), 'noise_multiplier', r)} | "
+                f"{_number(p.get('clip_norm'), 'clip_norm', r)} | {_number(p.get('delta'), 'delta', r)} | "
+                f"{eps_text} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "## Privacy",
+        "",
+        "Client-level differential privacy (docs/privacy.md): the noise multiplier σ, the clip "
+        "bound C on each participant's weighted update, and the largest ε(δ) over the clients "
+        "after the run's last round.",
+        "",
+        "| method | seed | mode | σ | clip C | δ | final max ε |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def _number(value: object, key: str, run: RunRecord) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DataError(f"{run.path}/summary.json: privacy.{key} = {value!r} is not a number")
+    return f"{value:.4g}"

@@ -122,6 +122,79 @@ def max_poisson_rate(
     return math.exp(t)
 
 
+def noise_multiplier_for_epsilon(
+    target_epsilon: float,
+    events_kind: str,
+    rate: float,
+    rounds: int,
+    delta: float,
+    n_clients: int = 0,
+    decimals: int = 3,
+) -> float:
+    """The smallest σ on the grid of 10^-`decimals` (so rounded up) whose ε(δ) after `rounds`
+    rounds of one `events_kind` event at `rate` (`epsilon`; "uniform": m/N of `n_clients`)
+    is <= `target_epsilon`: ε falls as σ grows, so σ − 10^-decimals exceeds the target.
+    An upper end by doubling, the root of ε(σ) = target in log σ (Brent), then the grid's
+    neighbours of the root checked one by one."""
+    from scipy.optimize import brentq
+
+    _check_target(target_epsilon, events_kind, rate, rounds, delta, n_clients, decimals)
+    step = 10.0**-decimals
+    events = [(events_kind, float(rate), int(rounds))]
+
+    def eps(sigma: float) -> float:
+        return epsilon(events, sigma, delta, n_clients)
+
+    def keeps(units: int) -> bool:  # ε at σ = units·step within the target
+        return units > 0 and eps(round(units * step, decimals)) <= target_epsilon
+
+    lo, hi = 0.5, 1.0
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, 2 * hi
+        if hi > 1e6:
+            raise ConfigError(f"no noise multiplier up to 1e6 keeps ε <= {target_epsilon}")
+    if eps(lo) <= target_epsilon:  # a root below 0.5: bisect on the grid's integers instead
+        units_lo, units = 0, math.ceil(lo / step)
+        while units - units_lo > 1:
+            mid = (units_lo + units) // 2
+            units_lo, units = (units_lo, mid) if keeps(mid) else (mid, units)
+        return round(units * step, decimals)
+    root = brentq(
+        lambda t: math.log(eps(math.exp(t)) / target_epsilon),
+        math.log(lo),
+        math.log(hi),
+        xtol=step / (8 * hi),
+    )
+    units = math.ceil(math.exp(root) / step - 1e-9)
+    while keeps(units - 1):
+        units -= 1
+    while not keeps(units):
+        units += 1
+    return round(units * step, decimals)
+
+
+def _check_target(
+    target: float, kind: str, rate: float, rounds: int, delta: float, n: int, decimals: int
+) -> None:
+    def bad(name: str, value: object, allowed: str) -> ConfigError:
+        return ConfigError(f"{name} = {value!r}: must be {allowed}")
+
+    if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
+        raise bad("target_epsilon", target, "a finite number > 0")
+    if kind not in EVENT_KINDS:
+        raise bad("events_kind", kind, f"one of {', '.join(EVENT_KINDS)}")
+    if not (isinstance(rate, (int, float)) and 0 < rate <= 1):
+        raise bad("rate", rate, "in (0, 1]")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise bad("rounds", rounds, "an integer >= 1")
+    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        raise bad("delta", delta, "in (0, 1)")
+    if kind == "uniform" and (not isinstance(n_clients := n, int) or n_clients < 1):
+        raise bad("n_clients", n, "an integer >= 1 for 'uniform' (m of N sampling)")
+    if isinstance(decimals, bool) or not isinstance(decimals, int) or not 0 <= decimals <= 9:
+        raise bad("decimals", decimals, "an integer in 0..9")
+
+
 class PrivacyLedger:
     """Every client's history of privacy events (plain data: checkpointed as a list)."""
 
