@@ -22,9 +22,8 @@ from fedlora.llm.evaluation import paired_change
 TASK = "arc-e"
 EPSILONS = (8, 2)
 P_DECIDES = 0.05
-# The rule's overall verdict: "held if held at both ε, not held if not held at either,
-# otherwise inconclusive"; read as: not held when it is not held at one ε or at both.
-OVERALL = "held at both ε: held; not held at one ε or both: not held; otherwise inconclusive"
+# The rule's overall verdict (docs/privacy_tradeoff.md, amendment 2, before any run)
+OVERALL = "held at both ε: held; not held at both ε: not held; otherwise inconclusive"
 
 
 def _mean(values: list) -> float:
@@ -86,7 +85,7 @@ def overall(verdicts: list[str | None]) -> str:
         return "not decided (a run is missing)"
     if all(v == "held" for v in verdicts):
         return "held"
-    if any(v == "not held" for v in verdicts):
+    if all(v == "not held" for v in verdicts):
         return "not held"
     return "inconclusive"
 

@@ -144,8 +144,9 @@ def test_the_rule_relation_of_the_verdicts(bench):
     import privacy_tradeoff_summary as s
 
     assert s.overall(["held", "held"]) == "held"
-    assert s.overall(["held", "not held"]) == "not held"
-    assert s.overall(["inconclusive", "not held"]) == "not held"
+    assert s.overall(["held", "not held"]) == "inconclusive"
+    assert s.overall(["inconclusive", "not held"]) == "inconclusive"
+    assert s.overall(["not held", "not held"]) == "not held"
     assert s.overall(["held", "inconclusive"]) == "inconclusive"
     assert s.overall(["inconclusive", "inconclusive"]) == "inconclusive"
     assert s.overall(["held", None]).startswith("not decided")
