@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume {str(run_dir)!r}: no such directory")
         given = resume_given(run_dir, args.config, overrides)  # compared under the lock
         log = _announcing(run_dir)
-        summary = run_entry(given, run_dir, resume=True, force=args.force, quiet=args.quiet,
-                            log=log)  # fmt: skip
+        summary = run_entry(
+            given, run_dir, resume=True, force=args.force, quiet=args.quiet, log=log
+        )
     else:
         if args.force:
             raise ConfigError("--force goes with --resume (it accepts a changed config)")

@@ -80,8 +80,9 @@ class PlannerConfig:
         check_choice("planner.calibration", self.calibration, ("in-run", "separate"))
         check_int("planner.probe_rounds", self.probe_rounds, lo=1)
         check_number("planner.max_weight", self.max_weight, lo=0)
-        check_number("planner.fit_floor_share", self.fit_floor_share, lo=0, hi=1, lo_open=True,
-                     hi_open=True)  # fmt: skip
+        check_number(
+            "planner.fit_floor_share", self.fit_floor_share, lo=0, hi=1, lo_open=True, hi_open=True
+        )
         check_int("planner.replan_every", self.replan_every, lo=0)
         check_number("planner.replan_margin", self.replan_margin, lo=0)
         if self.replan_every and self.calibration != "in-run":

@@ -209,16 +209,25 @@ def _calibrate(
                 )
             target["loss"] = auto_calibration_loss(first, fraction)
         records.append(
-            {"q": q, "k": k, "dir": str(sub), "losses": losses, "sim_time_s": sim_time_s,
-             "reached": rounds_to_loss(losses, float(target["loss"])) is not None}
-        )  # fmt: skip
+            {
+                "q": q,
+                "k": k,
+                "dir": str(sub),
+                "losses": losses,
+                "sim_time_s": sim_time_s,
+                "reached": rounds_to_loss(losses, float(target["loss"])) is not None,
+            }
+        )
     f_s = float(target["loss"])
-    lowest = [min((x for x in smoothed_losses(r["losses"]) if x is not None), default=math.inf)
-              for r in records]  # fmt: skip
+    lowest = [
+        min((x for x in smoothed_losses(r["losses"]) if x is not None), default=math.inf)
+        for r in records
+    ]
     f_used = max(f_s, max(lowest))
     if not math.isfinite(f_used):
-        raise ConfigError("calibration: a run had no participant in any round; raise "
-                          "planner.calibration_rounds")  # fmt: skip
+        raise ConfigError(
+            "calibration: a run had no participant in any round; raise planner.calibration_rounds"
+        )
     for r in records:
         r["rounds"] = rounds_to_loss(r["losses"], f_used)
     return records, f_s, f_used
@@ -258,8 +267,10 @@ def prepare_proposed(
         q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; the in-run planner sets each
         n, probes = cfg.data.n_clients, 4 * cfg.planner.probe_rounds
         if cfg.training.rounds <= probes:
-            log(f"warning: training.rounds = {cfg.training.rounds} <= the {probes} probe rounds "
-                "(planner.probe_rounds x 4): the run ends before it has a plan")  # fmt: skip
+            log(
+                f"warning: training.rounds = {cfg.training.rounds} <= the {probes} probe rounds "
+                "(planner.probe_rounds x 4): the run ends before it has a plan"
+            )
         return cfg, Plan(q=(q,) * n, k=(k,) * n, calibration_s=0.0, in_run=True)
     plan_path = Path(run_dir) / PLAN_FILE
     if plan_path.exists():

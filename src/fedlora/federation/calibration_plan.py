@@ -96,11 +96,18 @@ def plan_from_calibration(
             constants = nonnegative_constants(observations, gamma, a)
             fit = f"nonnegative (the SVD fit was refused: {e})"
         else:  # constrained: A, C, D >= 0 and floors where the runs do not identify C or D
-            yz = np.array([[np.sum(a**2 / o.q),
-                            np.sum(a**2 / o.q * gamma**2 / o.k.astype(float) ** 2)]
-                           for o in observations])  # fmt: skip
-            result = constrained_fit([1.0 / o.rounds for o in observations], yz[:, 0],
-                                     yz[:, 1], floor_share=cfg.planner.fit_floor_share)  # fmt: skip
+            yz = np.array(
+                [
+                    [np.sum(a**2 / o.q), np.sum(a**2 / o.q * gamma**2 / o.k.astype(float) ** 2)]
+                    for o in observations
+                ]
+            )
+            result = constrained_fit(
+                [1.0 / o.rounds for o in observations],
+                yz[:, 0],
+                yz[:, 1],
+                floor_share=cfg.planner.fit_floor_share,
+            )
             constants, floors = result.constants, result.floors
             fit = f"constrained (the SVD fit was refused: {e})"
     q, k, extra = plan_for(cfg, problem, constants, options, a)

@@ -283,9 +283,15 @@ def close_round(
     training.eval_every_s, at the round that spends the time budget and at the last round."""
     cfg, r = run.cfg, cost_plan.round
     cost = round_cost(
-        run.profiles, cost_plan, run.method, run.shapes, r,
-        net=cfg.network, gamma=cfg.lora.rank, seed=cfg.training.seed,
-    )  # fmt: skip
+        run.profiles,
+        cost_plan,
+        run.method,
+        run.shapes,
+        r,
+        net=cfg.network,
+        gamma=cfg.lora.rank,
+        seed=cfg.training.seed,
+    )
     before_s = progress.sim_time_s
     progress.sim_time_s += cost.round_time_s
     progress.uplink_bits += cost.uplink_bits

@@ -137,9 +137,15 @@ def run_experiment(
     (`entered`), then `run_in_process` (`stop`, `plan`, `finish`: see there)."""
     with entered(cfg, run_dir, resume=resume, as_given=True) as runtime:
         return run_in_process(
-            runtime, Path(run_dir), resume=resume, quiet=quiet, log=log, stop=stop, plan=plan,
+            runtime,
+            Path(run_dir),
+            resume=resume,
+            quiet=quiet,
+            log=log,
+            stop=stop,
+            plan=plan,
             finish=finish,
-        )  # fmt: skip
+        )
 
 
 def prepare_run_dir(
@@ -175,9 +181,14 @@ def _run_method(
         summary["plan"] = plan_outcome(run_dir)
 
     return run_in_process(
-        dataclasses.replace(runtime, cfg=cfg), run_dir, resume=resume, quiet=quiet, log=log,
-        plan=plan, finish=add_outcome,
-    )  # fmt: skip
+        dataclasses.replace(runtime, cfg=cfg),
+        run_dir,
+        resume=resume,
+        quiet=quiet,
+        log=log,
+        plan=plan,
+        finish=add_outcome,
+    )
 
 
 def refuse_lost_checkpoints(run_dir: Path, checkpoint_every: int) -> None:

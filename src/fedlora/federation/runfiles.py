@@ -104,8 +104,10 @@ def _scan_metrics(path: Path, warn: Callable[[str], Any] | None) -> list[tuple[s
                 "be torn: the file is damaged"
             )
         elif warn is not None:
-            warn(f"warning: {path}: dropped its last line {number}, which {problem} "
-                 "(a run stopped while writing it?)")  # fmt: skip
+            warn(
+                f"warning: {path}: dropped its last line {number}, which {problem} "
+                "(a run stopped while writing it?)"
+            )
     return out
 
 
@@ -206,8 +208,10 @@ def write_clients(run_dir: Path, rows: Sequence[ClientRow]) -> None:
     """run_dir/clients.csv, one row per client (floats as repr: they read back exactly)."""
     lines = [",".join(CLIENT_COLUMNS)]
     for row in rows:
-        values = (repr(float(v)) if f.type == "float" else str(int(v))
-                  for f, v in zip(fields(ClientRow), astuple(row), strict=True))  # fmt: skip
+        values = (
+            repr(float(v)) if f.type == "float" else str(int(v))
+            for f, v in zip(fields(ClientRow), astuple(row), strict=True)
+        )
         lines.append(",".join(values))
     atomic_write(Path(run_dir) / CLIENTS_FILE, ("\n".join(lines) + "\n").encode())
 
@@ -313,9 +317,19 @@ class RunSummary:
         return summary_from_dict({**self.fields, **values}, "summary")
 
 
-_SUMMARY_TYPES = {"method": str, "seed": int, "error": str, "stop_reason": str, "rounds": int,
-                  "sim_time_s": float, "wall_s": float, "compute_s": float,
-                  "total_uplink_bits": float, "empty_rounds": int, "plan": dict}  # fmt: skip
+_SUMMARY_TYPES = {
+    "method": str,
+    "seed": int,
+    "error": str,
+    "stop_reason": str,
+    "rounds": int,
+    "sim_time_s": float,
+    "wall_s": float,
+    "compute_s": float,
+    "total_uplink_bits": float,
+    "empty_rounds": int,
+    "plan": dict,
+}
 
 
 def summary_from_dict(data: Mapping[str, Any], source: str) -> RunSummary:

@@ -141,8 +141,11 @@ def sort_entries(run_dir: Path, manifest: dict[str, Any]) -> tuple[list[Path], l
             if patterns is None or ours is None:
                 foreign.append(p.name + "/")
                 continue
-            inside = [f"{p.name}/{c.name}" for c in sorted(p.iterdir())
-                      if not (_matches(c.name, patterns) and _matches(c.name, ours))]  # fmt: skip
+            inside = [
+                f"{p.name}/{c.name}"
+                for c in sorted(p.iterdir())
+                if not (_matches(c.name, patterns) and _matches(c.name, ours))
+            ]
             if inside:
                 foreign += inside
             else:

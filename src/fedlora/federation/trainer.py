@@ -103,10 +103,16 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
         clients = [t.client for t in chunk]
         try:
             chunk_losses = train_clients(
-                run, r, clients, np.stack([t.scale for t in chunk]), start, cache=cache,
-                trains=chunk[0].trains, overlays=[memory.restore(c) for c in clients],
+                run,
+                r,
+                clients,
+                np.stack([t.scale for t in chunk]),
+                start,
+                cache=cache,
+                trains=chunk[0].trains,
+                overlays=[memory.restore(c) for c in clients],
                 optim_states=kept,
-            )  # (c, H)  # fmt: skip
+            )  # (c, H)
         except TrainingError as e:
             raise TrainingDiverged(f"round {r + 1}, clients {clients}: {e}") from None
         for i, client in enumerate(clients):  # a client's local part stays with it

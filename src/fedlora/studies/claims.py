@@ -183,8 +183,9 @@ def time_claims(
             ratio = paired_ratio(tb, rb, ta, ra)
             verdicts.append(ratio_verdict(ratio, 1.0))
             numbers.append(f"{slow}/{fast} {ratio.text()}")
-        rows.append({"claim": name, "task": task, "verdict": _all(verdicts),
-                     "numbers": "; ".join(numbers)})  # fmt: skip
+        rows.append(
+            {"claim": name, "task": task, "verdict": _all(verdicts), "numbers": "; ".join(numbers)}
+        )
     ref = reference_group(gs)
     if suite == "table1" and prop is not None and ref is not None:
         for bare in (False, True):

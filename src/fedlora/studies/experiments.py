@@ -145,9 +145,10 @@ def load_suite(
         missing = []  # fixed later from the pilot (run_suite reads targets.toml)
         if not base.training.time_budget_s > 0:
             raise bad_value(
-                "training.time_budget_s", base.training.time_budget_s,
+                "training.time_budget_s",
+                base.training.time_budget_s,
                 "> 0 with suite.target_rule (the rule is stated at a fraction of the budget)",
-            )  # fmt: skip
+            )
     pilot_seed = suite.get("pilot_seed")
     if pilot_seed is not None and (
         isinstance(pilot_seed, bool) or not isinstance(pilot_seed, int) or pilot_seed < 0

@@ -134,9 +134,7 @@ def mean_band(
 
 def sampled(run: RunRecord, task: str, metric: str, grid: Sequence[float]) -> list[float | None]:
     """The run's step curve on `grid`: None before its first evaluation and after its clock."""
-    return [
-        None if x > run.total_time_s else level_at(run, task, metric, x) for x in grid
-    ]  # fmt: skip
+    return [None if x > run.total_time_s else level_at(run, task, metric, x) for x in grid]
 
 
 def paired_differences(
@@ -221,15 +219,23 @@ def plot_paired(
                 keep = [(x / per, v) for x, v in zip(grid, d) if v is not None]
                 if keep:
                     span = f"{min(v for _, v in keep):.3g}…{max(v for _, v in keep):.3g}"
-                    ax.plot(*zip(*keep), color=c, linestyle="--", linewidth=1,
-                            label=f"{g.label} seed {seed} DIVERGED ({span}), not in mean")  # fmt: skip
+                    ax.plot(
+                        *zip(*keep),
+                        color=c,
+                        linestyle="--",
+                        linewidth=1,
+                        label=f"{g.label} seed {seed} DIVERGED ({span}), not in mean",
+                    )
         ax.axhline(0.0, color="black", linewidth=1.2, label=f"zero (= {ref.label})")
         fit_ylim(ax, shown)
         what = "accuracy (percentage points)" if metric == "accuracy" else "eval_loss (nats)"
         ax.set_ylabel(f"{what}: method − {ref.label}")
         ax.set_xlabel(f"simulated wall-clock ({unit})")
-        ax.set_title(f"{task}, {pooled_n(ref.runs, task)} questions over seeds {seeds}: paired "
-                     "difference, mean ± 95% t band", fontsize=9)  # fmt: skip
+        ax.set_title(
+            f"{task}, {pooled_n(ref.runs, task)} questions over seeds {seeds}: paired "
+            "difference, mean ± 95% t band",
+            fontsize=9,
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return save_figure(fig, path, axes=list(axes.flat)[len(tasks) :], title=title)

@@ -128,11 +128,15 @@ def plot_losses(
             xs, ys = [t / scale for t, _ in curve], [v for _, v in curve]
             bad = any(not math.isfinite(v) or v > DIVERGED_FACTOR * ys[0] for v in ys)
             if bad:  # drawn on its own, kept out of the y-limits (`figures.diverged`)
-                ax.plot(xs, ys, linestyle="--", color=plt.cm.tab10(i % 10),
-                        label=f"{label} seed {run.seed} DIVERGED ({min(ys):.3g}…{max(ys):.3g})")  # fmt: skip
+                ax.plot(
+                    xs,
+                    ys,
+                    linestyle="--",
+                    color=plt.cm.tab10(i % 10),
+                    label=f"{label} seed {run.seed} DIVERGED ({min(ys):.3g}…{max(ys):.3g})",
+                )
                 continue
-            ax.plot(xs, ys, marker=".", color=plt.cm.tab10(i % 10),
-                    label=label if first else None)  # fmt: skip
+            ax.plot(xs, ys, marker=".", color=plt.cm.tab10(i % 10), label=label if first else None)
             shown += ys
             first = False
     if target_loss:
@@ -196,24 +200,39 @@ def plot_bands(
                     continue
                 xs, ys = [t / per for t, _ in pts], [scale * v for _, v in pts]
                 if r in kept:
-                    ax.step(xs, ys, where="post", color=c, alpha=0.3, linewidth=0.8,
-                            marker=".", ms=3)  # fmt: skip
+                    ax.step(
+                        xs, ys, where="post", color=c, alpha=0.3, linewidth=0.8, marker=".", ms=3
+                    )
                     shown += ys
                 else:
-                    ax.step(xs, ys, where="post", color=c, linestyle="--", linewidth=1,
-                            label=f"{g.label} seed {r.seed} DIVERGED ({min(ys):.3g}…"
-                            f"{max(ys):.3g}), not in mean")  # fmt: skip
+                    ax.step(
+                        xs,
+                        ys,
+                        where="post",
+                        color=c,
+                        linestyle="--",
+                        linewidth=1,
+                        label=f"{g.label} seed {r.seed} DIVERGED ({min(ys):.3g}…"
+                        f"{max(ys):.3g}), not in mean",
+                    )
             cal = [r.calibration_time_s for r in g.runs]
             if any(cal):
-                ax.axvspan(0, sum(cal) / len(cal) / per, color=c, alpha=0.08, hatch="//",
-                           label=f"{g.label} calibration (mean)")  # fmt: skip
+                ax.axvspan(
+                    0,
+                    sum(cal) / len(cal) / per,
+                    color=c,
+                    alpha=0.08,
+                    hatch="//",
+                    label=f"{g.label} calibration (mean)",
+                )
             xs, mean, lo, hi = band(kept, task, metric, grid)
             if metric == "accuracy":  # an interval over few seeds can pass 0 or 100%
                 lo, hi = [max(0.0, v) for v in lo], [min(1.0, v) for v in hi]
             minutes = [x / per for x in xs]
             n = f"n={len(kept)}" + (f" of {len(g.runs)}" if len(kept) < len(g.runs) else "")
-            ax.plot(minutes, [scale * v for v in mean], color=c, linewidth=2,
-                    label=f"{g.label} ({n})")  # fmt: skip
+            ax.plot(
+                minutes, [scale * v for v in mean], color=c, linewidth=2, label=f"{g.label} ({n})"
+            )
             ax.fill_between(
                 minutes, [scale * v for v in lo], [scale * v for v in hi], color=c, alpha=0.12
             )
@@ -224,19 +243,31 @@ def plot_bands(
                     if end is not None:
                         ax.plot(r.total_time_s / per, scale * end, marker="x", color=c, ms=8)
         if metric == "accuracy":
-            for key, style, name in (("eval_chance", "-.", "chance"),
-                                     ("eval_majority", ":", "most-frequent label")):  # fmt: skip
+            for key, style, name in (
+                ("eval_chance", "-.", "chance"),
+                ("eval_majority", ":", "most-frequent label"),
+            ):
                 value = pooled_constant(everything, task, key)
                 if value is not None:
-                    ax.axhline(100 * value, color="black", linestyle=style, linewidth=1,
-                               label=f"{name} ({100 * value:.1f}%, all seeds' questions)")  # fmt: skip
+                    ax.axhline(
+                        100 * value,
+                        color="black",
+                        linestyle=style,
+                        linewidth=1,
+                        label=f"{name} ({100 * value:.1f}%, all seeds' questions)",
+                    )
                     shown.append(100 * value)
             ax.set_ylabel("accuracy (%)")
         else:
             ax.set_ylabel("eval_loss (nats per answer token)")
         if target is not None:
-            ax.axhline(scale * target, color="gray", linestyle="--", linewidth=1.2,
-                       label=f"target ({scale * target:.3g})")  # fmt: skip
+            ax.axhline(
+                scale * target,
+                color="gray",
+                linestyle="--",
+                linewidth=1.2,
+                label=f"target ({scale * target:.3g})",
+            )
             shown.append(scale * target)
         fit_ylim(ax, shown)
         n = pooled_n(everything, task)

@@ -99,11 +99,17 @@ def render(
             out.append("| " + " | ".join(cells) + " |")
         prop = proposed_group(gs)
         if prop is not None:
-            out += ["", f"Paired at the budget, {prop.label} − baseline (mean ± 95% interval, "
-                    "paired t test p):", ""]  # fmt: skip
-            out += ["| baseline | seeds | accuracy (pts) | p | eval_loss | p | McNemar, pooled "
-                    "over seeds: questions, only proposed right / only baseline right, p |",
-                    "|---|---|---|---|---|---|---|"]  # fmt: skip
+            out += [
+                "",
+                f"Paired at the budget, {prop.label} − baseline (mean ± 95% interval, "
+                "paired t test p):",
+                "",
+            ]
+            out += [
+                "| baseline | seeds | accuracy (pts) | p | eval_loss | p | McNemar, pooled "
+                "over seeds: questions, only proposed right / only baseline right, p |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for g in gs:
                 if g is prop:
                     continue
@@ -115,8 +121,10 @@ def render(
                         row += ["-", "-"]
                         continue
                     ci = f" ± {d.ci * scale:.{digits}f}" if d.ci is not None else ""
-                    row += [f"{d.mean * scale:+.{digits}f}{ci}",
-                            "-" if d.p is None else f"{d.p:.3g}"]  # fmt: skip
+                    row += [
+                        f"{d.mean * scale:+.{digits}f}{ci}",
+                        "-" if d.p is None else f"{d.p:.3g}",
+                    ]
                 mc = pooled_mcnemar(a, b, task)
                 row.append("-" if mc is None else f"{mc[0]}: {mc[1]} / {mc[2]}, p = {mc[3]:.3g}")
                 out.append("| " + " | ".join(row) + " |")

@@ -16,9 +16,12 @@ from fedlora.studies.runs import RunRecord, read_toml
 
 
 def _reclock_lines(
-    lines: list[dict[str, Any]], config: dict[str, Any], clients: Path, cost: tuple[str, str, float],
+    lines: list[dict[str, Any]],
+    config: dict[str, Any],
+    clients: Path,
+    cost: tuple[str, str, float],
     start_s: float,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """Round times recomputed from each line's participants and k under another cost model."""
     import numpy as np
 
@@ -52,9 +55,15 @@ def _reclock_lines(
             k = np.asarray(line["k"], dtype=float)
             # no payload bits recorded: exact = linear (a sketch's uplink ∝ k)
             line["round_time_s"] = round_time(
-                tau_full[who], t_full[who], k, gamma,
-                comm_cost=comm, comp_cost=comp, rho=rho, f_tot_hz=f_tot,
-            )[0]  # fmt: skip
+                tau_full[who],
+                t_full[who],
+                k,
+                gamma,
+                comm_cost=comm,
+                comp_cost=comp,
+                rho=rho,
+                f_tot_hz=f_tot,
+            )[0]
             line["round_time_s"] += float(line.get("downlink_s", 0.0)) if paid_downlink else 0.0
         elif line.get("round", 0) >= 1:
             line["round_time_s"] = 0.0
@@ -85,8 +94,9 @@ def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = 
     if run.calibration_time_s > 0 and calib.is_dir():
         for sub in sorted(d for d in calib.iterdir() if (d / METRICS_FILE).is_file()):
             sub_cfg = read_toml(sub / "config.toml")
-            lines = _reclock_lines(read_metrics(sub / METRICS_FILE), sub_cfg,
-                                   sub / CLIENTS_FILE, cost, 0.0)  # fmt: skip
+            lines = _reclock_lines(
+                read_metrics(sub / METRICS_FILE), sub_cfg, sub / CLIENTS_FILE, cost, 0.0
+            )
             start += lines[-1]["sim_time_s"] if lines else 0.0
     lines = _reclock_lines(run.lines, run.config, run.path / CLIENTS_FILE, cost, start)
     if lines:

@@ -176,13 +176,27 @@ def _append_powered(
     )
     images = []
     for metric, name in (("accuracy", "accuracy_bands.png"), ("loss", "eval_loss_bands.png")):
-        drawn = plot_bands(runs, targets, metric, path.parent / name, title=title,
-                           order=suite.get("labels"), target_losses=losses)  # fmt: skip
+        drawn = plot_bands(
+            runs,
+            targets,
+            metric,
+            path.parent / name,
+            title=title,
+            order=suite.get("labels"),
+            target_losses=losses,
+        )
         if drawn is not None:
             images.append(f"![{metric} over seeds against simulated time]({name})")
     for metric, name in (("accuracy", "accuracy_paired.png"), ("loss", "eval_loss_paired.png")):
-        drawn = plot_paired(runs, list(targets), metric, path.parent / name, title=title,
-                            reference=reference, order=suite.get("labels"))  # fmt: skip
+        drawn = plot_paired(
+            runs,
+            list(targets),
+            metric,
+            path.parent / name,
+            title=title,
+            reference=reference,
+            order=suite.get("labels"),
+        )
         if drawn is not None:
             images.append(f"![{metric}: paired difference to the reference method]({name})")
     with open(path, "a", encoding="utf-8") as f:

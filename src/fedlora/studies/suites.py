@@ -27,7 +27,7 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
             "planner.optimize=q",
             "method.k=full",
             "planner.calibration=separate",
-        ),  # fmt: skip
+        ),
         "full": ("method.name=sketched", "method.q=full", "method.k=full"),
         "fixed-0.2": ("method.name=sketched", *Q_FIXED, "method.k=full"),
         "uniform": ("method.name=sketched", "method.q=uniform", "method.k=full"),
@@ -39,7 +39,7 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
             "planner.optimize=k",
             *Q_FIXED,
             "planner.calibration=separate",
-        ),  # fmt: skip
+        ),
         "full": ("method.name=sketched", "method.k=full", *Q_FIXED),
         "normal": ("method.name=sketched", "method.k=normal", *Q_FIXED),
         "uniform": ("method.name=sketched", "method.k=uniform", *Q_FIXED),

@@ -161,8 +161,9 @@ class Method:
         """The method for ``ctx.cfg`` (see `registry.MethodContext`)."""
         raise NotImplementedError(f"{cls.__qualname__}.from_config")
 
-    def plan_round(self, round_index: int, rng_sampling: np.random.Generator,
-                   rng_sketch: np.random.Generator) -> RoundPlan:  # fmt: skip
+    def plan_round(
+        self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
+    ) -> RoundPlan:
         raise NotImplementedError
 
     def aggregate(

@@ -170,8 +170,14 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
         fit = constrained_fit(
             rates, yz[:, 0], yz[:, 1], weights=counts, floor_share=cfg.planner.fit_floor_share
         )
-        problem = PlanProblem(gamma=gamma, f_tot=cfg.network.f_tot_hz, a=a, tau_full_s=tau,
-                              t_full=t_full, constants=fit.constants)  # fmt: skip
+        problem = PlanProblem(
+            gamma=gamma,
+            f_tot=cfg.network.f_tot_hz,
+            a=a,
+            tau_full_s=tau,
+            t_full=t_full,
+            constants=fit.constants,
+        )
         q, k, _ = plan_for(cfg, problem, fit.constants, options, a)
     except ConfigError as e:
         entry["error"] = str(e)
@@ -185,24 +191,33 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
         return entry
     new = p2_objective(problem, fit.constants, q, k, options)
     cur_q, cur_k = settings[st["current"]]
-    current = math.inf if initial else p2_objective(problem, fit.constants, cur_q, cur_k,
-                                                    options)  # fmt: skip
+    current = math.inf if initial else p2_objective(problem, fit.constants, cur_q, cur_k, options)
     gain = 1.0 - new / current if math.isfinite(current) and current > 0 else 1.0
     adopt = initial or gain > cfg.planner.replan_margin
     entry.update(
         fit=fit.to_dict(),
-        plan={"q": [float(x) for x in q], "k": [int(x) for x in k], "objective": float(new),
-              "expected_rounds": float(expected_rounds(problem, fit.constants, q, k)),
-              "expected_round_time_s": float(np.dot(q, sketched_round_weights(
-                  problem, np.asarray(k), options)))},
+        plan={
+            "q": [float(x) for x in q],
+            "k": [int(x) for x in k],
+            "objective": float(new),
+            "expected_rounds": float(expected_rounds(problem, fit.constants, q, k)),
+            "expected_round_time_s": float(
+                np.dot(q, sketched_round_weights(problem, np.asarray(k), options))
+            ),
+        },
         current_objective=None if not math.isfinite(current) else float(current),
         predicted_gain=float(gain),
         margin=float(cfg.planner.replan_margin),
         adopted=bool(adopt),
-    )  # fmt: skip
+    )
     if adopt:
-        st["settings"].append({"q": [float(x) for x in q], "k": [int(x) for x in k],
-                               "source": f"plan after round {len(st['of_round'])}"})  # fmt: skip
+        st["settings"].append(
+            {
+                "q": [float(x) for x in q],
+                "k": [int(x) for x in k],
+                "source": f"plan after round {len(st['of_round'])}",
+            }
+        )
         st["current"] = len(st["settings"]) - 1
         entry["setting"] = st["current"]
     return entry
@@ -213,9 +228,14 @@ def _best_probe(ctx: RoundContext, st, rates, a, tau, t_full, options) -> int:
     from fedlora.system.planner.objective import sketched_round_weights
     from fedlora.system.planner.problem import Constants, PlanProblem
 
-    problem = PlanProblem(gamma=ctx.cfg.lora.rank, f_tot=ctx.cfg.network.f_tot_hz, a=a,
-                          tau_full_s=tau, t_full=t_full,
-                          constants=Constants(1.0, 1.0, 1.0, 1.0))  # fmt: skip
+    problem = PlanProblem(
+        gamma=ctx.cfg.lora.rank,
+        f_tot=ctx.cfg.network.f_tot_hz,
+        a=a,
+        tau_full_s=tau,
+        t_full=t_full,
+        constants=Constants(1.0, 1.0, 1.0, 1.0),
+    )
     best, best_j = math.inf, 0
     for j in range(4):
         rho = rates[j] if j < len(rates) else math.nan
@@ -239,9 +259,16 @@ def plan_for(cfg: ExperimentConfig, problem: Any, constants: Any, options: Any, 
     n, gamma = problem.n, problem.gamma
     if cfg.planner.optimize == "qk":
         result = multi_start(problem, constants, options)
-        return result.q, result.k, {"iterations": result.iterations,
-                                    "stop_reason": result.stop_reason,
-                                    "start": result.start, "starts": result.starts}  # fmt: skip
+        return (
+            result.q,
+            result.k,
+            {
+                "iterations": result.iterations,
+                "stop_reason": result.stop_reason,
+                "start": result.start,
+                "starts": result.starts,
+            },
+        )
     from fedlora.federation.methods.strategies import resolve_k, resolve_q
     from fedlora.system.seeding import derive_rng
 
@@ -277,7 +304,7 @@ def _write_plan_file(ctx: RoundContext, st: dict[str, Any]) -> None:
             "probe_rounds": len(st["schedule"]),
             "sim_time_s": 0.0,
             "probes": st["settings"][:4],
-        },  # fmt: skip
+        },
         "constants": last_fit["fit"]["constants"] if last_fit else None,
         "floors": last_fit["fit"]["floors"] if last_fit else None,
         "history": st["history"],
@@ -326,7 +353,7 @@ def outcome(saved: dict[str, Any], rounds_run: int) -> dict[str, Any]:
                 "error": h.get("error"),
             }
             for h in history
-        ],  # fmt: skip
+        ],
         "final_plan": {"q": saved["q"], "k": saved["k"], "source": saved["source"]},
         "floors": saved.get("floors"),
     }

@@ -118,8 +118,9 @@ def constrained_fit(
     )
 
 
-def _unidentified(col: np.ndarray, base: np.ndarray | None, relative: float, what: str,
-                  flat: str) -> str:  # fmt: skip
+def _unidentified(
+    col: np.ndarray, base: np.ndarray | None, relative: float, what: str, flat: str
+) -> str:
     """Why a constant is not identified by the data ('' if it is); `relative` = fit/floor."""
     v = col if base is None else col / base
     if np.ptp(v) <= _SPREAD * float(np.max(np.abs(v))):

@@ -198,5 +198,6 @@ def p2_q_step(
     value = curve.value(q)
     if not math.isfinite(value):
         return None
-    return QStepResult(q=q, m=float(np.dot(w, q)), objective=value, multiplier=math.nan,
-                       surrogate="P2")  # fmt: skip
+    return QStepResult(
+        q=q, m=float(np.dot(w, q)), objective=value, multiplier=math.nan, surrogate="P2"
+    )
