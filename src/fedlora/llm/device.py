@@ -19,7 +19,6 @@ The run directory's config.toml holds the resolved values, so a resumed run keep
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 from fedlora.config.checks import check_device_spec
 from fedlora.errors import bad_value
+from fedlora.llm.step_probe import bf16_probe, run_step_probe
 
 __all__ = [
     "BF16_CPU_FLAGS",
@@ -36,8 +36,6 @@ __all__ = [
     "resolve_device",
     "cpu_flags",
     "native_bf16_flags",
-    "bf16_probe",
-    "run_step_probe",
     "choose_dtype",
     "resolve_dtype",
     "resolve_runtime",
@@ -150,65 +148,6 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
 def native_bf16_flags(flags: set[str]) -> list[str]:
     """The native-bf16 flags among `flags` (avx512_bf16, amx_bf16)."""
     return [f for f in BF16_CPU_FLAGS if f in flags]
-
-
-def _time_step(dtype: Any, tokens: int, d_in: int, d_out: int, repeats: int) -> float:
-    """Fastest of `repeats` forward + input-gradient matmuls shaped like a frozen linear
-    layer in training (weights frozen, as the base model's)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    w = (torch.randn(d_out, d_in, generator=gen) * 0.02).to(dtype)
-    x0 = torch.randn(tokens, d_in, generator=gen).to(dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first is a warm-up
-        x = x0.clone().requires_grad_(True)
-        t0 = time.perf_counter()
-        y = x @ w.t()
-        y.sum().backward()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def bf16_probe(
-    *, tokens: int = 512, d_in: int = 576, d_out: int = 1536, repeats: int = 5
-) -> dict[str, float]:
-    """Seconds of one training-shaped matmul (forward + backward to the input) in fp32 and in
-    bf16, fastest of `repeats`, measured now at the current torch thread count: what
-    ``dtype = auto`` decides from where no run's shapes are known (`fedlora eval`).
-
-    The default shape is SmolLM2-135M's MLP up-projection on a 4 x 128-token batch."""
-    import torch
-
-    fp32_s = _time_step(torch.float32, tokens, d_in, d_out, repeats)
-    bf16_s = _time_step(torch.bfloat16, tokens, d_in, d_out, repeats)
-    return {"fp32_s": fp32_s, "bf16_s": bf16_s, "what": "matmul probe"}
-
-
-# (model, lora, shape, threads) -> (monotonic time, figures): a suite's runs started within
-# STEP_PROBE_TTL_S of each other share one timing
-_STEP_TIMINGS: dict[tuple, tuple[float, dict[str, float]]] = {}
-STEP_PROBE_TTL_S = 600.0
-
-
-def run_step_probe(cfg: Any) -> dict[str, Any]:
-    """One training step of `cfg`'s run timed in fp32 and in bf16, now
-    (`fedlora.llm.step_probe.time_precisions`); reused for STEP_PROBE_TTL_S by the runs of
-    this process with the same model, adapter, shape and threads."""
-    import torch
-
-    from fedlora.llm.step_probe import probe_shape, time_precisions
-
-    shape = probe_shape(cfg)
-    key = (cfg.model.name, cfg.model.cache_dir, cfg.lora, shape, torch.get_num_threads())
-    now = time.monotonic()
-    known = _STEP_TIMINGS.get(key)
-    what = f"training step of {shape[0]} x {shape[1]} tokens"
-    if known is not None and now - known[0] < STEP_PROBE_TTL_S:
-        return {**known[1], "what": f"{what}, timed {now - known[0]:.0f} s ago"}
-    figures = time_precisions(cfg)
-    _STEP_TIMINGS[key] = (now, figures)
-    return {**figures, "what": what}
 
 
 def choose_dtype(fp32_s: float, bf16_s: float, what: str = "timed") -> tuple[str, str]:

@@ -1,10 +1,15 @@
-"""Timing a run's training step in fp32 and in bf16, now, on the run's own model: what
-``model.dtype = "auto"`` decides from on a CPU with native bf16 (`fedlora.llm.device`).
+"""The timings ``model.dtype = "auto"`` decides from on a CPU with native bf16 (the decision
+is `fedlora.llm.device.resolve_dtype`'s): the same work in fp32 and in bf16, timed now.
+
+- `run_step_probe`: a run's own training step (`time_precisions`), kept for
+  `STEP_PROBE_TTL_S` by the runs of one process with the same model, adapter, shape and
+  threads (a suite's runs share one timing).
+- `bf16_probe`: one training-shaped matmul, where no run's shapes are known (`fedlora eval`).
 
 A matmul probe measured once and kept says nothing about a machine that is busy now (bf16 on
-AMX collapses under contention, fp32 much less), nor about the run's shapes. Here the run's
-model is loaded in each precision (bf16: stored in bf16, eager attention, autocast; as the
-run would), LoRA of the run's rank is attached to the run's target modules of the top K
+AMX collapses under contention, fp32 much less), nor about the run's shapes. So for a run the
+run's model is loaded in each precision (bf16: stored in bf16, eager attention, autocast; as
+the run would), LoRA of the run's rank is attached to the run's target modules of the top K
 layers, and a few SGD steps of a random batch of the run's shape are timed: the LM head at
 the target positions only, the backward down to the lowest LoRA layer, as `local_train`
 does. The precisions take turns, so a load change falls on both alike; the fastest step of
@@ -16,7 +21,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["probe_shape", "time_precisions"]
+__all__ = [
+    "STEP_PROBE_TTL_S",
+    "bf16_probe",
+    "probe_shape",
+    "run_step_probe",
+    "time_precisions",
+]
 
 SEQ_CAP = 64  # tokens per row: a padded batch's length in the harness format (p99 ~75)
 
@@ -102,3 +113,60 @@ def time_precisions(cfg: Any, *, steps: int = 3, device: str = "cpu") -> dict[st
             if i > 0:
                 best[dtype] = min(best[dtype], seconds)
     return {"fp32_s": best["fp32"], "bf16_s": best["bf16"]}
+
+
+def _time_step(dtype: Any, tokens: int, d_in: int, d_out: int, repeats: int) -> float:
+    """Fastest of `repeats` forward + input-gradient matmuls shaped like a frozen linear
+    layer in training (weights frozen, as the base model's)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(d_out, d_in, generator=gen) * 0.02).to(dtype)
+    x0 = torch.randn(tokens, d_in, generator=gen).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        x = x0.clone().requires_grad_(True)
+        t0 = time.perf_counter()
+        y = x @ w.t()
+        y.sum().backward()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bf16_probe(
+    *, tokens: int = 512, d_in: int = 576, d_out: int = 1536, repeats: int = 5
+) -> dict[str, float]:
+    """Seconds of one training-shaped matmul (forward + backward to the input) in fp32 and in
+    bf16, fastest of `repeats`, measured now at the current torch thread count: what
+    ``dtype = auto`` decides from where no run's shapes are known (`fedlora eval`).
+
+    The default shape is SmolLM2-135M's MLP up-projection on a 4 x 128-token batch."""
+    import torch
+
+    fp32_s = _time_step(torch.float32, tokens, d_in, d_out, repeats)
+    bf16_s = _time_step(torch.bfloat16, tokens, d_in, d_out, repeats)
+    return {"fp32_s": fp32_s, "bf16_s": bf16_s, "what": "matmul probe"}
+
+
+# (model, lora, shape, threads) -> (monotonic time, figures): a suite's runs started within
+# STEP_PROBE_TTL_S of each other share one timing
+_STEP_TIMINGS: dict[tuple, tuple[float, dict[str, float]]] = {}
+STEP_PROBE_TTL_S = 600.0
+
+
+def run_step_probe(cfg: Any) -> dict[str, Any]:
+    """One training step of `cfg`'s run timed in fp32 and in bf16, now (`time_precisions`);
+    reused for STEP_PROBE_TTL_S by the runs of this process with the same model, adapter,
+    shape and threads."""
+    import torch
+
+    shape = probe_shape(cfg)
+    key = (cfg.model.name, cfg.model.cache_dir, cfg.lora, shape, torch.get_num_threads())
+    now = time.monotonic()
+    known = _STEP_TIMINGS.get(key)
+    what = f"training step of {shape[0]} x {shape[1]} tokens"
+    if known is not None and now - known[0] < STEP_PROBE_TTL_S:
+        return {**known[1], "what": f"{what}, timed {now - known[0]:.0f} s ago"}
+    figures = time_precisions(cfg)
+    _STEP_TIMINGS[key] = (now, figures)
+    return {**figures, "what": what}
