@@ -4,9 +4,9 @@ With LoRA on the top K decoder layers only (``lora.layers = K``), the layers bel
 adapted one see no trainable parameter: their output for an example depends on its tokens
 alone. A `LayerCache` runs that frozen lower part (embeddings + layers ``0..L-1``) once per
 example, keeps its hidden states (LRU, bounded in MB), and each step runs only the top layers
-and the final norm on the cached rows. Position ids, the causal mask and the rotary
-embeddings are recomputed for the padded batch, so the loss and gradients equal the uncached
-path (to float rounding: 1e-6 in fp32, tested). Training uses right-padded rows
+and the final norm on the cached rows (`fedlora.llm.decoder_replay`). Position ids, the causal
+mask and the rotary embeddings are recomputed for the padded batch, so the loss and gradients
+equal the uncached path (to float rounding: 1e-6 in fp32, tested). Training uses right-padded rows
 (`LayerCache.last_hidden_state`); evaluation packs a question's candidates into one row
 (`LayerCache.packed_last_hidden_state`).
 """
@@ -22,29 +22,15 @@ import numpy as np
 import torch
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.llm.decoder_replay import REPLAYED_DECODERS, decoder_and_head, run_layers
 from fedlora.llm.device import autocast_state
 from fedlora.llm.lora import SlotLora
 from fedlora.llm.lora_targets import layer_index
 from fedlora.llm.packed_rows import PackedRows, row_keys
 
-__all__ = ["decoder_and_head", "cacheable_layers", "check_cache_options", "LayerCache"]
+__all__ = ["cacheable_layers", "check_cache_options", "LayerCache"]
 
 
-def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A causal LM's decoder (embeddings, layers, final norm) and its LM head."""
-    decoder = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if decoder is None or head is None:
-        raise ConfigError(
-            f"model {type(model).__name__} has no decoder/LM head pair (a causal LM is needed)"
-        )
-    return decoder, head
-
-
-# Decoder classes whose forward is: embed_tokens -> rotary_emb(position_ids) -> causal mask(s)
-# -> layers[i](hidden, mask of layer_types[i], position_embeddings) -> norm. The cache replays
-# exactly that, so it is limited to classes checked against their source (tested: Llama, Qwen2).
-_CACHEABLE_DECODERS = ("LlamaModel", "Qwen2Model")
 _CACHE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -54,8 +40,8 @@ def cacheable_layers(model: torch.nn.Module, lora: SlotLora) -> tuple[int, str]:
     """
     decoder, _ = decoder_and_head(model)
     name = type(decoder).__name__
-    if name not in _CACHEABLE_DECODERS:
-        return 0, f"decoder {name} is not one of {', '.join(_CACHEABLE_DECODERS)}"
+    if name not in REPLAYED_DECODERS:
+        return 0, f"decoder {name} is not one of {', '.join(REPLAYED_DECODERS)}"
     types = getattr(decoder.config, "layer_types", None) or []
     if set(types) - {"full_attention", "sliding_attention"}:
         return 0, f"unsupported attention layer types {sorted(set(types))}"
@@ -275,54 +261,6 @@ class LayerCache(PackedRows):
 
     # ------------------------------------------------------------------ forward
 
-    def _masks(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor
-    ) -> dict[str, Any]:
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_sliding_window_causal_mask,
-        )
-
-        # (config, inputs_embeds, attention_mask, no cache): positional, because transformers
-        # 5.x renamed past_key_values to cache and warns on the old name at every call
-        args = (self.decoder.config, hidden, mask, None)
-        masks = {"full_attention": create_causal_mask(*args, position_ids=pos)}
-        if "sliding_attention" in (getattr(self.decoder.config, "layer_types", None) or []):
-            masks["sliding_attention"] = create_sliding_window_causal_mask(*args, position_ids=pos)
-        return masks
-
-    def _run_layers(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None, layers: range
-    ) -> torch.Tensor:
-        """Decoder layers `layers` on (N, T, d) hidden states, as the decoder's forward does."""
-        t = hidden.shape[1]
-        pos = torch.arange(t, device=hidden.device).unsqueeze(0)  # (1, T), as without cache
-        masks = self._masks(hidden, mask, pos)
-        types = getattr(self.decoder.config, "layer_types", None)
-        return self._layer_stack(
-            hidden, pos, layers, lambda i: masks[types[i] if types else "full_attention"]
-        )
-
-    def _layer_stack(
-        self,
-        hidden: torch.Tensor,
-        pos: torch.Tensor,
-        layers: range,
-        mask_of: Callable[[int], Any],
-    ) -> torch.Tensor:
-        """Decoder layers `layers` on (N, T, d) hidden states at positions `pos`, layer i
-        attending through `mask_of(i)`."""
-        rotary = self.decoder.rotary_emb(hidden, pos)
-        for i in layers:
-            hidden = self.decoder.layers[i](
-                hidden,
-                attention_mask=mask_of(i),
-                position_embeddings=rotary,
-                position_ids=pos,
-                use_cache=False,  # and no cache argument: its name differs across releases
-            )
-        return hidden
-
     def _bypass(self, mask: torch.Tensor, lengths: torch.Tensor) -> bool:
         """True when caching would not be exact: a row that is not right-padded (its
         position ids would depend on the padding), or lower modules in training mode."""
@@ -349,7 +287,9 @@ class LayerCache(PackedRows):
         def lower_of(rows: list[int], t_miss: int) -> torch.Tensor:
             ids = input_ids[rows, :t_miss]  # (m, t_miss)
             mask = attention_mask[rows, :t_miss]
-            return self._run_layers(self.decoder.embed_tokens(ids), mask, range(self.first_layer))
+            return run_layers(
+                self.decoder, self.decoder.embed_tokens(ids), mask, range(self.first_layer)
+            )
 
         hidden = self._lower_hidden(
             "rows",
@@ -359,7 +299,7 @@ class LayerCache(PackedRows):
             input_ids.device,
             lower_of,
         )  # (N, T, d), 0 on padding
-        hidden = self._run_layers(
-            hidden, attention_mask, range(self.first_layer, len(self.decoder.layers))
+        hidden = run_layers(
+            self.decoder, hidden, attention_mask, range(self.first_layer, len(self.decoder.layers))
         )
         return self.decoder.norm(hidden)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fedlora.errors import ConfigError
+from fedlora.llm.decoder_replay import layer_stack
 
 __all__ = ["PackedRows", "row_keys"]
 
@@ -21,12 +22,11 @@ def row_keys(lens: list[int], *rows: torch.Tensor) -> list[bytes]:
 
 
 class PackedRows:
-    """The packed-row methods of `LayerCache` (which provides `decoder`, `first_layer`,
-    `_layer_stack` and `_lower_hidden`)."""
+    """The packed-row methods of `LayerCache` (which provides `decoder`, `first_layer` and
+    `_lower_hidden`)."""
 
     decoder: Any
     first_layer: int
-    _layer_stack: Any
     _lower_hidden: Any
 
     def packable(self) -> bool:
@@ -53,7 +53,7 @@ class PackedRows:
         self, hidden: torch.Tensor, segments: torch.Tensor, pos: torch.Tensor, layers: range
     ) -> torch.Tensor:
         mask = self._packed_mask(segments, hidden.dtype)
-        return self._layer_stack(hidden, pos, layers, lambda i: mask)
+        return layer_stack(self.decoder, hidden, pos, layers, lambda i: mask)
 
     def packed_last_hidden_state(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, segments: torch.Tensor

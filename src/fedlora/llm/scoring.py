@@ -155,7 +155,7 @@ def _score_packed(model: Any, cache: Any, items: list[Item], pad_id: int) -> lis
     LoRA layer come from the cache after the first evaluation."""
     import torch
 
-    from fedlora.llm.layer_cache import decoder_and_head
+    from fedlora.llm.decoder_replay import decoder_and_head
 
     _, head = decoder_and_head(model)
     seqs, poss, segs = [], [], []

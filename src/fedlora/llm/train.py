@@ -27,13 +27,9 @@ import torch.nn.functional as F
 
 from fedlora.errors import ConfigError, DataError, FedloraError, bad_value
 from fedlora.llm.client_optim import SlotAdamW
+from fedlora.llm.decoder_replay import decoder_and_head
 from fedlora.llm.device import autocast_context
-from fedlora.llm.layer_cache import (
-    LayerCache,
-    cacheable_layers,
-    check_cache_options,
-    decoder_and_head,
-)
+from fedlora.llm.layer_cache import LayerCache, cacheable_layers, check_cache_options
 from fedlora.llm.lora import SlotLora
 from fedlora.llm.prompts import IGNORE_INDEX
 from fedlora.llm.step_sizes import check_step_sizes
