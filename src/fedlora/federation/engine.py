@@ -21,7 +21,6 @@ uninterrupted one and a Flower client can rebuild its own batches.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -30,9 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
-from fedlora.federation.clock import round_cost
 from fedlora.federation.methods.base import RoundContext, RoundPlan
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.privacy import account_round
@@ -44,6 +41,12 @@ from fedlora.federation.progress import (
     stop_before_round,
     summarize,
 )
+from fedlora.federation.round_steps import (
+    apply_aggregate,
+    close_round,
+    evaluate_global,
+    round_header,
+)
 from fedlora.federation.runfiles import append_metrics, restore_metrics, write_summary
 from fedlora.federation.runstate import (
     Run,
@@ -51,14 +54,8 @@ from fedlora.federation.runstate import (
     checkpoint_state,
     restore_state,
     to_numpy,
-    to_torch,
 )
-from fedlora.federation.scoring import (
-    check_predictions,
-    eval_fields,
-    evaluate_tasks,
-    mean_over_tasks,
-)
+from fedlora.federation.scoring import check_predictions
 from fedlora.federation.tracking import open_trackers
 from fedlora.federation.trainer import (
     SlotTrainer,
@@ -211,7 +208,7 @@ def _round_zero(
     run: Run, trainer: Trainer, progress: Progress, calibration_s: float | None
 ) -> dict[str, Any]:
     """Metrics line 0: the untrained adapter's evaluation."""
-    evaluation = _evaluate(run, progress, 0)
+    evaluation = evaluate_global(run, progress, 0)
     calibration = {} if calibration_s is None else {"calibration_sim_time_s": calibration_s}
     return {
         "round": 0,
@@ -245,102 +242,6 @@ def record_round(
     append_metrics(metrics_path, line)
     progress.metrics_lines += 1
     progress.round += 1
-
-
-def round_header(plan: RoundPlan) -> dict[str, Any]:
-    """The first fields of a round's metrics line: who was asked to train, with which k."""
-    return {
-        "round": plan.round + 1,
-        "participants": plan.participants,
-        "n_participants": len(plan.tasks),
-        "k": [t.rank_used for t in plan.tasks],
-    }
-
-
-def apply_aggregate(
-    run: Run, plan: RoundPlan, global_state: dict[str, np.ndarray], states: list
-) -> None:
-    """The method's aggregate becomes the global adapter (and, for FedStackLoRA, the base)."""
-    agg = run.method.server_step(global_state, plan, states)  # aggregate + server optimizer
-    if run.memory:  # clients keep a part (FedSA-LoRA's B): evaluate with its mean Σ a_n X_n
-        agg.global_state = {**agg.global_state, **run.memory.mean(run.fed.a)}
-    run.lora.load_global(to_torch(agg.global_state))
-    if agg.base_delta:
-        run.lora.add_to_base(to_torch(agg.base_delta))
-        for name, delta in agg.base_delta.items():
-            run.base_delta[name] = run.base_delta.get(name, 0) + delta
-
-
-def close_round(
-    run: Run,
-    cost_plan: RoundPlan,
-    progress: Progress,
-    line: dict[str, Any],
-    train_loss: float | None,
-) -> dict[str, Any]:
-    """Advance the clock by the round time of `cost_plan` (who actually sent), record the
-    bits and the loss, and evaluate every E rounds, when the clock passes a multiple of
-    training.eval_every_s, at the round that spends the time budget and at the last round."""
-    cfg, r = run.cfg, cost_plan.round
-    cost = round_cost(
-        run.profiles,
-        cost_plan,
-        run.method,
-        run.shapes,
-        r,
-        net=cfg.network,
-        gamma=cfg.lora.rank,
-        seed=cfg.training.seed,
-    )
-    before_s = progress.sim_time_s
-    progress.sim_time_s += cost.round_time_s
-    progress.uplink_bits += cost.uplink_bits
-    progress.downlink_bits += cost.downlink_bits
-    line.update(
-        round_time_s=cost.round_time_s,
-        downlink_s=cost.downlink_s,
-        sim_time_s=progress.sim_time_s,
-        uplink_bits=cost.uplink_bits,
-        downlink_bits=cost.downlink_bits,
-        train_loss=train_loss,
-    )
-    last = r + 1 == cfg.training.rounds or _crossed_budget(cfg, before_s, progress.sim_time_s)
-    if (r + 1) % cfg.training.eval_every == 0 or last or _eval_due_s(cfg, before_s, progress):
-        line.update(_evaluate(run, progress, r + 1))
-        target = cfg.training.target_accuracy
-        if target and progress.last_accuracy >= target and progress.time_to_target_s is None:
-            progress.time_to_target_s = progress.sim_time_s
-    return line
-
-
-def _evaluate(run: Run, progress: Progress, round_no: int) -> dict[str, Any]:
-    """Evaluate the global adapter: its metrics-line fields (accuracy per task and mean,
-    eval_loss, intervals), with the accuracy's initial/last/best kept in `progress`."""
-    results = evaluate_tasks(run)
-    accs = {task: res.accuracy for task, res in results.items()}
-    acc = mean_over_tasks(accs)
-    if progress.initial_accuracy is None:
-        progress.initial_accuracy = acc
-    progress.last_accuracy = acc
-    progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
-    return {"eval_accuracy": acc, "eval": accs, **eval_fields(run, progress, round_no, results)}
-
-
-def _crossed_budget(cfg: ExperimentConfig, before_s: float, after_s: float) -> bool:
-    """This round spent the time budget: the run's last round, evaluated so that every run
-    has an evaluation at the common budget."""
-    budget = cfg.training.time_budget_s
-    return bool(budget) and before_s < budget <= after_s
-
-
-def _eval_due_s(cfg: ExperimentConfig, before_s: float, progress: Progress) -> bool:
-    """training.eval_every_s: this round's clock passed a multiple of it, counted from the
-    clock's start (after a calibration, whose time would otherwise shift the grid)."""
-    every = cfg.training.eval_every_s
-    start = progress.clock_start_s
-    return bool(every) and (
-        math.floor((progress.sim_time_s - start) / every) > math.floor((before_s - start) / every)
-    )
 
 
 def _one_round(run: Run, trainer: Trainer, plan: RoundPlan, progress: Progress) -> dict[str, Any]:
