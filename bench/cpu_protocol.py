@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedlora.llm.evaluation import paired_change
+from fedlora.llm.eval_stats import paired_change
 
 COMMON = [
     "model.name=smollm2-135m",
@@ -180,7 +180,7 @@ def read_predictions(run_dir: Path) -> dict[int, dict[str, dict]]:
 
 
 def paired(before: list, after: list) -> tuple[float, float, float, int, int]:
-    """The library's paired comparison (`fedlora.llm.evaluation.paired_change`): mean change,
+    """The library's paired comparison (`fedlora.llm.eval_stats.paired_change`): mean change,
     half-width of its normal 95% interval, exact McNemar p, questions gained and lost."""
     pair = paired_change(before, after)
     lo, hi = pair["gain_ci95"]

@@ -10,7 +10,8 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.llm.data import seeded_subset, stream_rng
-from fedlora.llm.evaluation import evaluate, wilson_interval
+from fedlora.llm.eval_stats import wilson_interval
+from fedlora.llm.evaluation import evaluate
 from fedlora.llm.models import load_model
 from fedlora.llm.tasks import load_task_file
 

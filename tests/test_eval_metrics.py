@@ -13,13 +13,12 @@ import torch
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError, DataError
+from fedlora.llm.eval_stats import chance_score, majority_score
 from fedlora.llm.evaluation import (
     candidate_logprobs,
     candidate_token_logprobs,
-    chance_score,
     discriminative_start,
     evaluate,
-    majority_score,
     question_id,
 )
 from fedlora.llm.models import load_model

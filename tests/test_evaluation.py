@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fedlora.errors import DataError
-from fedlora.llm.evaluation import candidate_logprobs, evaluate, wilson_interval
+from fedlora.llm.eval_stats import wilson_interval
+from fedlora.llm.evaluation import candidate_logprobs, evaluate
 from fedlora.llm.models import load_model
 from fedlora.llm.prompts import encode_continuation, encode_prompt, format_prompt, parse_options
 from fedlora.llm.tasks import RESPONSE_PREFIX, Example

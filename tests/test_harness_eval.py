@@ -249,7 +249,7 @@ def test_engine_in_harness_format_logs_mc_loss(tmp_path: Path) -> None:
     assert summary["final_mc_loss"] == pytest.approx(lines[-1]["eval_mc_loss"])
     assert summary["train_lengths"]["n"] == 40
     # the final evaluation paired with round 0 on the same questions, from predictions.jsonl
-    from fedlora.llm.evaluation import paired_change
+    from fedlora.llm.eval_stats import paired_change
 
     last = max(p["round"] for p in preds)
     for task, pair in summary["paired_eval"].items():

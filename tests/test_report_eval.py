@@ -139,7 +139,7 @@ def test_baseline_table_shows_mc_loss_with_its_interval(tmp_path: Path) -> None:
 
 
 def test_paired_change_by_hand() -> None:
-    from fedlora.llm.evaluation import paired_change
+    from fedlora.llm.eval_stats import paired_change
 
     before = [1, 0, 0, 1, 0, 1, 0, 0]
     after = [1, 1, 1, 0, 1, 1, 0, 1]  # 4 gained (q2, q3, q5, q8), 1 lost (q4)

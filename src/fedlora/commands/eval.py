@@ -270,7 +270,7 @@ def _run_lm_eval(args: argparse.Namespace, model, tokenizer, examples, task: str
 
     import numpy as np
 
-    from fedlora.llm.evaluation import wilson_interval
+    from fedlora.llm.eval_stats import wilson_interval
     from fedlora.llm.lm_eval_bridge import run_lm_eval
 
     t0 = time.perf_counter()

@@ -15,7 +15,7 @@ from fedlora.errors import DataError
 from fedlora.federation.progress import Progress
 from fedlora.federation.runstate import Run
 from fedlora.files import atomic_write
-from fedlora.llm.evaluation import paired_change
+from fedlora.llm.eval_stats import paired_change
 
 
 def evaluate_tasks(run: Run) -> dict[str, Any]:

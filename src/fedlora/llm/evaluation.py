@@ -27,7 +27,7 @@ over the questions.
 Batching: `batch_size` examples per forward, through one of the exact scoring kernels of
 `fedlora.llm.scoring` (by default each example's context runs once and its KV cache serves
 every candidate). This module turns their token log-probabilities into the scores, the
-eval_loss and the intervals of an `EvalResult`.
+eval_loss and the intervals (`fedlora.llm.eval_stats`) of an `EvalResult`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import hashlib
 import math
 import time
 import weakref
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +44,7 @@ import numpy as np
 
 from fedlora.config.sections import SCORINGS
 from fedlora.errors import DataError
+from fedlora.llm.eval_stats import chance_score, majority_score, mean_interval, wilson_interval
 from fedlora.llm.harness import (
     EvalFormat,
     acc_norm_pred,
@@ -57,8 +57,6 @@ from fedlora.llm.prompts import encode_continuation, encode_prompt, format_promp
 from fedlora.llm.scoring import Item, token_logprobs
 from fedlora.llm.task_types import HarnessRequest
 from fedlora.llm.tasks import RESPONSE_PREFIX, Example
-
-Z95 = 1.959963984540054  # Φ^{-1}(0.975)
 
 
 @dataclass
@@ -91,68 +89,6 @@ def question_id(ex: Example) -> str:
     """A stable id of a question (its task, text and answer), to pair two runs' predictions."""
     text = "\x1f".join((ex.task, ex.instruction, ex.input, ex.answer))
     return hashlib.blake2b(text.encode("utf-8"), digest_size=6).hexdigest()
-
-
-def majority_score(examples: Sequence[Example]) -> float:
-    """Accuracy of always answering the label that is most often correct in `examples`."""
-    if not examples:
-        raise DataError("majority_score: no examples")
-    return max(Counter(ex.answer for ex in examples).values()) / len(examples)
-
-
-def chance_score(examples: Sequence[Example]) -> float:
-    """Expected accuracy of a uniform random guess: the mean of 1 / (number of labels)."""
-    if not examples:
-        raise DataError("chance_score: no examples")
-    return float(np.mean([1.0 / len(ex.labels) for ex in examples]))
-
-
-def mcnemar_p(b: int, c: int) -> float:
-    """Exact two-sided McNemar p-value: b, c are the discordant pairs (only run A right, only
-    run B right); under H0 (equal accuracy) b ~ Binomial(b + c, 1/2)."""
-    for name, v in (("b", b), ("c", c)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise DataError(f"{name} = {v!r} is invalid: a count >= 0")
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2.0 * tail)
-
-
-def paired_change(before: Sequence[bool | int], after: Sequence[bool | int]) -> dict[str, Any]:
-    """The paired change of per-question correctness on the same questions: the gain in
-    accuracy with its normal 95% interval over questions, the questions gained and lost, and
-    the exact McNemar p-value."""
-    if len(before) != len(after) or not before:
-        raise DataError(f"paired questions: {len(before)} before and {len(after)} after")
-    d = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
-    gained, lost = int((d > 0).sum()), int((d < 0).sum())
-    gain, (lo, hi) = float(d.mean()), (math.nan, math.nan)
-    if d.size > 1:
-        half = Z95 * float(np.std(d, ddof=1)) / math.sqrt(d.size)
-        lo, hi = gain - half, gain + half
-    return {
-        "gain": gain,
-        "gain_ci95": [lo, hi],
-        "gained": gained,
-        "lost": lost,
-        "mcnemar_p": mcnemar_p(gained, lost),
-    }
-
-
-def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion correct/n (95% for the default z)."""
-    if n <= 0:
-        raise DataError(f"n = {n!r} is invalid: the interval needs at least one example")
-    if not 0 <= correct <= n:
-        raise DataError(f"correct = {correct!r} is invalid: must be in 0..{n}")
-    p = correct / n
-    z2 = z * z
-    denom = 1.0 + z2 / n
-    center = (p + z2 / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
-    return max(0.0, center - half), min(1.0, center + half)
 
 
 def _candidates(
@@ -268,14 +204,6 @@ def candidate_logprobs(
     `options` are those of `candidate_token_logprobs`."""
     lps = candidate_token_logprobs(model, tokenizer, examples, scoring=scoring, **options)
     return [candidate_scores(ex, t, scoring) for ex, t in zip(examples, lps)]
-
-
-def mean_interval(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
-    """The mean of per-question values and its normal 95% interval (nan for one question)."""
-    n = len(values)
-    mean = float(np.mean(values))
-    half = Z95 * float(np.std(values, ddof=1)) / math.sqrt(n) if n > 1 else math.nan
-    return mean, (mean - half, mean + half)
 
 
 def harness_items(

@@ -189,7 +189,7 @@ def response_loss(
     """Score held-out `records` by their response tokens' NLL (see `ResponseLoss`)."""
     import torch
 
-    from fedlora.llm.evaluation import mean_interval
+    from fedlora.llm.eval_stats import mean_interval
 
     ts, kept = tokenize_instructions(records, tokenizer, max_len)
     if not kept:

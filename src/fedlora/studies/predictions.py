@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import DataError
-from fedlora.llm.evaluation import mcnemar_p
+from fedlora.llm.eval_stats import mcnemar_p
 from fedlora.studies.runs import RunRecord
 
 PREDICTIONS_FILE = "predictions.jsonl"
