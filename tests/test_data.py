@@ -17,13 +17,12 @@ from fedlora.llm.data import (
     FederatedData,
     build_federated_data,
     client_batches,
-    client_weights,
-    dirichlet_partition,
     load_eval_sets,
     seeded_subset,
     stream_rng,
     training_mix,
 )
+from fedlora.llm.partition import client_weights, dirichlet_partition
 from fedlora.llm.tasks import load_task
 
 # ----------------------------------------------------------------------------- partition

@@ -139,12 +139,8 @@ def test_a_run_on_a_users_csv_trains_and_evaluates_it(tmp_path: Path, capsys) ->
 
 
 def test_partition_by_a_column_per_value_or_dirichlet(tmp_path: Path) -> None:
-    from fedlora.llm.data import (
-        dirichlet_partition,
-        partition_keys,
-        per_value_partition,
-        stream_rng,
-    )
+    from fedlora.llm.data import stream_rng
+    from fedlora.llm.partition import dirichlet_partition, partition_keys, per_value_partition
 
     csv = tmp_path / "q.csv"
     rows = [f"q{i}?,x,y,{'AB'[i % 2]},{['ann', 'bob', 'cy'][i % 3]}" for i in range(9)]
