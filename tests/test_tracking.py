@@ -16,9 +16,10 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation import tracking
+from fedlora.federation import tracked_run
 from fedlora.federation.run import prepare_run_dir, run_experiment
-from fedlora.federation.tracking import TRACKERS, Tracker, Trackers, check_trackers, scalars
+from fedlora.federation.tracked_run import Trackers
+from fedlora.federation.tracking import TRACKERS, Tracker, check_trackers, scalars
 from test_engine import TINY, _metrics
 
 pytest.importorskip("tensorboard")
@@ -105,10 +106,10 @@ def test_a_tracker_failing_to_close_leaves_the_others_failed(tmp_path):
 
     (tmp_path / "summary.json").write_text("{}")
     trackers = Trackers([Broken(), Fine()], tmp_path)
-    assert trackers in tracking._OPEN
+    assert trackers in tracked_run._OPEN
     with pytest.raises(OSError, match="store gone"):
         trackers.finish()
-    assert closed == [True] and not tracking._OPEN
+    assert closed == [True] and not tracked_run._OPEN
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
@@ -163,7 +164,7 @@ def test_tensorboard_and_mlflow_get_every_line_and_resume_continues(tmp_path, mo
     assert logged == [(m["round"], m["sim_time_s"]) for m in lines]
     artifacts = {c[1] for c in calls if c[0] == "artifact"}
     assert artifacts == {"config.toml", "summary.json", "metrics.jsonl", "adapter"}
-    assert calls[-1] == ("close", False) and not tracking._OPEN
+    assert calls[-1] == ("close", False) and not tracked_run._OPEN
 
     events = _events(run_dir)
     sim = [(e.step, e.value) for e in events.Scalars("sim_time_s")]
@@ -237,15 +238,15 @@ def test_ctrl_c_in_round_0_leaves_the_mlflow_run_failed_at_exit(tmp_path, monkey
     monkeypatch.setattr(engine, "_round_zero", interrupt)
     registered, register = [], atexit.register
     monkeypatch.setattr(atexit, "register", lambda f, *a: registered.append(f) or register(f, *a))
-    monkeypatch.setattr(tracking, "_registered", [])
+    monkeypatch.setattr(tracked_run, "_registered", [])
     cfg = load_config(None, [*TINY, "training.rounds=1", 'output.trackers=["mlflow"]'])
     run_dir = tmp_path / "r"
     prepare_run_dir(cfg, run_dir)
     with pytest.raises(KeyboardInterrupt):
         run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)
-    assert tracking.close_open_trackers in registered and len(tracking._OPEN) == 1
-    tracking.close_open_trackers()  # what the interpreter does at exit
-    assert not tracking._OPEN
+    assert tracked_run.close_open_trackers in registered and len(tracked_run._OPEN) == 1
+    tracked_run.close_open_trackers()  # what the interpreter does at exit
+    assert not tracked_run._OPEN
     record = json.loads((run_dir / "mlflow_run.json").read_text())
     run = MlflowClient(tracking_uri=record["tracking_uri"]).get_run(record["run_id"])
     assert run.info.status == "FAILED"
@@ -273,7 +274,7 @@ def test_sigterm_unwinds_the_run_and_leaves_the_mlflow_run_failed(tmp_path, monk
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     with pytest.raises(SystemExit) as e:
         run_experiment(cfg, run_dir, quiet=True, log=lambda m: None)
-    assert e.value.code == 143 and not tracking._OPEN
+    assert e.value.code == 143 and not tracked_run._OPEN
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     record = json.loads((run_dir / "mlflow_run.json").read_text())
     run = MlflowClient(tracking_uri=record["tracking_uri"]).get_run(record["run_id"])

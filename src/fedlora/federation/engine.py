@@ -56,7 +56,7 @@ from fedlora.federation.runstate import (
     to_numpy,
 )
 from fedlora.federation.scoring import check_predictions
-from fedlora.federation.tracking import open_trackers
+from fedlora.federation.tracked_run import open_trackers
 from fedlora.federation.trainer import (
     SlotTrainer,
     Trained,
