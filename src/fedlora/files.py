@@ -20,7 +20,7 @@ from typing import Any
 
 from fedlora.config.toml_io import read_user_file
 from fedlora.errors import ConfigError, bad_value, cut, shown
-from fedlora.system.network import ClientProfiles, profiles_from_rows
+from fedlora.system.client_profiles import ClientProfiles, profiles_from_rows
 from fedlora.system.planner.problem import PlanOptions, PlanProblem
 from fedlora.system.planner.schema import problem_from_dict
 

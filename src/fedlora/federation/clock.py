@@ -9,7 +9,8 @@ import numpy as np
 
 from fedlora.config.sections import NetworkConfig
 from fedlora.federation.methods.base import LayerShapes, Method, RoundPlan
-from fedlora.system.network import ClientProfiles, rayleigh_gains, round_time, spectral_efficiency
+from fedlora.system.client_profiles import ClientProfiles, rayleigh_gains, spectral_efficiency
+from fedlora.system.network import round_time
 from fedlora.system.seeding import derive_rng
 
 

@@ -10,7 +10,7 @@ from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
 from fedlora.federation.runfiles import ClientRow, write_clients
 from fedlora.files import load_profiles
-from fedlora.system.network import ClientProfiles, generate_profiles, profiles_to_rows
+from fedlora.system.client_profiles import ClientProfiles, generate_profiles, profiles_to_rows
 from fedlora.system.seeding import derive_rng
 
 

@@ -187,7 +187,8 @@ def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> Non
 @dataclass(frozen=True)
 class ClientRow:
     """One row of clients.csv: a client's example count, data weight a_n and profile
-    (`fedlora.system.network.ClientProfiles`; the channel columns are NaN for given profiles)."""
+    (`fedlora.system.client_profiles.ClientProfiles`; the channel columns are NaN for given
+    profiles)."""
 
     client: int
     n_examples: int

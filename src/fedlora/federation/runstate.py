@@ -18,7 +18,7 @@ from fedlora.federation.profiles import build_profiles
 from fedlora.federation.progress import Progress
 from fedlora.federation.trainable import Trainable
 from fedlora.llm.device import Resolution
-from fedlora.system.network import ClientProfiles
+from fedlora.system.client_profiles import ClientProfiles
 from fedlora.system.seeding import derive_rng, derive_seed
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.methods.ranks import resolve_ranks
-from fedlora.system.network import ClientProfiles
+from fedlora.system.client_profiles import ClientProfiles
 
 Adapter = dict[str, np.ndarray]
 LayerShapes = dict[str, tuple[int, int]]  # module name -> (out_features, in_features)

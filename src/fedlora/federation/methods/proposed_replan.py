@@ -281,12 +281,13 @@ def plan_for(cfg: ExperimentConfig, problem: Any, constants: Any, options: Any, 
 
 def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
     """t_full for the planner: with Rayleigh fading, the mean-SNR time times the expected
-    factor of fading (`fedlora.system.network.planning_time_factor`; the ergodic rate when there is
-    no outage floor, the exact mean with one); unchanged without fading or channel data."""
+    factor of fading (`fedlora.system.client_profiles.planning_time_factor`; the ergodic rate
+    when there is no outage floor, the exact mean with one); unchanged without fading or
+    channel data."""
     snr = clients.get("snr_db")
     if cfg.network.fading != "rayleigh" or snr is None or not np.all(np.isfinite(snr)):
         return clients["t_full"]
-    from fedlora.system.network import planning_time_factor
+    from fedlora.system.client_profiles import planning_time_factor
 
     return clients["t_full"] * planning_time_factor(snr, cfg.network.fading_floor)
 
