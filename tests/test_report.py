@@ -11,7 +11,7 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.errors import ConfigError, DataError
-from fedlora.federation.runfiles import read_metrics
+from fedlora.federation.metrics_file import read_metrics
 from fedlora.studies.report import render_markdown, write_report
 from fedlora.studies.runs import collect_runs, load_run, time_to_target
 from fedlora.studies.suite_report import report_suite

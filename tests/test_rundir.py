@@ -24,9 +24,9 @@ from fedlora.cli import main
 from fedlora.config import dump_toml, load_config, toml_string
 from fedlora.errors import ConfigError
 from fedlora.federation.checkpoints import load_checkpoint
+from fedlora.federation.metrics_file import read_metrics_lines
 from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.federation.rundir import run_dir_lock
-from fedlora.federation.runfiles import read_metrics_lines
 from reliability_cases import DATA, TINY
 
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")

@@ -1,5 +1,5 @@
-"""fedlora.federation.runfiles: atomic writes and metrics.jsonl, read back up to a torn line and
-cut back to what a checkpoint recorded (split from test_rundir.py, issue 11)."""
+"""fedlora.federation.runfiles and metrics_file: atomic writes and metrics.jsonl, read back up
+to a torn line and cut back to what a checkpoint recorded (split from test_rundir.py, issue 11)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,8 @@ from pathlib import Path
 import pytest
 
 from fedlora.errors import DataError
-from fedlora.federation.runfiles import (
-    append_metrics,
-    os_error_message,
-    read_metrics_lines,
-    restore_metrics,
-)
+from fedlora.federation.metrics_file import append_metrics, read_metrics_lines, restore_metrics
+from fedlora.federation.runfiles import os_error_message
 from fedlora.files import atomic_write
 
 R0, R1 = '{"round": 0, "sim_time_s": 0.0}', '{"round": 1, "sim_time_s": 1.0}'

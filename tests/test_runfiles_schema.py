@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from fedlora.errors import DataError
+from fedlora.federation.metrics_file import read_metrics, read_metrics_lines
 from fedlora.federation.runfiles import (
     CLIENT_COLUMNS,
     ClientRow,
     read_clients,
-    read_metrics,
-    read_metrics_lines,
     read_plan,
     read_summary,
     write_clients,

@@ -58,16 +58,9 @@ from fedlora.errors import ConfigError
 from fedlora.federation.calibration_plan import client_arrays, plan_from_calibration
 from fedlora.federation.methods.proposed import Plan, plan_file
 from fedlora.federation.methods.proposed_replan import outcome, probe_settings
+from fedlora.federation.metrics_file import METRICS_FILE, read_metrics
 from fedlora.federation.rundir import write_run_dir
-from fedlora.federation.runfiles import (
-    CLIENTS_FILE,
-    METRICS_FILE,
-    PLAN_FILE,
-    read_clients,
-    read_metrics,
-    read_plan,
-    write_plan,
-)
+from fedlora.federation.runfiles import CLIENTS_FILE, PLAN_FILE, read_clients, read_plan, write_plan
 from fedlora.files import atomic_write
 
 AUTO_LOSS_FRACTION = 0.5

@@ -2,7 +2,7 @@
 
 Tensors are stored in safetensors, every other field as JSON in the header, so loading one
 never runs code. Each also holds the metrics lines up to its round, so a resume rewrites a
-damaged metrics.jsonl exactly (`fedlora.federation.runfiles.restore_metrics`). Old
+damaged metrics.jsonl exactly (`fedlora.federation.metrics_file.restore_metrics`). Old
 ``round-*.pt`` pickles are read with ``torch.load(weights_only=True)`` and an allow-list of
 numpy types; anything else in them is refused. A damaged checkpoint is named and skipped for
 the previous one.
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import DataError
-from fedlora.federation.runfiles import METRICS_FILE, read_metrics_lines
+from fedlora.federation.metrics_file import METRICS_FILE, read_metrics_lines
 from fedlora.files import atomic_write
 
 CHECKPOINT_FORMAT = "fedlora-checkpoint-1"

@@ -32,6 +32,7 @@ import numpy as np
 from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
 from fedlora.federation.methods.base import RoundContext, RoundPlan
 from fedlora.federation.methods.proposed import Plan
+from fedlora.federation.metrics_file import append_metrics, restore_metrics
 from fedlora.federation.privacy import account_round
 from fedlora.federation.profiles import write_clients_csv
 from fedlora.federation.progress import (
@@ -47,7 +48,7 @@ from fedlora.federation.round_steps import (
     evaluate_global,
     round_header,
 )
-from fedlora.federation.runfiles import append_metrics, restore_metrics, write_summary
+from fedlora.federation.runfiles import write_summary
 from fedlora.federation.runstate import (
     Run,
     build_run,

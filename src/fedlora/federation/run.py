@@ -41,6 +41,7 @@ from fedlora.federation.calibration import plan_outcome, prepare_proposed
 from fedlora.federation.checkpoints import checkpoint_paths
 from fedlora.federation.engine import run_in_process
 from fedlora.federation.methods.proposed import Plan
+from fedlora.federation.metrics_file import read_metrics_lines
 from fedlora.federation.preflight import check_inputs
 from fedlora.federation.rundir import (
     check_run_dir,
@@ -48,7 +49,6 @@ from fedlora.federation.rundir import (
     run_dir_lock,
     write_run_dir,
 )
-from fedlora.federation.runfiles import read_metrics_lines
 from fedlora.files import atomic_write
 from fedlora.llm.device import Resolution, resolve_runtime
 
@@ -198,7 +198,8 @@ def refuse_lost_checkpoints(run_dir: Path, checkpoint_every: int) -> None:
     `DataError` naming the directory and the remedy; metrics.jsonl is not touched.
 
     A run killed before its first checkpoint starts over, as it would have anyway; a
-    finished run without checkpoints is refused by `fedlora.federation.runfiles.restore_metrics`.
+    finished run without checkpoints is refused by
+    `fedlora.federation.metrics_file.restore_metrics`.
     """
     if checkpoint_paths(run_dir) or (run_dir / "summary.json").exists():
         return

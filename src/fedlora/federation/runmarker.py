@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, DataError
-from fedlora.federation.runfiles import METRICS_FILE, SUMMARY_FILE, is_metrics_line, read_summary
+from fedlora.federation.metrics_file import METRICS_FILE, is_metrics_line
+from fedlora.federation.runfiles import SUMMARY_FILE, read_summary
 from fedlora.files import atomic_write
 
 MARKER_NAME = ".fedlora-run.json"

@@ -11,7 +11,8 @@ from typing import Any
 
 from fedlora.config.sections import LoraConfig, NetworkConfig
 from fedlora.errors import ConfigError, bad_value
-from fedlora.federation.runfiles import CLIENTS_FILE, METRICS_FILE, read_clients, read_metrics
+from fedlora.federation.metrics_file import METRICS_FILE, read_metrics
+from fedlora.federation.runfiles import CLIENTS_FILE, read_clients
 from fedlora.studies.runs import RunRecord, read_toml
 
 

@@ -21,11 +21,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from fedlora.errors import ConfigError, DataError
+from fedlora.federation.metrics_file import METRICS_FILE, read_metrics
 from fedlora.federation.runfiles import (
-    METRICS_FILE,
     SUMMARY_FILE,
     RunSummary,
-    read_metrics,
     read_run_text,
     read_summary,
     summary_from_dict,
@@ -45,7 +44,7 @@ class RunRecord:
     label: str
     method: str
     seed: int
-    lines: list[dict[str, Any]]  # metrics.jsonl (`fedlora.federation.runfiles.read_metrics`)
+    lines: list[dict[str, Any]]  # metrics.jsonl (`fedlora.federation.metrics_file.read_metrics`)
     summary: RunSummary = field(default=NO_SUMMARY)
     config: dict[str, Any] = field(default_factory=dict)
 
