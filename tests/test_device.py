@@ -273,7 +273,7 @@ def test_slots_for_memory_hand_computed():
 
 
 def test_activation_bytes_per_slot_hand_computed():
-    from fedlora.llm.models import tiny_config
+    from fedlora.llm.tiny_models import tiny_config
 
     c = tiny_config("tiny-llama")  # hidden 64, intermediate 128, 4 heads
     # per token and layer: 12·64 + 4·128 + 4·T(=10) = 1320; tokens 2·10; layers 2; + d = 64
@@ -434,7 +434,7 @@ def test_slots_per_pass_on_a_gpu_follow_free_memory(monkeypatch):
     from types import SimpleNamespace
 
     from fedlora.federation.runstate import device_slots_per_pass
-    from fedlora.llm.models import tiny_config
+    from fedlora.llm.tiny_models import tiny_config
 
     names = ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
     run = SimpleNamespace(

@@ -20,8 +20,9 @@ from fedlora.llm.instruct import (
     set_chat_template,
     tokenize_instructions,
 )
-from fedlora.llm.models import build_tiny_tokenizer, load_model
+from fedlora.llm.models import load_model
 from fedlora.llm.prompts import IGNORE_INDEX
+from fedlora.llm.tiny_models import build_tiny_tokenizer
 
 FIX = Path(__file__).resolve().parent / "fixtures"
 INS = FIX / "instruct"

@@ -28,7 +28,7 @@ def deep_tiny(kind: str, layers: int = 4, **extra):
     """A `layers`-deep variant of a tiny model (seeded N(0, 0.02) weights, norms 1)."""
     from transformers import AutoModelForCausalLM
 
-    from fedlora.llm.models import build_tiny_tokenizer, tiny_config
+    from fedlora.llm.tiny_models import build_tiny_tokenizer, tiny_config
 
     tok = build_tiny_tokenizer()
     d = tiny_config(kind, vocab_size=len(tok)).to_dict()

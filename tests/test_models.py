@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fedlora.errors import ConfigError
-from fedlora.llm.models import build_tiny_tokenizer, load_model
+from fedlora.llm.models import load_model
+from fedlora.llm.tiny_models import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

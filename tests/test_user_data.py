@@ -162,7 +162,7 @@ def test_partition_by_a_column_per_value_or_dirichlet(tmp_path: Path) -> None:
 
 def test_a_run_per_user_gives_each_user_one_client(tmp_path: Path) -> None:
     from fedlora.llm.data import build_federated_data
-    from fedlora.llm.models import build_tiny_tokenizer
+    from fedlora.llm.tiny_models import build_tiny_tokenizer
 
     cfg = load_config(
         None,

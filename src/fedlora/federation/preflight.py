@@ -33,13 +33,8 @@ def model_config(spec: str, cache_dir: str = "") -> dict[str, Any] | None:
     """The model's config.json as a dict, read without loading weights (None if unknown
     without a download, e.g. a hub id not in the local cache). Bad specs raise ConfigError."""
     from fedlora.files import default_cache_dir
-    from fedlora.llm.models import (
-        ACCEPTED_FORMS,
-        SMOLLM2_SPEC,
-        TINY_MODELS,
-        looks_like_hub_id,
-        tiny_config,
-    )
+    from fedlora.llm.models import ACCEPTED_FORMS, SMOLLM2_SPEC, looks_like_hub_id
+    from fedlora.llm.tiny_models import TINY_MODELS, tiny_config
 
     spec = spec.strip()
     if spec in TINY_MODELS:
