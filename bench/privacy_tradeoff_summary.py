@@ -17,7 +17,7 @@ import numpy as np
 
 from cpu_protocol import read_predictions
 from fedlora.errors import DataError
-from fedlora.llm.evaluation import paired_change
+from fedlora.llm.eval_stats import paired_change
 
 TASK = "arc-e"
 EPSILONS = (8, 2)
