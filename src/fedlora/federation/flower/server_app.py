@@ -291,9 +291,14 @@ class FlowerTrainer(Trainer):
     answer rate. The answer counts and the dropouts travel in checkpoints ("flower")."""
 
     def __init__(
-        self, grid: Grid, cfg: ExperimentConfig, clients: dict[int, int], opts: FlowerOptions,
-        log: Log, run_dir: Path | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        grid: Grid,
+        cfg: ExperimentConfig,
+        clients: dict[int, int],
+        opts: FlowerOptions,
+        log: Log,
+        run_dir: Path | None = None,
+    ) -> None:
         self.grid, self.cfg, self.clients, self.opts, self.log = grid, cfg, clients, opts, log
         self.run_dir = run_dir  # node_times.csv goes there
         self.avail = Availability.empty(cfg.data.n_clients)
@@ -304,9 +309,16 @@ class FlowerTrainer(Trainer):
         cfg, r = self.cfg, plan.round
         measured: list[dict[str, Any]] = []
         got, states, losses, dropouts = train_remote(
-            self.grid, cfg, plan, global_state, self.clients, self.opts, self.log, measured,
+            self.grid,
+            cfg,
+            plan,
+            global_state,
+            self.clients,
+            self.opts,
+            self.log,
+            measured,
             base_delta=self.base_delta(),
-        )  # fmt: skip
+        )
         if self.run_dir is not None:
             append_node_times(self.run_dir, measured)
         np.add.at(self.avail.asked, np.array(plan.participants), 1)
