@@ -223,6 +223,41 @@ def adapter_to_record(state: Mapping[str, Any]) -> Any:
     )
 
 
+def train_content(
+    fedlora_record: Any,
+    plan: Any,
+    index: int,
+    global_state: Mapping[str, Any],
+    base_delta: Mapping[str, Any] | None = None,
+) -> Any:
+    """The content of the ``train`` message of task `index` of `plan` (a RoundPlan): the
+    ``fedlora`` config record, the ``task`` (client, round, index, scale, rank used, weight,
+    the factors it trains), the global ``adapter`` and, if any, the ``base`` merges."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    t = plan.tasks[index]
+    task = ConfigRecord(
+        {
+            "client": t.client,
+            "round": plan.round,
+            "index": index,
+            "scale": [float(s) for s in t.scale],
+            "rank-used": t.rank_used,
+            "weight": t.weight,
+            "trains": t.trains,  # the factors it trains (FFA-LoRA, RoLoRA, Fed-SB)
+        }
+    )
+    base = {"base": adapter_to_record(base_delta)} if base_delta else {}
+    return RecordDict(
+        {
+            "fedlora": fedlora_record,
+            "task": task,
+            "adapter": adapter_to_record(global_state),
+            **base,
+        }
+    )
+
+
 def record_to_adapter(record: Any) -> dict[str, np.ndarray]:
     """An ArrayRecord back to name -> numpy array."""
     return {k: np.asarray(v.numpy()) for k, v in record.items()}
