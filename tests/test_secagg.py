@@ -59,16 +59,18 @@ def _adapter(rng: np.random.Generator, factors: str = "AB") -> dict[str, np.ndar
 
 
 class LoopGrid:
-    """A Grid whose nodes answer at once in this process: each through `secagg_mod` (Flower's
-    secaggplus_mod) with its own Context, its "training" giving a fixed adapter. A node in
-    `drop` gives no answer from that stage on."""
+    """A Grid whose nodes answer at once in this process, each with its own Context (so
+    Flower's SecAgg+ state persists across stages as a SuperNode keeps it): `handle(message,
+    context)` gives the reply. A node in `drop` gives no answer from that SecAgg+ stage on."""
 
-    def __init__(self, adapters: dict[int, dict[str, np.ndarray]], drop=None) -> None:
-        self.adapters, self.drop = adapters, dict(drop or {})
-        self.contexts = {n: Context(1, n, {}, RecordDict(), {}) for n in adapters}
+    def __init__(self, contexts: dict[int, Context], handle, drop=None) -> None:
+        self.contexts, self.handle, self.drop = contexts, handle, dict(drop or {})
         self.replies: list[Message] = []
         self.pushed = 0
         self.masked: dict[int, list[bytes]] = {}
+
+    def get_node_ids(self):
+        return list(self.contexts)
 
     def push_messages(self, messages):
         ids = []
@@ -77,11 +79,12 @@ class LoopGrid:
             ids.append(msg.metadata.message_id)
             self.pushed += 1
             node = msg.metadata.dst_node_id
-            stage = msg.content.config_records["secaggplus_configs"]["stage"]
+            configs = msg.content.config_records.get("secaggplus_configs", {})
+            stage = configs.get("stage")
             stages = list(Stage.all())
             if node in self.drop and stages.index(stage) >= stages.index(self.drop[node]):
                 continue
-            reply = secagg_mod(msg, self.contexts[node], self._train)
+            reply = self.handle(msg, self.contexts[node])
             if stage == Stage.COLLECT_MASKED_VECTORS:
                 self.masked[node] = reply.content.config_records["secaggplus_configs"][
                     "masked_params"
@@ -95,12 +98,19 @@ class LoopGrid:
         self.replies = [r for r in self.replies if r not in out]
         return out
 
-    def _train(self, msg: Message, ctx: Context) -> Message:
+
+def _node_grid(adapters: dict[int, dict[str, np.ndarray]], drop=None) -> LoopGrid:
+    """Nodes that run Flower's SecAgg+ mod around a "training" that returns a fixed adapter."""
+
+    def train(msg: Message, ctx: Context) -> Message:
         task = dict(msg.content.config_records["task"])
         glob = {k: v.numpy() for k, v in msg.content.array_records["adapter"].items()}
         metrics = MetricRecord({"train-loss": 1.0})
-        content = secure_content(task, glob, self.adapters[ctx.node_id], metrics)
+        content = secure_content(task, glob, adapters[ctx.node_id], metrics)
         return Message(content, reply_to=msg)
+
+    contexts = {n: Context(1, n, {}, RecordDict(), {}) for n in adapters}
+    return LoopGrid(contexts, lambda msg, ctx: secagg_mod(msg, ctx, train), drop)
 
 
 def _round(global_state, adapters, weights, settings, drop=None, method="sketched"):
@@ -117,7 +127,7 @@ def _round(global_state, adapters, weights, settings, drop=None, method="sketche
         task = content.config_records["task"]
         task[WEIGHT], task[KEYS], task[MASK] = float(weights[i]), keys, False
         contents[11 + i] = content
-    grid = LoopGrid({11 + i: a for i, a in enumerate(adapters)}, drop)
+    grid = _node_grid({11 + i: a for i, a in enumerate(adapters)}, drop)
     return secure_sum(grid, contents, settings, "1", timeout_s=0.3, poll_s=0.01), grid, keys
 
 
@@ -286,3 +296,18 @@ def test_an_in_process_run_refuses_secure_aggregation_and_writes_nothing(tmp_pat
     err = capsys.readouterr().err
     assert "privacy.secure_aggregation" in err and "flower" in err.lower()
     assert not out.exists()
+
+
+def test_a_node_counts_the_entries_its_quantizer_will_clip() -> None:
+    from fedlora.federation.flower.secagg_node import CLIP
+
+    glob = {"m.lora_A": np.zeros((2, 3)), "m.lora_B": np.zeros((3, 2))}
+    new = {
+        "m.lora_A": np.array([[0.1, -0.3, 0.2], [0.0, 0.5, -0.05]]),
+        "m.lora_B": np.zeros((3, 2)),
+    }
+    task = {KEYS: ["m.lora_A", "m.lora_B"], WEIGHT: 2.0, MASK: False, CLIP: 0.5, "scale": [1, 1]}
+    content = secure_content(task, glob, new, MetricRecord({"train-loss": 1.0}))
+    # 2·Δ beyond ±0.5: -0.6 and 1.0
+    assert content.metric_records["metrics"]["secagg-clipped"] == 2
+    assert content.metric_records["fitres.num_examples"]["num_examples"] == 1

@@ -88,12 +88,14 @@ class SecAggSettings:
 class SecureSum:
     """What `secure_sum` returns: `total` (Σ of the updates of `summed`, one array per key)
     or None with `reason` when the protocol stopped; `replies` the masked stage's replies
-    (node id -> Message: their metrics travel in the clear)."""
+    (node id -> Message: their metrics travel in the clear); `asked` whether the nodes were
+    asked at all (not when the round has fewer participants than the threshold)."""
 
     total: list[np.ndarray] | None
     summed: list[int]
     replies: dict[int, Message]
     reason: str = ""
+    asked: bool = True
 
 
 # ----------------------------------------------------------------------------- the update
@@ -152,7 +154,7 @@ def secure_sum(
         return SecureSum(None, list(summed), dict(replies or {}), reason)
 
     if len(nodes) < t:
-        return stop(f"{len(nodes)} participant(s), the threshold is {t}")
+        return SecureSum(None, [], {}, f"{len(nodes)} participant(s), the threshold is {t}", False)
     setup = {
         Key.STAGE: Stage.SETUP,
         Key.SAMPLE_NUMBER: len(nodes),

@@ -33,7 +33,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import (  # noqa: E402
 )
 
 # task fields of a SecAgg+ round (the ``task`` ConfigRecord)
-WEIGHT, KEYS, MASK = "secagg-weight", "secagg-keys", "secagg-mask"
+WEIGHT, KEYS, MASK, CLIP = "secagg-weight", "secagg-keys", "secagg-mask", "secagg-clip"
 
 
 def is_secure(message: Message) -> bool:
@@ -81,7 +81,8 @@ def secure_content(
     metrics: MetricRecord,
 ) -> RecordDict:
     """The reply of a masked stage before `secaggplus_mod` masks it: the weighted update as
-    a FitRes of weight 1, and the node's `metrics` (these travel in the clear)."""
+    a FitRes of weight 1, and the node's `metrics` (these travel in the clear), with
+    ``secagg-clipped``: the entries of the update beyond ±``secagg-clip``."""
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
     from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 
@@ -89,6 +90,9 @@ def secure_content(
     update = weighted_update(
         global_adapter, adapter, [str(k) for k in task[KEYS]], float(task[WEIGHT]), scale
     )
+    if CLIP in task:  # how many entries SecAgg+'s quantizer will clip (a count, in the clear)
+        clip = float(task[CLIP])
+        metrics["secagg-clipped"] = int(sum(int(np.sum(np.abs(u) > clip)) for u in update))
     fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(update), 1, {})
     content = fitres_to_recorddict(fitres, keep_input=False)
     content.metric_records["metrics"] = metrics

@@ -16,7 +16,9 @@ protocol stopped because too few nodes answered a stage, is skipped: the adapter
 unchanged and the round counted in ``secagg_skipped_rounds``.
 
 Metrics line keys (only with secure aggregation): ``secagg_skipped`` (this round),
-``secagg_skipped_rounds`` (so far) and ``secagg_padding_bits``: the bits the zero padding
+``secagg_skipped_rounds`` (so far), ``secagg_clipped`` (entries of this round's weighted
+updates beyond ±``privacy.secagg_clipping_range``, which the quantizer clips: each node
+counts its own; a warning asks to raise the range) and ``secagg_padding_bits``: the bits the zero padding
 adds to this round's uplink (every participant sends every rank component of the round's
 factors, at network.bits_per_param each, instead of its own payload; the simulated clock
 still charges the payload alone).
@@ -41,7 +43,7 @@ from fedlora.federation.flower.secagg import (
     secure_weights,
     update_keys,
 )
-from fedlora.federation.flower.secagg_node import KEYS, MASK, WEIGHT
+from fedlora.federation.flower.secagg_node import CLIP, KEYS, MASK, WEIGHT
 from fedlora.federation.methods.base import ClientTask, RoundPlan
 from fedlora.federation.privacy import NORMALISED
 from fedlora.federation.trainer import Trained
@@ -82,7 +84,9 @@ class SecureRounds:
         self.settings = SecAggSettings(p.secagg_threshold, float(p.secagg_clipping_range))
         self.skipped_rounds = 0
         self.skipped = False
+        self.asked = True  # whether the last round asked its nodes
         self.padding_bits = 0
+        self.clipped = 0  # entries clipped by the quantizer in the last round
 
     def train(
         self,
@@ -109,20 +113,34 @@ class SecureRounds:
             task = content.config_records["task"]
             task[WEIGHT], task[KEYS] = float(weights[i]), keys
             task[MASK] = method.name in MASKED_METHODS
+            task[CLIP] = self.settings.clipping_range
             contents[clients[t.client]], task_of[clients[t.client]] = content, i
         out = secure_sum(
             grid, contents, self.settings, str(r + 1), opts.round_timeout_s, opts.poll_interval_s
         )
         got = sorted(task_of[n] for n in out.summed)
-        losses = []
+        losses, self.clipped = [], 0
         for n in sorted(out.replies, key=lambda n: task_of[n]):
             metrics = out.replies[n].content.metric_records["metrics"]
             losses.append(float(metrics["train-loss"]))
+            self.clipped += int(metrics.get("secagg-clipped", 0))
             if "train-s" in metrics:
                 measured.append(measured_row(cfg, plan, task_of[n], n, metrics))
         sent = RoundPlan(r, tuple(plan.tasks[i] for i in got))
-        dropouts = [t.client for i, t in enumerate(plan.tasks) if i not in set(got)]
-        self.skipped = out.total is None
+        # who did not answer (a round with too few participants asks no one)
+        asked = set(task_of.values()) if out.asked else set()
+        dropouts = [
+            t.client
+            for i, t in enumerate(plan.tasks)
+            if i not in got and (i in asked or t.client not in clients)
+        ]
+        self.skipped, self.asked = out.total is None, out.asked
+        if self.clipped:
+            self.log(
+                f"round {r + 1}: {self.clipped} entries of the weighted updates were beyond "
+                f"privacy.secagg_clipping_range = {self.settings.clipping_range} and clipped; "
+                "raise it (docs/privacy.md)"
+            )
         vector = sum(int(np.prod(global_state[k].shape)) for k in keys)
         uplinks = [method.payload(t, self.run.shapes, sent).uplink_params for t in sent.tasks]
         self.padding_bits = round(padding_params(vector, uplinks) * cfg.network.bits_per_param)
@@ -142,4 +160,5 @@ class SecureRounds:
             "secagg_skipped": self.skipped,
             "secagg_skipped_rounds": self.skipped_rounds,
             "secagg_padding_bits": self.padding_bits,
+            "secagg_clipped": self.clipped,
         }

@@ -249,7 +249,7 @@ class FlowerTrainer(Trainer):
                 measured,
                 base_delta=self.base_delta(),
             )
-            self._count(plan, trained.plan.participants, measured)
+            self._count(plan, trained.plan.participants, measured, asked=self.secure.asked)
             return trained
         got, states, losses, dropouts = train_remote(
             self.grid,
@@ -276,11 +276,14 @@ class FlowerTrainer(Trainer):
         # the clock counts the updates that arrived (a dropout sends nothing on the uplink)
         return Trained(RoundPlan(r, tuple(tasks)), states, losses, dropouts)
 
-    def _count(self, plan: RoundPlan, answered: list[int], measured: list[dict[str, Any]]) -> None:
-        """node_times.csv rows, and the answer counts of the clients asked."""
+    def _count(
+        self, plan: RoundPlan, answered: list[int], measured: list[dict[str, Any]], asked=True
+    ) -> None:
+        """node_times.csv rows, and the answer counts of the clients asked (all or none)."""
         if self.run_dir is not None:
             append_node_times(self.run_dir, measured)
-        np.add.at(self.avail.asked, np.array(plan.participants), 1)
+        if asked:
+            np.add.at(self.avail.asked, np.array(plan.participants), 1)
         np.add.at(self.avail.answered, answered, 1)
 
     def line_fields(self, trained: Trained | None) -> dict[str, Any]:
