@@ -28,7 +28,7 @@ def _secure_config(tmp_path: Path, rounds: int, q: str, threshold: int) -> Path:
     return secure
 
 
-def _run_in_process(config: Path, out: Path) -> dict:
+def _run_in_process(config: Path, out: Path, availability: str = "none") -> dict:
     """`run_server` over nodes 101, 102 that run fedlora's ClientApp in this process."""
     from fedlora.federation.flower import server_app
     from fedlora.federation.flower.client_app import app
@@ -41,17 +41,25 @@ def _run_in_process(config: Path, out: Path) -> dict:
     }
     grid = LoopGrid(contexts, app)
     opts = FlowerOptions(
-        out_dir=str(out), round_timeout_s=5, connect_timeout_s=5, poll_interval_s=0.01
+        out_dir=str(out),
+        round_timeout_s=5,
+        connect_timeout_s=5,
+        poll_interval_s=0.01,
+        availability=availability,
     )
     return server_app.run_server(grid, cfg, opts, log=lambda _: None)
 
 
 @needs_data
-def test_a_secure_run_is_the_engine_run_within_the_quantization_error(tmp_path: Path) -> None:
-    # Prepare: both clients every round (no round below the threshold)
+@pytest.mark.parametrize("availability", ["none", "observed"])
+def test_a_secure_run_is_the_engine_run_within_the_quantization_error(
+    tmp_path: Path, availability: str
+) -> None:
+    # Prepare: both clients every round (no round below the threshold; every node answers,
+    # so the observed answer rates are 1)
     config = _secure_config(tmp_path, rounds=2, q="[1.0, 1.0]", threshold=2)
     # Execute
-    summary = _run_in_process(config, tmp_path / "secure")
+    summary = _run_in_process(config, tmp_path / "secure", availability)
     # Assert: the engine's adapter (plain aggregation), within SecAgg+'s quantization
     # (2 clients x 2c / 2^22 = 1e-6 per entry per round, c = 1)
     ref = engine_run(write_config(tmp_path, rounds=2, q="[1.0, 1.0]"), tmp_path)

@@ -27,6 +27,7 @@ still charges the payload alone).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -98,10 +99,17 @@ class SecureRounds:
         record: Any,
         measured: list[dict[str, Any]],
         base_delta: dict[str, np.ndarray] | None = None,
+        rate: np.ndarray | None = None,
     ) -> Trained:
         """Train and securely aggregate round `plan`; the aggregate is applied here (the
-        returned `Trained` has no states; its plan: the tasks whose update was summed)."""
+        returned `Trained` has no states; its plan: the tasks whose update was summed).
+        `rate` (N,): ``availability = "observed"``'s answer rates, each weight divided by
+        its client's (the rates counted before this round: a node needs its weight first)."""
         cfg, method, r = self.cfg, self.run.method, plan.round
+        if rate is not None:
+            plan = RoundPlan(
+                r, tuple(replace(t, weight=t.weight / rate[t.client]) for t in plan.tasks)
+            )
         weights = secure_weights(method.name, [t.weight for t in plan.tasks])
         factors = "".join(sorted({f for t in plan.tasks for f in t.trains})) or "AB"
         keys = update_keys(global_state, factors)

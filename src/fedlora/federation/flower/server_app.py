@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.errors import ConfigError
 from fedlora.federation.engine import run_rounds
 from fedlora.federation.flower.common import (
     TRAIN,
@@ -229,16 +228,12 @@ class FlowerTrainer(Trainer):
         self.total_dropouts = 0
         self.base_delta: Callable[[], dict[str, np.ndarray]] = dict  # set by `_run_server`
         self.secure: SecureRounds | None = None  # set by `_run_server` (secure aggregation)
-        if cfg.privacy.secure_aggregation and opts.availability == "observed":
-            raise ConfigError(
-                "availability = 'observed' is invalid with privacy.secure_aggregation = true: "
-                "the weights go to the nodes before the round's answers are known; use 'none'"
-            )
 
     def train(self, plan: RoundPlan, global_state: dict[str, np.ndarray]) -> Trained:
         cfg, r = self.cfg, plan.round
         measured: list[dict[str, Any]] = []
         if self.secure is not None:  # aggregated by SecAgg+ (the server sees only the sum)
+            observed = self.opts.availability == "observed"  # the rates before this round
             trained = self.secure.train(
                 self.grid,
                 plan,
@@ -248,6 +243,7 @@ class FlowerTrainer(Trainer):
                 fedlora_record(cfg),
                 measured,
                 base_delta=self.base_delta(),
+                rate=self.avail.rate() if observed else None,
             )
             self._count(plan, trained.plan.participants, measured, asked=self.secure.asked)
             return trained
@@ -297,9 +293,13 @@ class FlowerTrainer(Trainer):
         return {"dropouts": dropouts, **fields}
 
     def report(self, line: dict[str, Any]) -> None:
+        secure = ""
+        if "secagg_skipped" in line:
+            done = "skipped" if line["secagg_skipped"] else "summed"
+            secure = f" secagg={done} (skipped so far: {line['secagg_skipped_rounds']})"
         self.log(
             f"round {line['round']}: n={line['n_participants']} dropouts={line['dropouts']} "
-            f"loss={line['train_loss']}"
+            f"loss={line['train_loss']}{secure}"
         )
 
     def state_dict(self) -> dict[str, Any]:
