@@ -7,7 +7,9 @@ Two message types:
 - ``train``: the server sends the global adapter (ArrayRecord) and the task (client id,
   round, scale vector, rank used, weight); the node trains ONE LoRA slot for H local steps on
   ``client_batches(fed, client, H, b, derive_rng(seed, "data", r, client), pad_id)`` with
-  `fedlora.llm.train.local_train` and returns its adapter and mean train loss.
+  `fedlora.llm.train.local_train` and returns its adapter and mean train loss. In a SecAgg+
+  round (``privacy.secure_aggregation``) the handler wears Flower's `secaggplus_mod`
+  (`fedlora.federation.flower.secagg_node`) and returns its weighted update, masked.
 
 Where the work happens:
 

@@ -17,6 +17,9 @@ biases the aggregate towards reliable clients: E[X^{r+1}] = Σ a_n p_n X_n + (1 
 for a node that answers with probability p_n. ``availability = "observed"`` divides each
 received weight by the node's observed answer rate p̂_n (a running (s + 1)/(t + 1) estimate),
 which restores E[·] = Σ a_n X_n when p̂_n → p_n (docs/flower.md).
+
+With ``privacy.secure_aggregation`` a round goes through SecAgg+ instead
+(`fedlora.federation.flower.secure_round`): the server never sees a node's own update.
 """
 
 from __future__ import annotations
