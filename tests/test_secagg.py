@@ -311,3 +311,15 @@ def test_a_node_counts_the_entries_its_quantizer_will_clip() -> None:
     # 2·Δ beyond ±0.5: -0.6 and 1.0
     assert content.metric_records["metrics"]["secagg-clipped"] == 2
     assert content.metric_records["fitres.num_examples"]["num_examples"] == 1
+
+
+def test_flower_refuses_a_threshold_no_round_can_reach() -> None:
+    from fedlora.federation.flower.common import check_flower_method
+
+    cfg = load_config(None, ["privacy.secure_aggregation=true", "data.n_clients=3"])
+    check_flower_method(cfg)  # the default threshold 2: fine
+    bad = load_config(
+        None, ["privacy.secure_aggregation=true", "privacy.secagg_threshold=4", "data.n_clients=3"]
+    )
+    with pytest.raises(ConfigError, match="privacy.secagg_threshold = 4"):
+        check_flower_method(bad)

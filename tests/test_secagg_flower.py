@@ -80,8 +80,11 @@ def test_a_secure_run_is_the_engine_run_within_the_quantization_error(
 
 @needs_data
 def test_a_round_below_the_threshold_is_skipped_and_counted(tmp_path: Path) -> None:
-    # Prepare: 2 clients, a threshold of 3
+    # Prepare: FedAvg on 2 of 3 clients per round, a threshold of 3
     config = _secure_config(tmp_path, rounds=2, q="[1.0, 1.0]", threshold=3)
+    text = config.read_text().replace("n_clients = 2", "n_clients = 3")
+    text = text.replace('q = [1.0, 1.0]\nk = "uniform"', 'name = "fedavg"\nclients_per_round = 2')
+    config.write_text(text, encoding="utf-8")
     # Execute
     summary = _run_in_process(config, tmp_path / "secure")
     # Assert: no round aggregated (LoRA's B starts at 0 and stays there), each counted

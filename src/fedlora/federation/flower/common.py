@@ -138,6 +138,7 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
     from fedlora.federation.methods.registry import check_method_config
 
     check_method_config(cfg)
+    check_secure_clients(cfg)
     if cfg.training.optimizer_state == "keep":
         raise ConfigError(
             "training.optimizer_state = 'keep' is not supported on Flower: a node trains "
@@ -164,6 +165,27 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
             f"method.name = 'proposed' with method.q = {m.q!r}, method.k = {m.k!r}: on Flower "
             "it needs a plan: set method.q and method.k to one plan JSON file (`fedlora plan "
             "-o`, or the plan.json of a `fedlora run` with method proposed)"
+        )
+
+
+def check_secure_clients(cfg: ExperimentConfig) -> None:
+    """ConfigError when ``privacy.secure_aggregation`` cannot work with data.n_clients: more
+    clients than SecAgg+'s modulus sums without wrapping around, or a threshold no round
+    can reach (every round would be skipped)."""
+    from fedlora.config.privacy_section import SECAGG_MAX_CLIENTS
+
+    p, n = cfg.privacy, cfg.data.n_clients
+    if not p.secure_aggregation:
+        return
+    if n > SECAGG_MAX_CLIENTS:
+        raise ConfigError(
+            f"data.n_clients = {n} is invalid with privacy.secure_aggregation = true: SecAgg+ "
+            f"sums at most {SECAGG_MAX_CLIENTS} updates without wrapping around"
+        )
+    if p.secagg_threshold > n:
+        raise ConfigError(
+            f"privacy.secagg_threshold = {p.secagg_threshold} is invalid with data.n_clients = "
+            f"{n}: no round can have that many participants; allowed: 2..{n}"
         )
 
 
