@@ -1,5 +1,6 @@
 """The privacy section of an experiment config: client-level differential privacy (clipping,
-Gaussian noise, the δ of the reported ε), and which methods it applies to.
+Gaussian noise, the δ of the reported ε), secure aggregation on Flower (SecAgg+), and which
+methods they apply to.
 
 docs/privacy.md derives the sensitivity of each method's aggregate and states the threat model.
 """
@@ -7,9 +8,10 @@ docs/privacy.md derives the sensitivity of each method's aggregate and states th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from fedlora.config.checks import check_choice, check_number
-from fedlora.errors import ConfigError
+from fedlora.config.checks import check_choice, check_int, check_number
+from fedlora.errors import ConfigError, bad_value
 
 PRIVACY_MODES = ("none", "central", "local")
 
@@ -40,6 +42,13 @@ NOT_A_SUM = {
 }
 
 
+# SecAgg+'s fixed quantization: every entry becomes an integer in [0, 2^22]; the masked sum is
+# taken modulo 2^32, so up to 2^32 / 2^22 - 1 = 1023 participants sum without wrapping around
+SECAGG_QUANTIZATION_RANGE = 2**22
+SECAGG_MODULUS_RANGE = 2**32
+SECAGG_MAX_CLIENTS = SECAGG_MODULUS_RANGE // SECAGG_QUANTIZATION_RANGE - 1
+
+
 @dataclass(frozen=True)
 class PrivacyConfig:
     """Client-level differential privacy of the aggregate (docs/privacy.md).
@@ -48,18 +57,31 @@ class PrivacyConfig:
     Gaussian noise of standard deviation noise_multiplier·clip_norm added once to the sum by
     the server); "local" (each participant adds that noise to its own clipped update).
     `delta`: the δ at which every client's ε(δ) is reported (and planner.max_epsilon holds).
+    `secure_aggregation`: on Flower, the server learns only the sum of the round's weighted
+    updates (SecAgg+); a round with fewer than `secagg_threshold` participants is skipped.
+    `secagg_clipping_range`: c, every entry of a weighted update is clipped to [-c, c] and
+    quantized to 2^22 levels across that range (docs/privacy.md, "Secure aggregation").
     """
 
     mode: str = "none"
     clip_norm: float = 1.0
     noise_multiplier: float = 1.0
     delta: float = 1e-5
+    secure_aggregation: bool = False
+    secagg_threshold: int = 2
+    secagg_clipping_range: float = 1.0
 
     def __post_init__(self) -> None:
         check_choice("privacy.mode", self.mode, PRIVACY_MODES)
         check_number("privacy.clip_norm", self.clip_norm, lo=0, lo_open=True)
         check_number("privacy.noise_multiplier", self.noise_multiplier, lo=0)
         check_number("privacy.delta", self.delta, lo=0, hi=1, lo_open=True, hi_open=True)
+        if not isinstance(self.secure_aggregation, bool):
+            raise bad_value("privacy.secure_aggregation", self.secure_aggregation, "true or false")
+        check_int("privacy.secagg_threshold", self.secagg_threshold, lo=2, hi=SECAGG_MAX_CLIENTS)
+        check_number(
+            "privacy.secagg_clipping_range", self.secagg_clipping_range, lo=0, lo_open=True
+        )
 
     @property
     def enabled(self) -> bool:
@@ -69,7 +91,10 @@ class PrivacyConfig:
 def check_private_method(privacy: PrivacyConfig, method_name: str, pruning: float) -> None:
     """ConfigError unless privacy is off or `method_name`'s aggregate is a weighted sum of
     client updates (`PRIVATE_SAMPLING`); HeteroLoRA's self-pruning (a data-dependent rank
-    schedule) is refused too."""
+    schedule) is refused too. The same for secure aggregation, which the server can only
+    apply to a sum, and which does not combine with differential privacy (yet)."""
+    if privacy.secure_aggregation:
+        _check_secure_method(privacy, method_name, pruning)
     if not privacy.enabled:
         return
     if method_name not in PRIVATE_SAMPLING:
@@ -84,4 +109,38 @@ def check_private_method(privacy: PrivacyConfig, method_name: str, pruning: floa
             f"privacy.mode = {privacy.mode!r} is invalid with method.heterolora_pruning = "
             f"{pruning!r}: the self-pruning schedule is decided from the clients' un-noised "
             "updates; set method.heterolora_pruning = 0"
+        )
+
+
+def _check_secure_method(privacy: PrivacyConfig, method_name: str, pruning: float) -> None:
+    if method_name not in PRIVATE_SAMPLING:
+        why = NOT_A_SUM.get(method_name, "it is not known to aggregate a weighted sum of updates")
+        raise ConfigError(
+            f"privacy.secure_aggregation = true is invalid with method.name = {method_name!r}: "
+            f"{why}; secure aggregation reveals only a sum, so it needs one of "
+            f"{', '.join(PRIVATE_SAMPLING)} (or privacy.secure_aggregation = false)"
+        )
+    if method_name == "heterolora" and pruning:
+        raise ConfigError(
+            f"privacy.secure_aggregation = true is invalid with method.heterolora_pruning = "
+            f"{pruning!r}: the self-pruning schedule needs each client's own update, which "
+            "the server no longer sees; set method.heterolora_pruning = 0"
+        )
+    if privacy.enabled:
+        raise ConfigError(
+            f"privacy.secure_aggregation = true is invalid with privacy.mode = "
+            f"{privacy.mode!r}: clipping each update needs the server to see it, and the "
+            "nodes do not clip on their own yet; use one of the two"
+        )
+
+
+def check_in_process_privacy(cfg: Any) -> None:
+    """ConfigError for what only the Flower runtime can do: ``privacy.secure_aggregation``
+    (in one process the server holds every client's update anyway)."""
+    if cfg.privacy.secure_aggregation:
+        raise ConfigError(
+            "privacy.secure_aggregation = true is invalid for an in-process run: it is a "
+            "Flower-only setting (the server sees only the sum of the nodes' masked updates); "
+            "use `fedlora flower simulate` or `fedlora flower run-local`, or set "
+            "privacy.secure_aggregation = false"
         )

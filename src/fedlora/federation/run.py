@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.config.experiment import ExperimentConfig
+from fedlora.config.privacy_section import check_in_process_privacy
 from fedlora.config.toml_io import dump_toml
 from fedlora.errors import DataError
 from fedlora.federation.calibration import plan_outcome, prepare_proposed
@@ -117,7 +118,14 @@ def run(
     config as it is); a difference is refused unless `force` (`load_run_config`).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    with entered(cfg, run_dir, resume=resume, overwrite=overwrite, force=force) as runtime:
+    with entered(
+        cfg,
+        run_dir,
+        resume=resume,
+        overwrite=overwrite,
+        force=force,
+        also_check=check_in_process_privacy,
+    ) as runtime:
         return _run_method(runtime, Path(run_dir), resume=resume, quiet=quiet, log=log)
 
 
@@ -135,7 +143,9 @@ def run_experiment(
     """Run (or resume, with `cfg` as given) one experiment with a given plan (no
     calibration): the library's way in for tests and benchmarks, through the same entry
     (`entered`), then `run_in_process` (`stop`, `plan`, `finish`: see there)."""
-    with entered(cfg, run_dir, resume=resume, as_given=True) as runtime:
+    with entered(
+        cfg, run_dir, resume=resume, as_given=True, also_check=check_in_process_privacy
+    ) as runtime:
         return run_in_process(
             runtime,
             Path(run_dir),

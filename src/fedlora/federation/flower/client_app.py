@@ -7,7 +7,9 @@ Two message types:
 - ``train``: the server sends the global adapter (ArrayRecord) and the task (client id,
   round, scale vector, rank used, weight); the node trains ONE LoRA slot for H local steps on
   ``client_batches(fed, client, H, b, derive_rng(seed, "data", r, client), pad_id)`` with
-  `fedlora.llm.train.local_train` and returns its adapter and mean train loss.
+  `fedlora.llm.train.local_train` and returns its adapter and mean train loss. In a SecAgg+
+  round (``privacy.secure_aggregation``) the handler wears Flower's `secaggplus_mod`
+  (`fedlora.federation.flower.secagg_node`) and returns its weighted update, masked.
 
 Where the work happens:
 
@@ -46,6 +48,7 @@ from fedlora.config.toml_io import dump_toml
 from fedlora.errors import ConfigError
 from fedlora.federation.flower import node
 from fedlora.federation.flower.common import adapter_to_record, apply_safe_env, record_to_adapter
+from fedlora.federation.flower.secagg_node import is_secure, secagg_mod, secure_content
 
 apply_safe_env()
 
@@ -132,9 +135,10 @@ def query(message: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": reply_rec}), reply_to=message)
 
 
-@app.train()
+@app.train(mods=[secagg_mod])
 def train(message: Message, context: Context) -> Message:
-    """Train the task in the message on this node's partition; reply adapter + train loss."""
+    """Train the task in the message on this node's partition; reply adapter + train loss
+    (in a SecAgg+ round: its weighted update, which `secagg_mod` masks)."""
     t0 = time.perf_counter()
     cfg = config_from_message(message, context)
     pid, _ = node_partition(context)
@@ -167,23 +171,22 @@ def train(message: Message, context: Context) -> Message:
         time.sleep(delay_s * cfg.training.local_steps)
         train_s += delay_s * cfg.training.local_steps
     arrays = {k: np.asarray(v) for k, v in adapter.items()}
-    content = RecordDict(
+    metrics = MetricRecord(
         {
-            "adapter": adapter_to_record(arrays),
-            "metrics": MetricRecord(
-                {
-                    "train-loss": loss,
-                    "compute-s": time.perf_counter() - t0,
-                    "client": pid,
-                    # measured on this node (fedlora profiles fit): local training of the H
-                    # steps alone, and the size of the adapter it sends back
-                    "train-s": train_s,
-                    "upload-params": int(sum(a.size for a in arrays.values())),
-                    "upload-bytes": int(sum(a.nbytes for a in arrays.values())),
-                }
-            ),
+            "train-loss": loss,
+            "compute-s": time.perf_counter() - t0,
+            "client": pid,
+            # measured on this node (fedlora profiles fit): local training of the H
+            # steps alone, and the size of the adapter it sends back
+            "train-s": train_s,
+            "upload-params": int(sum(a.size for a in arrays.values())),
+            "upload-bytes": int(sum(a.nbytes for a in arrays.values())),
         }
     )
+    if is_secure(message):  # the weighted update, masked by `secagg_mod` on its way out
+        content = secure_content(task, global_adapter, arrays, metrics)
+    else:
+        content = RecordDict({"adapter": adapter_to_record(arrays), "metrics": metrics})
     return Message(content, reply_to=message)
 
 

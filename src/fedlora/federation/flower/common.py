@@ -138,6 +138,7 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
     from fedlora.federation.methods.registry import check_method_config
 
     check_method_config(cfg)
+    check_secure_clients(cfg)
     if cfg.training.optimizer_state == "keep":
         raise ConfigError(
             "training.optimizer_state = 'keep' is not supported on Flower: a node trains "
@@ -164,6 +165,27 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
             f"method.name = 'proposed' with method.q = {m.q!r}, method.k = {m.k!r}: on Flower "
             "it needs a plan: set method.q and method.k to one plan JSON file (`fedlora plan "
             "-o`, or the plan.json of a `fedlora run` with method proposed)"
+        )
+
+
+def check_secure_clients(cfg: ExperimentConfig) -> None:
+    """ConfigError when ``privacy.secure_aggregation`` cannot work with data.n_clients: more
+    clients than SecAgg+'s modulus sums without wrapping around, or a threshold no round
+    can reach (every round would be skipped)."""
+    from fedlora.config.privacy_section import SECAGG_MAX_CLIENTS
+
+    p, n = cfg.privacy, cfg.data.n_clients
+    if not p.secure_aggregation:
+        return
+    if n > SECAGG_MAX_CLIENTS:
+        raise ConfigError(
+            f"data.n_clients = {n} is invalid with privacy.secure_aggregation = true: SecAgg+ "
+            f"sums at most {SECAGG_MAX_CLIENTS} updates without wrapping around"
+        )
+    if p.secagg_threshold > n:
+        raise ConfigError(
+            f"privacy.secagg_threshold = {p.secagg_threshold} is invalid with data.n_clients = "
+            f"{n}: no round can have that many participants; allowed: 2..{n}"
         )
 
 
@@ -220,6 +242,41 @@ def adapter_to_record(state: Mapping[str, Any]) -> Any:
 
     return ArrayRecord(
         {k: Array(np.ascontiguousarray(np.asarray(v, dtype=np.float32))) for k, v in state.items()}
+    )
+
+
+def train_content(
+    fedlora_record: Any,
+    plan: Any,
+    index: int,
+    global_state: Mapping[str, Any],
+    base_delta: Mapping[str, Any] | None = None,
+) -> Any:
+    """The content of the ``train`` message of task `index` of `plan` (a RoundPlan): the
+    ``fedlora`` config record, the ``task`` (client, round, index, scale, rank used, weight,
+    the factors it trains), the global ``adapter`` and, if any, the ``base`` merges."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    t = plan.tasks[index]
+    task = ConfigRecord(
+        {
+            "client": t.client,
+            "round": plan.round,
+            "index": index,
+            "scale": [float(s) for s in t.scale],
+            "rank-used": t.rank_used,
+            "weight": t.weight,
+            "trains": t.trains,  # the factors it trains (FFA-LoRA, RoLoRA, Fed-SB)
+        }
+    )
+    base = {"base": adapter_to_record(base_delta)} if base_delta else {}
+    return RecordDict(
+        {
+            "fedlora": fedlora_record,
+            "task": task,
+            "adapter": adapter_to_record(global_state),
+            **base,
+        }
     )
 
 

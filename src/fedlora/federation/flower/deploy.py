@@ -149,8 +149,10 @@ class LocalDeployment:
         code = "from fedlora.federation.flower.processes import watchdog; watchdog()"
         self.watchdog = subprocess.Popen(
             [sys.executable, "-c", code, str(os.getpid()), str(self.home / "pids")],
-            env=self.env, start_new_session=True, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            env=self.env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
 
     def start(self) -> LocalDeployment:
         """Start the workers (they import torch meanwhile), the SuperLink, the SuperNodes

@@ -32,9 +32,15 @@ from fedlora.errors import ConfigError, DataError, shown
 
 NODE_TIMES = "node_times.csv"
 NODE_TIMES_COLUMNS = (
-    "round", "client", "node_id", "rank_used", "local_steps", "train_s", "upload_params",
+    "round",
+    "client",
+    "node_id",
+    "rank_used",
+    "local_steps",
+    "train_s",
+    "upload_params",
     "upload_bytes",
-)  # fmt: skip
+)
 
 
 def measured_row(cfg: Any, plan: Any, index: int, node_id: int, metrics: Any) -> dict[str, Any]:

@@ -89,9 +89,15 @@ def train_one(
     state.lora.load_global({k: torch.from_numpy(np.array(v)) for k, v in adapter.items()})
     scale = np.asarray(task["scale"], dtype=np.float32)  # (γ,)
     losses = np.asarray(
-        train_clients(state, int(task["round"]), [int(task["client"])], scale[None, :],
-                      int(task["index"]), trains=str(task.get("trains", "AB")))
-    )  # (1, H)  # fmt: skip
+        train_clients(
+            state,
+            int(task["round"]),
+            [int(task["client"])],
+            scale[None, :],
+            int(task["index"]),
+            trains=str(task.get("trains", "AB")),
+        )
+    )  # (1, H)
     adapter = {k: v.numpy().copy() for k, v in state.lora.slot_state(0).items()}
     return adapter, float(losses.mean())
 

@@ -131,8 +131,10 @@ def watching_tree(env: dict[str, str] | None = None) -> Iterator[subprocess.Pope
     code = "from fedlora.federation.flower.processes import tree_watchdog; tree_watchdog()"
     dog = subprocess.Popen(
         [sys.executable, "-c", code, str(os.getpid())],
-        env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         yield dog
     finally:

@@ -17,6 +17,9 @@ biases the aggregate towards reliable clients: E[X^{r+1}] = Σ a_n p_n X_n + (1 
 for a node that answers with probability p_n. ``availability = "observed"`` divides each
 received weight by the node's observed answer rate p̂_n (a running (s + 1)/(t + 1) estimate),
 which restores E[·] = Σ a_n X_n when p̂_n → p_n (docs/flower.md).
+
+With ``privacy.secure_aggregation`` a round goes through SecAgg+ instead
+(`fedlora.federation.flower.secure_round`): the server never sees a node's own update.
 """
 
 from __future__ import annotations
@@ -33,20 +36,20 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.errors import ConfigError, DataError
 from fedlora.federation.engine import run_rounds
 from fedlora.federation.flower.common import (
-    QUERY,
     TRAIN,
     FlowerOptions,
-    adapter_to_record,
     apply_safe_env,
     check_flower_method,
     config_from_run_config,
     exchange,
     record_to_adapter,
+    train_content,
 )
+from fedlora.federation.flower.discovery import discover_nodes, fedlora_record
 from fedlora.federation.flower.measured import NODE_TIMES, append_node_times, measured_row
+from fedlora.federation.flower.secure_round import SecureRounds
 from fedlora.federation.methods.base import RoundPlan
 from fedlora.federation.run import entered
 from fedlora.federation.rundir import run_dir_for
@@ -57,7 +60,7 @@ from fedlora.llm.device import Resolution
 
 apply_safe_env()
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.app import Context, Message  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 Log = Callable[[str], None]
@@ -68,71 +71,6 @@ def _stderr(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- messaging
-
-
-def _fedlora_record(cfg: ExperimentConfig) -> ConfigRecord:
-    from fedlora.config.toml_io import dump_toml
-
-    return ConfigRecord({"config-toml": dump_toml(cfg)})
-
-
-def discover_nodes(
-    grid: Grid, cfg: ExperimentConfig, fed: Any, opts: FlowerOptions, log: Log = _stderr
-) -> dict[int, int]:
-    """Ask every node its partition id and |D_n|; returns {client (partition id): node id}.
-
-    Waits up to ``connect_timeout_s`` for data.n_clients nodes. A node whose partition count,
-    id or |D_n| disagrees with the server's partition is a ConfigError / DataError; a missing
-    partition is allowed (that client drops out whenever it is sampled) and logged.
-    """
-    n = cfg.data.n_clients
-    deadline = time.monotonic() + opts.connect_timeout_s
-    while True:
-        node_ids = sorted(grid.get_node_ids())
-        if len(node_ids) >= n or time.monotonic() >= deadline:
-            break
-        time.sleep(opts.poll_interval_s)
-    if not node_ids:
-        raise ConfigError(
-            f"no SuperNode connected within connect-timeout-s = {opts.connect_timeout_s}"
-        )
-    messages = [
-        Message(RecordDict({"fedlora": _fedlora_record(cfg)}), node_id, QUERY, group_id="identity")
-        for node_id in node_ids
-    ]
-    replies = exchange(grid, messages, opts.connect_timeout_s, opts.poll_interval_s)
-    clients: dict[int, int] = {}
-    for i, node_id in enumerate(node_ids):
-        reply = replies.get(i)
-        if reply is None or reply.has_error():
-            why = "no reply" if reply is None else reply.error.reason
-            log(f"node {node_id}: identity query failed ({why}); it takes no part")
-            continue
-        ident = reply.content.config_records["identity"]
-        pid, n_parts, n_ex = (
-            int(ident[k]) for k in ("partition-id", "num-partitions", "n-examples")
-        )
-        if n_parts != n:
-            raise ConfigError(
-                f"node {node_id}: num-partitions = {n_parts} is invalid: must equal "
-                f"data.n_clients = {n}"
-            )
-        if pid in clients:
-            raise ConfigError(
-                f"partition-id = {pid} is claimed by nodes {clients[pid]} and {node_id}: "
-                "each SuperNode needs its own partition-id"
-            )
-        expected = len(fed.client_indices[pid])
-        if n_ex != expected:
-            raise DataError(
-                f"node {node_id} (partition {pid}) holds {n_ex} examples, the server's "
-                f"partition says {expected}: both sides must use the same data and config"
-            )
-        clients[pid] = node_id
-    missing = sorted(set(range(n)) - set(clients))
-    if missing:
-        log(f"no node for client(s) {missing}: they drop out whenever sampled")
-    return clients
 
 
 @dataclasses.dataclass
@@ -166,27 +104,13 @@ def train_remote(
 
     `base_delta`: the run's sum of merges into the frozen base (FedEx-LoRA's residuals), sent
     as the ``base`` ArrayRecord so that every node trains on the server's base."""
-    record = _fedlora_record(cfg)
-    base = {"base": adapter_to_record(base_delta)} if base_delta else {}
+    record = fedlora_record(cfg)
     sent: list[int] = []
     messages: list[Message] = []
     for i, t in enumerate(plan.tasks):
         if t.client not in clients:
             continue
-        task = ConfigRecord(
-            {
-                "client": t.client,
-                "round": plan.round,
-                "index": i,
-                "scale": [float(s) for s in t.scale],
-                "rank-used": t.rank_used,
-                "weight": t.weight,
-                "trains": t.trains,  # the factors it trains (FFA-LoRA, RoLoRA, Fed-SB)
-            }
-        )
-        content = RecordDict(
-            {"fedlora": record, "task": task, "adapter": adapter_to_record(global_state), **base}
-        )
+        content = train_content(record, plan, i, global_state, base_delta)
         messages.append(
             Message(
                 content,
@@ -278,6 +202,8 @@ def _run_server(
         (run_dir / NODE_TIMES).unlink(missing_ok=True)
     trainer = FlowerTrainer(grid, cfg, clients, opts, log, run_dir=run_dir)
     trainer.base_delta = lambda: run.base_delta  # the nodes train on the server's base
+    if cfg.privacy.secure_aggregation:
+        trainer.secure = SecureRounds(cfg, run, log)
     return run_rounds(
         run, trainer, resume=resume, log=log, wall_start=wall_start, calibration_s=None
     )
@@ -291,26 +217,51 @@ class FlowerTrainer(Trainer):
     answer rate. The answer counts and the dropouts travel in checkpoints ("flower")."""
 
     def __init__(
-        self, grid: Grid, cfg: ExperimentConfig, clients: dict[int, int], opts: FlowerOptions,
-        log: Log, run_dir: Path | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        grid: Grid,
+        cfg: ExperimentConfig,
+        clients: dict[int, int],
+        opts: FlowerOptions,
+        log: Log,
+        run_dir: Path | None = None,
+    ) -> None:
         self.grid, self.cfg, self.clients, self.opts, self.log = grid, cfg, clients, opts, log
         self.run_dir = run_dir  # node_times.csv goes there
         self.avail = Availability.empty(cfg.data.n_clients)
         self.total_dropouts = 0
         self.base_delta: Callable[[], dict[str, np.ndarray]] = dict  # set by `_run_server`
+        self.secure: SecureRounds | None = None  # set by `_run_server` (secure aggregation)
 
     def train(self, plan: RoundPlan, global_state: dict[str, np.ndarray]) -> Trained:
         cfg, r = self.cfg, plan.round
         measured: list[dict[str, Any]] = []
+        if self.secure is not None:  # aggregated by SecAgg+ (the server sees only the sum)
+            observed = self.opts.availability == "observed"  # the rates before this round
+            trained = self.secure.train(
+                self.grid,
+                plan,
+                global_state,
+                self.clients,
+                self.opts,
+                fedlora_record(cfg),
+                measured,
+                base_delta=self.base_delta(),
+                rate=self.avail.rate() if observed else None,
+            )
+            self._count(plan, trained.plan.participants, measured, asked=self.secure.asked)
+            return trained
         got, states, losses, dropouts = train_remote(
-            self.grid, cfg, plan, global_state, self.clients, self.opts, self.log, measured,
+            self.grid,
+            cfg,
+            plan,
+            global_state,
+            self.clients,
+            self.opts,
+            self.log,
+            measured,
             base_delta=self.base_delta(),
-        )  # fmt: skip
-        if self.run_dir is not None:
-            append_node_times(self.run_dir, measured)
-        np.add.at(self.avail.asked, np.array(plan.participants), 1)
-        np.add.at(self.avail.answered, [plan.tasks[i].client for i in got], 1)
+        )
+        self._count(plan, [plan.tasks[i].client for i in got], measured)
         if not np.all(np.isfinite(losses)):
             bad = [plan.tasks[i].client for i, x in zip(got, losses) if not np.isfinite(x)]
             raise TrainingDiverged(
@@ -324,15 +275,34 @@ class FlowerTrainer(Trainer):
         # the clock counts the updates that arrived (a dropout sends nothing on the uplink)
         return Trained(RoundPlan(r, tuple(tasks)), states, losses, dropouts)
 
+    def _count(
+        self, plan: RoundPlan, answered: list[int], measured: list[dict[str, Any]], asked=True
+    ) -> None:
+        """node_times.csv rows, and the answer counts of the clients asked (all or none)."""
+        if self.run_dir is not None:
+            append_node_times(self.run_dir, measured)
+        if asked:
+            np.add.at(self.avail.asked, np.array(plan.participants), 1)
+        np.add.at(self.avail.answered, answered, 1)
+
     def line_fields(self, trained: Trained | None) -> dict[str, Any]:
         dropouts = [] if trained is None else trained.dropouts
         self.total_dropouts += len(dropouts)
-        return {"dropouts": dropouts}
+        if self.secure is None:
+            return {"dropouts": dropouts}
+        fields = self.secure.line_fields() if trained is not None else {}
+        if trained is not None and trained.losses:  # the engine saw no states: the loss here
+            fields["train_loss"] = float(np.mean(trained.losses))
+        return {"dropouts": dropouts, **fields}
 
     def report(self, line: dict[str, Any]) -> None:
+        secure = ""
+        if "secagg_skipped" in line:
+            done = "skipped" if line["secagg_skipped"] else "summed"
+            secure = f" secagg={done} (skipped so far: {line['secagg_skipped_rounds']})"
         self.log(
             f"round {line['round']}: n={line['n_participants']} dropouts={line['dropouts']} "
-            f"loss={line['train_loss']}"
+            f"loss={line['train_loss']}{secure}"
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -341,6 +311,7 @@ class FlowerTrainer(Trainer):
                 "asked": self.avail.asked.tolist(),
                 "answered": self.avail.answered.tolist(),
                 "total_dropouts": self.total_dropouts,
+                **({"secagg_skipped_rounds": self.secure.skipped_rounds} if self.secure else {}),
             }
         }
 
@@ -352,12 +323,15 @@ class FlowerTrainer(Trainer):
                 np.asarray(flower["answered"], dtype=np.int64),
             )
         self.total_dropouts = int(flower.get("total_dropouts", 0))
+        if self.secure is not None:
+            self.secure.skipped_rounds = int(flower.get("secagg_skipped_rounds", 0))
 
     def summary_fields(self) -> dict[str, Any]:
         return {
             "runtime": "flower",
             "total_dropouts": self.total_dropouts,
             "availability": self.opts.availability,
+            **({"secagg_skipped_rounds": self.secure.skipped_rounds} if self.secure else {}),
         }
 
 

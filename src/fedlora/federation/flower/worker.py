@@ -67,9 +67,14 @@ def encode(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = 
             raise bad_value(f"array {name!r} dtype", a.dtype.str, f"one of {ARRAY_DTYPES}")
         buf = a.tobytes()
         specs.append(
-            {"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset,
-             "nbytes": len(buf)}
-        )  # fmt: skip
+            {
+                "name": name,
+                "dtype": a.dtype.str,
+                "shape": list(a.shape),
+                "offset": offset,
+                "nbytes": len(buf),
+            }
+        )
         chunks.append(buf)
         offset += len(buf)
     head = json.dumps({**header, "arrays": specs}).encode()
@@ -104,8 +109,7 @@ def read_frame(sock: socket.socket) -> tuple[dict[str, Any], dict[str, np.ndarra
         start, nbytes = int(spec["offset"]), int(spec["nbytes"])
         if dtype not in ARRAY_DTYPES or start < 0 or start + nbytes > len(body):
             raise WorkerError(f"bad array spec {spec!r}")
-        a = np.frombuffer(body, dtype=dtype, count=nbytes // np.dtype(dtype).itemsize,
-                          offset=start)  # fmt: skip
+        a = np.frombuffer(body, dtype=dtype, count=nbytes // np.dtype(dtype).itemsize, offset=start)
         if a.size != int(np.prod(shape)):
             raise WorkerError(f"array {spec['name']!r}: {a.size} values for shape {shape}")
         arrays[str(spec["name"])] = a.reshape(shape)

@@ -77,6 +77,13 @@ def check_pruning(pruning: float) -> None:
         raise bad_value("method.heterolora_pruning", pruning, "0 (off) or in (0, 1)")
 
 
+def _weighting(cfg: ExperimentConfig) -> str:
+    """ "data" under DP or secure aggregation (the norms of each client's own update are
+    data-dependent, and secure aggregation hides them from the server), else "sparsity"."""
+    private = cfg.privacy.enabled or cfg.privacy.secure_aggregation
+    return "data" if private else "sparsity"
+
+
 @register_method("heterolora")
 class HeteroLoRA(RankTruncationMethod):
     name = "heterolora"
@@ -96,7 +103,7 @@ class HeteroLoRA(RankTruncationMethod):
             clients_per_round=m.clients_per_round,
             pruning=m.heterolora_pruning,
             rslora=ctx.cfg.lora.rslora,
-            weighting="data" if ctx.cfg.privacy.enabled else "sparsity",  # DP: data-independent
+            weighting=_weighting(ctx.cfg),
         )
 
     def __init__(
