@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.federation.engine import apply_aggregate
 from fedlora.federation.flower.common import FlowerOptions, train_content
 from fedlora.federation.flower.measured import measured_row
 from fedlora.federation.flower.secagg import (
@@ -47,6 +46,7 @@ from fedlora.federation.flower.secagg import (
 from fedlora.federation.flower.secagg_node import CLIP, KEYS, MASK, WEIGHT
 from fedlora.federation.methods.base import ClientTask, RoundPlan
 from fedlora.federation.privacy import NORMALISED
+from fedlora.federation.round_steps import apply_aggregate
 from fedlora.federation.trainer import Trained
 
 Log = Callable[[str], None]
