@@ -146,3 +146,12 @@ def test_cli_refuses_fedstacklora_before_starting_anything(
 
 
 # ----------------------------------------------------------------------------- node worker
+
+
+def test_a_node_builds_a_new_adapter_when_the_method_changes() -> None:
+    # Fed-SB's adapter has an R factor the others lack: a node process that ran one method
+    # must not hand its cached adapter to a run of another (same model, lora and data)
+    from fedlora.federation.flower.node import _cache_key
+
+    keys = {_cache_key(load_config(None, [f"method.name={m}"])) for m in ("sketched", "fedsb")}
+    assert len(keys) == 2

@@ -24,8 +24,9 @@ BASE_PREFIX = "base/"  # arrays named so are the server's sum of merges into the
 
 
 def _cache_key(cfg: ExperimentConfig) -> str:
+    # the method decides the adapter's factors (Fed-SB adds R), so it is part of the key
     d = cfg.to_dict()
-    return repr((d["model"], d["lora"], d["data"], cfg.training.seed))
+    return repr((d["model"], d["lora"], d["data"], d["method"], cfg.training.seed))
 
 
 def config_from_toml(
