@@ -138,23 +138,21 @@ def git_commit() -> str:
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def run_setting(name: str, overrides: list[str], runs: Path, results: Path) -> None:
-    run_dir = runs / name
-    cmd = [sys.executable, "-m", "fedlora.cli", "run", "--out", str(run_dir), "--overwrite"]
+def measured(label: str, run, run_dir: Path, dest: Path) -> dict:
+    """Call `run()` (one `fedlora run` into `run_dir`), copy its files to `dest` and return
+    what run_info.json records of it: wall and CPU seconds of the child processes, the
+    1-minute load before and after, CPU flags and model, the code commit."""
     load0 = os.getloadavg()
-    print(f"[{time.strftime('%H:%M:%S')}] {name} (load {load0[0]:.2f})", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {label} (load {load0[0]:.2f})", flush=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
-    subprocess.run([*cmd, *COMMON, *overrides], check=True)
+    run()
     wall = time.time() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    dest = results / name
     dest.mkdir(parents=True, exist_ok=True)
     for f in RUN_FILES:
         shutil.copy2(run_dir / f, dest / f)
-    info = {
-        "setting": name,
-        "overrides": overrides,
+    return {
         "wall_s": round(wall, 1),
         "cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 1),
         "load_1min_start": round(load0[0], 2),
@@ -164,6 +162,16 @@ def run_setting(name: str, overrides: list[str], runs: Path, results: Path) -> N
         "commit": git_commit(),
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }
+
+
+def run_setting(name: str, overrides: list[str], runs: Path, results: Path) -> None:
+    run_dir = runs / name
+    cmd = [sys.executable, "-m", "fedlora.cli", "run", "--out", str(run_dir), "--overwrite"]
+    dest = results / name
+    timing = measured(
+        name, lambda: subprocess.run([*cmd, *COMMON, *overrides], check=True), run_dir, dest
+    )
+    info = {"setting": name, "overrides": overrides, **timing}
     (dest / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
 
 

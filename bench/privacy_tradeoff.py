@@ -27,17 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_protocol import cpu_flags, git_commit  # noqa: E402
+from cpu_protocol import git_commit, measured  # noqa: E402
 from fedlora.config import load_config  # noqa: E402
 from fedlora.config.privacy_section import PRIVATE_SAMPLING  # noqa: E402
 from fedlora.errors import ConfigError, DataError  # noqa: E402
@@ -79,7 +76,6 @@ LABELS = {**PRIMARY, **SECONDARY}
 # the σ the rule lists (computed before the runs); the runner refuses a run whose σ differs
 RULE_SIGMA = {"lora-eps8": 1.538, "lora-eps2": 4.502, "ffa-eps8": 5.406, "ffa-eps2": 17.783}
 RULE_SIGMA.update({"ffa-sigma8": RULE_SIGMA["lora-eps8"], "ffa-sigma2": RULE_SIGMA["lora-eps2"]})
-RUN_FILES = ("config.toml", "metrics.jsonl", "predictions.jsonl", "summary.json", "clients.csv")
 
 
 def execute(args: list[str]) -> None:
@@ -90,31 +86,10 @@ def execute(args: list[str]) -> None:
 def run_one(label: str, overrides: list[str], base: str, runs: Path, out: Path, extra: dict):
     """The run `label` from `base` with `overrides`; its files and run_info.json into out/label."""
     run_dir = runs / label
-    load0 = os.getloadavg()
-    print(f"[{time.strftime('%H:%M:%S')}] {label} (load {load0[0]:.2f})", flush=True)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.time()
-    execute(["--out", str(run_dir), "--overwrite", "--config", base, *COMMON, *overrides])
-    wall = time.time() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    dest = out / label
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in RUN_FILES:
-        shutil.copy2(run_dir / f, dest / f)
-    info = {
-        "label": label,
-        "base": base,
-        "overrides": [*COMMON, *overrides],
-        **extra,
-        "wall_s": round(wall, 1),
-        "cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 1),
-        "load_1min_start": round(load0[0], 2),
-        "load_1min_end": round(os.getloadavg()[0], 2),
-        "cpu_flags": cpu_flags(),
-        "commit": git_commit(),
-        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-    }
-    (dest / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
+    args = ["--out", str(run_dir), "--overwrite", "--config", base, *COMMON, *overrides]
+    timing = measured(label, lambda: execute(args), run_dir, out / label)
+    info = {"label": label, "base": base, "overrides": [*COMMON, *overrides], **extra, **timing}
+    (out / label / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
 def landed(out: Path, label: str) -> bool:
