@@ -314,3 +314,15 @@ def test_report_bad_suite_or_metrics_values_exit_2(tmp_path, capsys, suite_toml,
     assert main(["report", str(suite), "--target", "arc-e=0.5", "-o", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_two_settings_of_one_method_are_labelled_by_their_directories(tmp_path, capsys):
+    # lora-inf and lora-eps8: the same method and seed in two settings, no -seed suffix
+    a = make_run(tmp_path, "lora-inf", CURVE, "sketched")
+    b = make_run(tmp_path, "lora-eps8", CURVE, "sketched")
+    one = make_run(tmp_path / "solo", "exp1", CURVE, "fslora")
+    runs, _ = collect_runs([a, b, one])
+    assert [r.label for r in runs] == ["lora-inf", "lora-eps8", "fslora"]
+    assert main(["report", str(a), str(b), "-o", str(tmp_path / "o")]) == 0
+    text = (tmp_path / "o" / "report.md").read_text()
+    assert "lora-inf" in text and "lora-eps8" in text

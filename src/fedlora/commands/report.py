@@ -16,8 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "directory stands for all its runs and gives its targets from suite.toml) and "
             "write report.md, report.html (self-contained) and the plots. Nothing is re-run. "
             "Without --target (and no suite targets) the report has the curves and the final "
-            "accuracies; the time-to-target tables come with a target. The runs of one label "
-            "(directory name without -seed<N>) must differ only in training.seed."
+            "accuracies; the time-to-target tables come with a target. A run's label is its "
+            "directory name without -seed<N>; a directory without that suffix is labelled by "
+            "its method, or by its name where two runs of one method and seed would share a "
+            "label. The runs of one label must differ only in training.seed."
         ),
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +231,19 @@ def collect_runs(paths: Sequence[str | Path]) -> tuple[list[RunRecord], dict[str
                 f"{str(p)!r} holds no run (no metrics.jsonl in it or in its subdirectories)"
             )
         runs.extend(load_run(d) for d in subdirs)
-    return runs, suite
+    return _named_by_directory(runs), suite
+
+
+def _named_by_directory(runs: list[RunRecord]) -> list[RunRecord]:
+    """A run directory without a -seed<N> suffix is labelled by its method; where two such
+    runs would share a label and a seed (the same method in two settings: `lora-inf`,
+    `lora-eps8`), each of them is labelled by its directory name instead."""
+    unsuffixed = [r for r in runs if not _SEED_SUFFIX.match(r.path.name)]
+    count: dict[tuple[str, int], int] = {}
+    for r in unsuffixed:
+        count[r.label, r.seed] = count.get((r.label, r.seed), 0) + 1
+    clashing = {id(r) for r in unsuffixed if count[r.label, r.seed] > 1}
+    return [replace(r, label=r.path.name) if id(r) in clashing else r for r in runs]
 
 
 # ----------------------------------------------------------------------------- curves
