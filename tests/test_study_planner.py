@@ -16,7 +16,7 @@ from fedlora.errors import ConfigError
 from fedlora.studies import study_rule as sr
 from fedlora.studies.runs import load_run
 from fedlora.studies.study_report import write_study_report
-from fedlora.studies.study_runner import Ledger, pilot_stage, run_job, run_stage
+from fedlora.studies.study_runner import Ledger, pilot_stage, result_files, run_job, run_stage
 from fedlora.studies.study_spec import spec_from_dict
 from fedlora.studies.study_stats import load_cells
 from study_tiny import TINY_STUDY
@@ -367,3 +367,15 @@ def test_runners_share_the_jobs_by_seed_arm_and_pilot_label(tmp_path):
     assert outcomes == ["skipped"] * 4 + ["started"] * 2  # seed 0's three, then seed 1's
     with pytest.raises(ConfigError, match=r"run --seeds: 7 unknown \(allowed: 0, 1\)"):
         run_stage(spec, tmp_path, run_fn=fake, log=print, seeds=[7])
+
+
+def test_commit_takes_the_results_not_the_checkpoints(tmp_path):
+    run = tmp_path / "fslora-seed0"
+    for name in ("config.toml", "metrics.jsonl", "predictions.jsonl", "summary.json", ".lock"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("x")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "round-000005.safetensors").write_text("x")
+    (run / "adapter").mkdir()
+    names = [p.name for p in result_files(run)]
+    assert names == ["config.toml", "metrics.jsonl", "predictions.jsonl", "summary.json"]

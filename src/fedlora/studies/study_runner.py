@@ -29,6 +29,16 @@ from fedlora.studies.study_rule import derive_rule, metric_points, pilot_budget
 from fedlora.studies.study_spec import FIXED_BEST, REFERENCE, StudySpec
 
 RULE_FILE = "rule.json"
+# what `--commit` commits of a finished run: what the report reads and a reviewer re-plots,
+# never its checkpoints, adapter, lock or ownership marker (megabytes a run, and not results)
+RESULT_FILES = (
+    "config.toml",
+    "metrics.jsonl",
+    "predictions.jsonl",
+    "summary.json",
+    "clients.csv",
+    "plan.json",
+)
 LEDGER_FILE = "ledger.jsonl"
 PILOT_DIR = "pilot"
 Log = Callable[[str], None]
@@ -142,8 +152,13 @@ def run_job(
         raise DataError(f"{name}: the run ended without a finished summary.json")
     ledger.record(run_dir, time.perf_counter() - t0)
     if commit:
-        git_commit([run_dir, ledger.path], f"study_planner: {name} finished")
+        git_commit([*result_files(run_dir), ledger.path], f"study_planner: {name} finished")
     return "resumed" if resume else "started"
+
+
+def result_files(run_dir: Path) -> list[Path]:
+    """The files of a finished run that the study commits (those of RESULT_FILES it has)."""
+    return [run_dir / name for name in RESULT_FILES if (run_dir / name).is_file()]
 
 
 def pilot_overrides(spec: StudySpec, overrides: Sequence[str]) -> list[str]:
