@@ -16,7 +16,14 @@ from fedlora.errors import ConfigError
 from fedlora.studies import study_rule as sr
 from fedlora.studies.runs import load_run
 from fedlora.studies.study_report import write_study_report
-from fedlora.studies.study_runner import Ledger, pilot_stage, result_files, run_job, run_stage
+from fedlora.studies.study_runner import (
+    ANALYSED_ROUND_CAP,
+    Ledger,
+    pilot_stage,
+    result_files,
+    run_job,
+    run_stage,
+)
 from fedlora.studies.study_spec import spec_from_dict
 from fedlora.studies.study_stats import load_cells
 from study_tiny import TINY_STUDY
@@ -299,9 +306,11 @@ def test_tiny_runs_count_calibration_share_the_grid_and_resume(tiny_study):
         for k in range(1, int((lines[-1]["sim_time_s"] - start) / grid) + 1):
             first = next(x for x in lines if x["sim_time_s"] - start >= k * grid - 1e-9)
             assert first.get("eval"), (d.name, k)
-        if lines[-1]["sim_time_s"] >= budget:  # the round that spends B is evaluated
-            assert lines[-1].get("eval")
-            assert len(lines) == 1 or lines[-2]["sim_time_s"] < budget
+        # every analysed run spends B (the pilot's round cap does not stop it) and is
+        # evaluated at the round that spends it
+        assert lines[-1]["sim_time_s"] >= budget - 1e-9, d.name
+        assert lines[-1].get("eval")
+        assert len(lines) == 1 or lines[-2]["sim_time_s"] < budget
     cells = load_cells(out, rule, spec.metric)
     for c in cells["proposed-separate"]:
         cal = c.run.calibration_time_s
@@ -379,3 +388,22 @@ def test_commit_takes_the_results_not_the_checkpoints(tmp_path):
     (run / "adapter").mkdir()
     names = [p.name for p in result_files(run)]
     assert names == ["config.toml", "metrics.jsonl", "predictions.jsonl", "summary.json"]
+
+
+def test_analysed_runs_are_not_stopped_by_the_pilots_round_cap(tmp_path):
+    # an arm with cheap rounds in simulated time needs more rounds than the pilot's cap to
+    # spend B: the analysed runs stop at the budget, not at training.rounds
+    spec = spec_from_dict(tomllib.loads(TINY_STUDY), "tiny")
+    (tmp_path / "rule.json").write_text(
+        json.dumps({"budget_s": 2.0, "grid_s": 0.5, "fixed_best": "fixed-0.5"})
+    )
+    seen = []
+
+    def fake(cfg, run_dir, *, resume):
+        seen.append((cfg.training.rounds, cfg.training.time_budget_s))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text("{}")
+        return {}
+
+    run_stage(spec, tmp_path, run_fn=fake, log=lambda m: None, seeds=[0], arms_only=["fslora"])
+    assert seen == [(ANALYSED_ROUND_CAP, 2.0)] and ANALYSED_ROUND_CAP > spec.round_cap()
