@@ -252,3 +252,140 @@ def speed_verdict(
     if 1 / ratio.lo < speedup and not base_censored:
         return NOT_HELD
     return INCONCLUSIVE
+
+
+# ----------------------------------------------------------------- protocol v2's rule
+# (docs/study_planner_v2.md): a crossing that holds, a learning criterion, a step-size grid
+
+
+def window_to_budget(
+    points: Sequence[tuple[float, float]], budget_s: float
+) -> list[tuple[float, float]]:
+    """The evaluations up to and including the one at the round that spends B (the run's
+    last: an analysed run stops there), in order."""
+    out = []
+    for t, v in points:
+        out.append((t, v))
+        if t >= budget_s - EPS:
+            break
+    return out
+
+
+def time_to_target_held(
+    points: Sequence[tuple[float, float]], metric: Metric, gain: float, budget_s: float, hold: int
+) -> tuple[float, bool]:
+    """(time, True) of the first evaluation from which `hold` consecutive evaluations all
+    reach `gain` over the run's round 0, among the evaluations up to the round that spends B;
+    (budget, False) when none ("not reached", censored at B). A crossing at the last
+    evaluation alone does not count when hold > 1: nothing after it shows that it holds."""
+    window = window_to_budget(points, budget_s)
+    start = start_value(window)
+    if start is None:
+        return budget_s, False
+    ok = [metric.gain(v, start) >= gain - EPS for _, v in window]
+    for i in range(len(window) - hold + 1):
+        if all(ok[i : i + hold]):
+            return window[i][0], True
+    return budget_s, False
+
+
+@dataclass(frozen=True)
+class Learning:
+    """The pilot's learning criterion for one run: its gain at B (the evaluation at the
+    round that spends B) is at least `min_gain`, and no evaluation within B falls more than
+    `max_drop` below round 0."""
+
+    learned: bool
+    gain_at_budget: float
+    worst_drop: float
+
+
+def learning(
+    points: Sequence[tuple[float, float]],
+    metric: Metric,
+    budget_s: float,
+    min_gain: float,
+    max_drop: float,
+) -> Learning:
+    window = window_to_budget(points, budget_s)
+    start = start_value(window)
+    if start is None:
+        return Learning(False, -math.inf, math.inf)
+    gains = [metric.gain(v, start) for _, v in window]
+    at_budget, drop = gains[-1], max(0.0, -min(gains))
+    ok = at_budget >= min_gain - EPS and drop <= max_drop + EPS
+    return Learning(ok, at_budget, drop)
+
+
+def choose_step(
+    trials: Mapping[float, Sequence[tuple[float, float]]],
+    metric: Metric,
+    budget_s: float,
+    min_gain: float,
+    max_drop: float,
+) -> tuple[float, bool]:
+    """(factor, learned) for one arm from its pilot runs ({step factor: points}; factor 1 is
+    the protocol's step size). The protocol's step when it learns; else the factor of the
+    grid that learns with the largest gain at B (ties: the factor nearest 1, the smaller);
+    else 1, marked as not learning."""
+    crit = {f: learning(p, metric, budget_s, min_gain, max_drop) for f, p in trials.items()}
+    if 1.0 in crit and crit[1.0].learned:
+        return 1.0, True
+    good = [f for f, c in crit.items() if c.learned and f != 1.0]
+    if not good:
+        return 1.0, False
+    best = max(good, key=lambda f: (crit[f].gain_at_budget, -abs(math.log(f)), -f))
+    return best, True
+
+
+def derive_rule_v2(
+    pilot: Mapping[str, Mapping[float, Sequence[tuple[float, float]]]],
+    metric: Metric,
+    budget_s: float,
+    target_gain: float,
+    hold: int,
+    fixed_rules: Sequence[str],
+    min_gain: float,
+    max_drop: float,
+) -> dict:
+    """Protocol v2's rule from the pilot ({label: {step factor: points}}): each arm's step
+    factor and whether it learned; fixed-best = the fixed rule (at its chosen step) with the
+    shortest held time to target, ties and "not reached" broken by the better value at B,
+    then by the order given. The target gain is the config's, never the pilot's."""
+    unknown = [lab for lab in fixed_rules if lab not in pilot]
+    if unknown:
+        raise ConfigError(f"pilot: no run of the fixed rule {unknown[0]!r}")
+    steps, times, learned_by = {}, {}, {}
+    for lab, trials in pilot.items():
+        if 1.0 not in trials or start_value(trials[1.0]) is None:
+            raise ConfigError(f"pilot: run {lab!r} has no evaluation of {metric.text}")
+        factor, learned = choose_step(trials, metric, budget_s, min_gain, max_drop)
+        steps[lab] = factor
+        learned_by[lab] = {
+            f"{f:g}": learning(p, metric, budget_s, min_gain, max_drop).__dict__
+            for f, p in trials.items()
+        }
+        times[lab] = list(
+            time_to_target_held(trials[factor], metric, target_gain, budget_s, hold)
+        ) + [learned]
+
+    def key(lab: str) -> tuple[float, float, int]:
+        t, _, _ = times[lab]
+        v = value_at_budget(window_to_budget(pilot[lab][steps[lab]], budget_s), budget_s)
+        better = -(v if metric.higher else -v) if v is not None else math.inf
+        return t, better, list(fixed_rules).index(lab)
+
+    order = sorted(fixed_rules, key=key)
+    return {
+        "metric": metric.text,
+        "budget_s": float(budget_s),
+        "target_gain": float(target_gain),
+        "hold_evals": hold,
+        "learn_min_gain": min_gain,
+        "learn_max_drop": max_drop,
+        "steps": steps,
+        "learning": learned_by,
+        "fixed_best": order[0],
+        "fixed_order": order,
+        "pilot_times_s": times,
+    }

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, DataError
+from fedlora.studies import study_pilot
 from fedlora.studies.runs import load_run
 from fedlora.studies.study_rule import derive_rule, metric_points, pilot_budget
 from fedlora.studies.study_spec import FIXED_BEST, REFERENCE, StudySpec
@@ -187,14 +188,18 @@ def pilot_stage(
     log: Log = print,
     only: Sequence[str] = (),
 ) -> dict[str, Any] | None:
-    """Run the fixed rules and FSLoRA on the pilot seed, derive the rule, write rule.json
-    (refused when one with another rule exists). Returns the rule. `only`: run just these
-    labels (one runner per core); the rule is derived once every pilot run has finished,
-    and None is returned before that."""
+    """Run the pilot's jobs on the pilot seed, derive the rule, write rule.json (refused when
+    one with another rule exists). Returns the rule. `only`: run just these labels (one
+    runner per core); the rule is derived once every pilot run has finished, and None is
+    returned before that. The first rule: the fixed rules and FSLoRA, each on the pilot's
+    own grid to the round cap; protocol v2 (`pilot_all_arms`): every arm and fixed rule to
+    the budget, and the step-size grid for the arms that do not learn (study_pilot)."""
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out)
-    jobs = {**spec.fixed_rules, REFERENCE: spec.arms[REFERENCE]}
-    chosen = _chosen("pilot --only", only, list(jobs))
+    chosen = _chosen("pilot --only", only, list(spec.pilot_labels))
+    if spec.pilot_all_arms:
+        return _pilot_v2(spec, out, ledger, run_fn, commit, log, chosen)
+    jobs = spec.pilot_labels
     dirs = {label: out / PILOT_DIR / f"{label}-seed{spec.pilot_seed}" for label in jobs}
     for label, overrides in jobs.items():
         if label not in chosen:
@@ -218,17 +223,65 @@ def pilot_stage(
     budget = spec.budget_s or pilot_budget(runs[REFERENCE].total_time_s, spec.budget_round_s)
     rule = derive_rule(pts, spec.metric, budget, spec.target_fraction, list(spec.fixed_rules))
     rule.update(study_fields(spec, budget))
+    return _write_rule(out, rule, commit, log)
+
+
+def _write_rule(out: Path, rule: dict[str, Any], commit: bool, log: Log) -> dict[str, Any]:
     path = out / RULE_FILE
-    if path.is_file():
-        old = json.loads(path.read_text(encoding="utf-8"))
-        if old != json.loads(json.dumps(rule)):
-            raise ConfigError(f"{path} exists with another rule: the rule is fixed once written")
-    else:
+    if not study_pilot.check_written(path, rule):
         path.write_text(json.dumps(rule, indent=2) + "\n", encoding="utf-8")
         if commit:
             git_commit([path], "study_planner: rule.json from the pilot")
     log(json.dumps({k: rule[k] for k in ("budget_s", "target_gain", "fixed_best")}))
     return rule
+
+
+def _pilot_v2(
+    spec: StudySpec,
+    out: Path,
+    ledger: Ledger,
+    run_fn: RunFn | None,
+    commit: bool,
+    log: Log,
+    chosen: list[str],
+) -> dict[str, Any] | None:
+    grid_s = spec.budget_s / spec.grid_points
+    common = study_pilot.budget_overrides(spec.budget_s, grid_s, ANALYSED_ROUND_CAP)
+    done: set[tuple[str, float]] = set()
+    while True:  # the grid's jobs appear as the runs at the protocol's step finish
+        jobs, complete = study_pilot.pilot_jobs(spec, out, finished)
+        todo = [(lab, f) for lab, f in jobs if lab in chosen and (lab, f) not in done]
+        if not todo:
+            break
+        for label, factor in todo:
+            overrides = spec.pilot_labels[label]
+            run_job(
+                spec,
+                out,
+                study_pilot.pilot_dir(out, label, factor, spec.pilot_seed),
+                [
+                    *overrides,
+                    *study_pilot.step_override(spec, overrides, factor),
+                    *common,
+                    f"training.seed={spec.pilot_seed}",
+                ],
+                ledger=ledger,
+                run_fn=run_fn,
+                commit=commit,
+                log=log,
+            )
+            done.add((label, factor))
+    waiting = [
+        f"{lab} x{f:g}"
+        for lab, f in jobs
+        if not finished(study_pilot.pilot_dir(out, lab, f, spec.pilot_seed))
+    ]
+    if waiting or not complete:
+        log(f"pilot: {', '.join(waiting)} not finished yet; rule.json waits for every pilot run")
+        return None
+    rule = study_pilot.derive(spec, out, jobs)
+    rule.update(study_fields(spec, spec.budget_s))
+    return _write_rule(out, rule, commit, log)
 
 
 def study_fields(spec: StudySpec, budget: float) -> dict[str, Any]:
@@ -275,13 +328,21 @@ def run_stage(
     (one runner per core; each job's config does not depend on which runner runs it)."""
     rule = read_rule(out)
     budget = rule["budget_s"]
-    common = [
-        f"training.time_budget_s={budget!r}",
-        f"training.eval_every_s={rule['grid_s']!r}",
-        f"training.eval_every={ANALYSED_ROUND_CAP}",
-        f"training.rounds={ANALYSED_ROUND_CAP}",  # every arm stops at the round that spends B
-    ]
-    arms = {**spec.arms, FIXED_BEST: spec.fixed_rules[rule["fixed_best"]]}
+    # every arm stops at the round that spends B
+    common = study_pilot.budget_overrides(budget, rule["grid_s"], ANALYSED_ROUND_CAP)
+    fixed_best = rule["fixed_best"]
+    if fixed_best not in spec.fixed_rules:
+        raise ConfigError(
+            f"{out / RULE_FILE}: fixed_best {fixed_best!r} is not a fixed rule of the study "
+            f"config (allowed: {', '.join(spec.fixed_rules)})"
+        )
+    arms = {**spec.arms, FIXED_BEST: spec.fixed_rules[fixed_best]}
+    steps = dict(rule.get("steps", {}))  # protocol v2: each arm's chosen step factor
+    steps[FIXED_BEST] = steps.get(fixed_best, 1.0)
+    arms = {
+        lab: [*ov, *study_pilot.step_override(spec, ov, steps.get(lab, 1.0))]
+        for lab, ov in arms.items()
+    }
     chosen_seeds = _chosen("run --seeds", [str(x) for x in seeds], [str(x) for x in spec.seeds])
     chosen_arms = _chosen("run --arms", arms_only, list(arms))
     ledger = Ledger(out)

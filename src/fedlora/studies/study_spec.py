@@ -7,6 +7,7 @@ of `section.key=value` overrides (`[study.arms]`, `[study.fixed_rules]`), so a t
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,14 @@ STUDY_KEYS = (
     "baselines",
     "arms",
     "fixed_rules",
+    # protocol v2 (docs/study_planner_v2.md); absent, the study runs as its first rule did
+    "target_gain",
+    "hold_evals",
+    "pilot_all_arms",
+    "learn_min_gain",
+    "learn_max_drop",
+    "step_grid",
+    "noninferiority_margin",
 )
 FIXED_BEST = "fixed-best"
 REFERENCE = "fslora"  # the pilot's budget comes from its clock; the paired figure subtracts it
@@ -56,6 +65,13 @@ class StudySpec:
     arms: dict[str, list[str]]
     fixed_rules: dict[str, list[str]]
     raw: dict[str, Any] = field(repr=False)
+    target_gain: float = 0.0  # > 0: the target gain fixed by the rule, not by the pilot
+    hold_evals: int = 1  # consecutive evaluations at or above the target that count
+    pilot_all_arms: bool = False  # the pilot runs every arm (and the fixed rules) to B
+    learn_min_gain: float = 0.0  # learning criterion: the gain at B is at least this
+    learn_max_drop: float = math.inf  # ... and no evaluation falls more than this below round 0
+    step_grid: tuple[float, ...] = ()  # step-size factors tried by an arm that does not learn
+    noninferiority_margin: float = 0.0  # > 0: "not worse at B" by seed-level t interval
     source: str = "configs/study_planner.toml"
 
     @property
@@ -75,6 +91,23 @@ class StudySpec:
 
     def round_cap(self) -> int:
         return self.config([]).training.rounds
+
+    @property
+    def pilot_labels(self) -> dict[str, list[str]]:
+        """The pilot's jobs: the fixed rules and FSLoRA; with `pilot_all_arms` every arm."""
+        arms = self.arms if self.pilot_all_arms else {REFERENCE: self.arms[REFERENCE]}
+        return {**self.fixed_rules, **arms}
+
+    def step_key(self, overrides: Sequence[str]) -> str:
+        """The step size the rule's grid scales for a run: the server optimizer's lr when the
+        run has one (FSLoRA as its authors run it), else the clients' lr."""
+        cfg = self.config([*overrides, "training.time_budget_s=100"])
+        return "method.server_lr" if cfg.method.server_optimizer != "avg" else "training.lr"
+
+    def step_value(self, overrides: Sequence[str]) -> float:
+        cfg = self.config([*overrides, "training.time_budget_s=100"])
+        section, key = self.step_key(overrides).split(".")
+        return float(getattr(getattr(cfg, section), key))
 
 
 def _number(study: dict, key: str, default: float, lo: float, lo_open: bool = False) -> float:
@@ -148,6 +181,7 @@ def spec_from_dict(raw: dict[str, Any], source: str) -> StudySpec:
     baselines = study.get("baselines", [lab for lab in labels if not lab.startswith("proposed")])
     if not isinstance(baselines, list) or any(b not in labels for b in baselines) or not baselines:
         raise bad_value("study.baselines", baselines, "a list of arm labels: " + ", ".join(labels))
+    v2 = _v2_fields(study, budget_s=_number(study, "budget_s", 0.0, 0.0))
     spec = StudySpec(
         protocol_fixed=protocol_fixed,
         seeds=tuple(seeds),
@@ -165,12 +199,45 @@ def spec_from_dict(raw: dict[str, Any], source: str) -> StudySpec:
         fixed_rules=fixed,
         raw=raw,
         source=source,
+        **v2,
     )
     from fedlora.federation.methods.registry import check_method_config
 
     for overrides in [*arms.values(), *fixed.values()]:  # every run's config checks
         check_method_config(spec.config([*overrides, "training.time_budget_s=100"]))
     return spec
+
+
+def _v2_fields(study: dict, budget_s: float) -> dict[str, Any]:
+    """The keys of protocol v2, checked (docs/study_planner_v2.md)."""
+    out: dict[str, Any] = {
+        "target_gain": _number(study, "target_gain", 0.0, 0.0),
+        "hold_evals": _int(study, "hold_evals", 1, 1),
+        "learn_min_gain": _number(study, "learn_min_gain", 0.0, 0.0),
+        "learn_max_drop": _number(study, "learn_max_drop", math.inf, 0.0),
+        "noninferiority_margin": _number(study, "noninferiority_margin", 0.0, 0.0),
+    }
+    pilot_all = study.get("pilot_all_arms", False)
+    if not isinstance(pilot_all, bool):
+        raise bad_value("study.pilot_all_arms", pilot_all, "true or false")
+    if pilot_all and not budget_s:
+        raise bad_value(
+            "study.pilot_all_arms",
+            pilot_all,
+            "false unless study.budget_s > 0 (the pilot runs every arm to the budget)",
+        )
+    out["pilot_all_arms"] = pilot_all
+    grid = study.get("step_grid", [])
+    ok = isinstance(grid, list) and all(
+        isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g < math.inf and g != 1
+        for g in grid
+    )
+    if not ok or len(set(grid)) != len(grid):
+        raise bad_value("study.step_grid", grid, "a list of distinct factors > 0, other than 1")
+    if grid and not pilot_all:
+        raise bad_value("study.step_grid", grid, "[] unless study.pilot_all_arms = true")
+    out["step_grid"] = tuple(float(g) for g in grid)
+    return out
 
 
 def load_spec(path: str | Path) -> StudySpec:
