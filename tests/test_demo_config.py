@@ -44,3 +44,27 @@ def test_the_demo_is_the_cpu_protocols_setting_on_fresh_questions() -> None:
 def test_make_demo_runs_the_demo_config() -> None:
     make = (ROOT / "Makefile").read_text()
     assert "fedlora run --config configs/demo.toml" in make
+
+
+def test_the_demo_follows_protocol_v2() -> None:
+    # docs/protocol_v2.md: client AdamW at lr 1e-3, a fresh optimizer per client and round
+    cfg = load_config(str(DEMO), [])
+    assert cfg.training.optimizer == "adamw" and cfg.training.lr == 1e-3
+    assert cfg.training.optimizer_state == "reset" and cfg.training.weight_decay == 0.0
+    assert cfg.training.rounds == 100 and cfg.training.local_steps == 5
+
+
+def test_a_run_without_config_says_it_is_a_smoke_run_and_names_the_demo(tmp_path, capsys):
+    from fedlora.cli import main
+    from tiny_runs import TINY_EVAL_RUN
+
+    rc = main(["run", "--out", str(tmp_path / "r"), *TINY_EVAL_RUN, "training.rounds=1"])
+    err = capsys.readouterr().err
+    assert rc in (0, None)
+    assert "no --config: the built-in defaults (1 rounds) are a smoke run" in err
+    assert "fedlora run --config configs/demo.toml" in err
+    # with a config the note is not printed
+    conf = tmp_path / "c.toml"
+    conf.write_text("[training]\nrounds = 1\n")
+    main(["run", "--config", str(conf), "--out", str(tmp_path / "s"), *TINY_EVAL_RUN[:-3]])
+    assert "no --config" not in capsys.readouterr().err

@@ -5,6 +5,7 @@ hand-computed values and a fake run function that writes chosen curves."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import tomllib
@@ -160,3 +161,118 @@ def test_run_stage_refuses_a_fixed_best_the_config_does_not_have(tmp_path):
     )
     with pytest.raises(ConfigError, match="fixed_best 'fixed-nope' is not a fixed rule"):
         run_stage(spec, tmp_path, run_fn=fake_runs(lambda *a: [])[0], log=print)
+
+
+def _write_run(root, name, evals, correct=None):
+    run = root / name
+    run.mkdir(parents=True)
+    lines = [{"round": r, "sim_time_s": t, "eval": {"arc-e": v}} for r, (t, v) in enumerate(evals)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    seed = int(name.rsplit("seed", 1)[1])
+    summary = {"method": name.split("-")[0], "seed": seed, "stop_reason": "time_budget"}
+    (run / "summary.json").write_text(json.dumps(summary))
+    if correct is not None:
+        pred = {"round": len(evals) - 1, "task": "arc-e", "ids": [f"q{i}" for i in range(10)]}
+        (run / "predictions.jsonl").write_text(json.dumps({**pred, "correct": correct}) + "\n")
+
+
+def _study_v2(root):
+    """A finished v2 study on hand-made runs: B = 60 s, target +0.03 held twice, margin 0.02."""
+    up = [(0, 0.5), (6, 0.54), (12, 0.55), (60.5, 0.56)]  # held from 6 s
+    flat = [(0, 0.5), (6, 0.5), (12, 0.5), (60.5, 0.5)]
+    pilot = {
+        "fixed-a": {1.0: up},
+        "fixed-b": {1.0: flat, 3.0: [(0, 0.5), (6, 0.5), (12, 0.53), (60.5, 0.54)]},
+        "fslora": {1.0: flat, 3.0: flat},
+        "fslora-paper": {1.0: up},
+        "proposed-inrun": {1.0: up},
+    }
+    for lab, trials in pilot.items():
+        for f, ev in trials.items():
+            _write_run(root / "pilot", f"{lab}{'' if f == 1 else f'-x{f:g}'}-seed9", ev)
+    rule = sr.derive_rule_v2(pilot, ACC, 60.0, 0.03, 2, ["fixed-a", "fixed-b"], 0.02, 0.05)
+    rule.update(
+        seeds=[0, 1, 2],
+        pilot_seed=9,
+        arms=["fslora", "fslora-paper", "proposed-inrun", "fixed-best"],
+        baselines=["fslora", "fslora-paper", "fixed-best"],
+        proposed=["proposed-inrun"],
+        grid_s=6.0,
+        secondary=[],
+        noninferiority_margin=0.02,
+        step_keys={lab: "training.lr" for lab in pilot},
+        step_values={lab: 1e-3 * f for lab, f in rule["steps"].items()},
+        budget_from_config=True,
+    )
+    (root / "rule.json").write_text(json.dumps(rule))
+    # (time of a held crossing or None, questions right of 10 at B) per seed
+    runs = {
+        "fslora": [(None, 6), (None, 6), (None, 6)],
+        "fslora-paper": [(24, 7), (30, 6), (24, 7)],
+        "fixed-best": [(12, 7), (12, 7), (18, 7)],
+        "proposed-inrun": [(6, 8), (6, 7), (6, 8)],
+    }
+    for lab, row in runs.items():
+        for seed, (t, right) in enumerate(row):
+            if t is None:  # one evaluation at the target only: it does not hold
+                ev = [(0, 0.5), (6, 0.53), (12, 0.52), (60.5, right / 10)]
+            else:
+                ev = [(0, 0.5), (t, 0.54), (t + 3, 0.55), (60.5, right / 10)]
+            _write_run(root, f"{lab}-seed{seed}", ev, correct=[1] * right + [0] * (10 - right))
+    return root
+
+
+def test_v2_report_hand_checked(tmp_path):
+    from scipy import stats
+
+    from fedlora.studies.study_report import write_study_report
+
+    out = _study_v2(tmp_path)
+    text = write_study_report(out).read_text()
+    lines = text.splitlines()
+    # fslora's seeds touch the target once (6 s) and fall back: censored at B = 1 min
+    assert "| fslora | >= 1.00 (not reached) | >= 1.00 (not reached) |" in text
+    assert "| proposed-inrun | 0.10 | 0.10 | 0.10 | 0.10 |" in text
+    # proposed / fixed-best per seed 6/12, 6/12, 6/18: logs -ln2, -ln2, -ln3
+    logs = [-math.log(2), -math.log(2), -math.log(3)]
+    m = sum(logs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
+    half = stats.t.ppf(0.975, 2) * sd / math.sqrt(3)
+    row = next(x for x in lines if x.startswith("| proposed-inrun | fixed-best"))
+    assert f"{math.exp(m):.3f} [{math.exp(m - half):.3f}, {math.exp(m + half):.3f}]" in row
+    # accuracy at B, proposed − fixed-best: +10, 0, +10 points; mean 6.67, sd 5.77
+    d = [10.0, 0.0, 10.0]
+    dm, dsd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
+    dh = stats.t.ppf(0.975, 2) * dsd / math.sqrt(3)
+    assert f"{dm:+.2f} [{dm - dh:+.2f}, {dm + dh:+.2f}]" in row
+    # lower end -7.7 < -2: "not worse" is inconclusive, so "pays for its planning" too
+    assert (
+        "(sooner than the best baseline fixed-best, and not worse at the budget) | "
+        "**inconclusive** |" in text
+    )
+    # per seed McNemar, never pooled: seed 0 has 1 question only proposed right: p = 1
+    assert "- proposed-inrun vs fixed-best: 1/0 of 10, p 1; 0/0 of 10, p 1; 1/0 of 10, p 1" in text
+    # both FSLoRA claims are judged; the authors' FSLoRA is censored on every seed, so
+    # "not held" cannot be said and "held" needs more than 2.8x with Holm p < 0.05
+    assert "sooner than FSLoRA as the paper describes it (plain averaging) |" in text
+    assert "- step of fixed-b: training.lr = 0.003 (x3 the protocol's; learned" in text
+    assert "- step of fslora: training.lr = 0.001 (x1 the protocol's; did NOT learn" in text
+    assert "| fixed-b | x3 | +4.00 | 0.00 | True |" in text
+    assert "fixed-best = fixed-a" in text  # held at 6 s against fixed-b's 12 s
+    # a rule.json whose steps do not follow from the pilot's runs is refused
+    rule = json.loads((out / "rule.json").read_text())
+    (out / "rule.json").write_text(json.dumps({**rule, "steps": {**rule["steps"], "fixed-b": 1.0}}))
+    with pytest.raises(Exception, match="does not follow from the pilot"):
+        write_study_report(out)
+
+
+def test_not_worse_by_margin_by_hand():
+    from fedlora.studies.seeds import PairedDiff
+    from fedlora.studies.study_stats import not_worse_by_margin
+
+    assert not_worse_by_margin(PairedDiff(0.01, 0.02, None, 3), 0.02, True) == sr.HELD
+    assert not_worse_by_margin(PairedDiff(-0.05, 0.02, None, 3), 0.02, True) == sr.NOT_HELD
+    assert not_worse_by_margin(PairedDiff(-0.01, 0.02, None, 3), 0.02, True) == sr.INCONCLUSIVE
+    # a loss: lower is better, so +0.05 is worse by 0.05
+    assert not_worse_by_margin(PairedDiff(0.05, 0.02, None, 3), 0.02, False) == sr.NOT_HELD
+    assert not_worse_by_margin(PairedDiff(0.0, None, None, 1), 0.02, True) == sr.INCONCLUSIVE

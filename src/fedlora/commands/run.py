@@ -65,10 +65,22 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
         log = _announcing(run_dir)
+        if args.config is None:
+            log(no_config_note(cfg.training.rounds))
         summary = run_entry(cfg, run_dir, overwrite=args.overwrite, quiet=args.quiet, log=log)
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
     return 0
+
+
+def no_config_note(rounds: int) -> str:
+    """What a run without --config is: the built-in defaults are a short smoke run, not the
+    setting that learns (the demo's, docs/protocol_v2.md)."""
+    return (
+        f"note: no --config: the built-in defaults ({rounds} rounds) are a smoke run, not a "
+        "setting that learns; the demo's setting, which learns on ARC-e, is "
+        "`fedlora run --config configs/demo.toml` (`make demo`)"
+    )
 
 
 def _announcing(run_dir: Path) -> Callable[[str], None]:

@@ -100,9 +100,7 @@ def render(
         "",
         f"- primary metric: `{metric.text}` ({'higher' if metric.higher else 'lower'} is "
         f"better); target: a {'gain' if metric.higher else 'decrease'} of "
-        f"{rule['target_gain']:.4g} over each run's own round-0 value "
-        f"({rule['target_fraction']:g} x the pilot's largest improvement within the budget, "
-        f"{rule['pilot_best_gain']:.4g}, by {rule['pilot_best_run']})",
+        f"{rule['target_gain']:.4g} over each run's own round-0 value " + _target_origin(rule),
         f"- budget B = {budget:g} s = {budget / 60:.2f} min"
         + (
             " (set in the config)"
@@ -112,6 +110,7 @@ def render(
         f"- common evaluation grid: every {rule['grid_s']:g} s of simulated time and at the "
         "round that spends B; curves are read on it as step functions",
         f"- fixed-best = {rule['fixed_best']} (pilot order: {', '.join(rule['fixed_order'])})",
+        *_steps_lines(rule),
         f"- analysed seeds {seeds}, paired by seed; pilot seed {rule['pilot_seed']} (reported "
         "below, never analysed)",
         "",
@@ -157,6 +156,18 @@ def render(
         "p | p (Holm) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    if rule.get("noninferiority_margin"):
+        lines += [
+            "",
+            f'Protocol v2: the metric at B is judged with the seed as the unit ("not worse": '
+            f"the 95% t interval above -{scale * rule['noninferiority_margin']:g}{unit}); the "
+            "McNemar columns are empty because the seeds answer the same questions and are "
+            "never pooled. Each seed's exact McNemar test (only arm right / only baseline "
+            "right, p), descriptive:",
+            "",
+        ]
+        lines += [f"- {c.arm} vs {c.base}: {_per_seed(c)}" for c in comps]
+        lines.append("")
     for c in comps:
         mc = c.mcnemar
         lines.append(
@@ -204,8 +215,9 @@ def render(
         "|---|---|---|---|",
     ]
     for lab, run in pilot.items():
-        t, reached = rule["pilot_times_s"].get(lab, [math.nan, False])
+        t, reached = rule["pilot_times_s"].get(lab, [math.nan, False])[:2]
         lines.append(f"| {lab} | {t / 60:.2f} | {reached} | {len(metric_points(run, metric))} |")
+    lines += _learning_lines(rule, scale)
     lines += [
         "",
         "## Runs",
@@ -230,6 +242,61 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+def _target_origin(rule: dict[str, Any]) -> str:
+    if "hold_evals" in rule:
+        return (
+            f"(fixed by the rule, reached when {rule['hold_evals']} consecutive evaluations "
+            "are at or above it; the time is the first's)"
+        )
+    return (
+        f"({rule['target_fraction']:g} x the pilot's largest improvement within the budget, "
+        f"{rule['pilot_best_gain']:.4g}, by {rule['pilot_best_run']})"
+    )
+
+
+def _steps_lines(rule: dict[str, Any]) -> list[str]:
+    """Protocol v2: each arm's step size, chosen on the pilot by the learning criterion."""
+    if "steps" not in rule:
+        return []
+    out = []
+    for lab, factor in rule["steps"].items():
+        learned = rule["pilot_times_s"][lab][2]
+        out.append(
+            f"- step of {lab}: {rule['step_keys'][lab]} = {rule['step_values'][lab]:.4g} "
+            f"(x{factor:g} the protocol's; {'learned' if learned else 'did NOT learn'} "
+            "on the pilot)"
+        )
+    return out
+
+
+def _learning_lines(rule: dict[str, Any], scale: float) -> list[str]:
+    if "learning" not in rule:
+        return []
+    out = [
+        "",
+        f"Learning criterion: gain at B >= {scale * rule['learn_min_gain']:g} and no "
+        f"evaluation more than {scale * rule['learn_max_drop']:g} below round 0.",
+        "",
+        "| arm | step factor | gain at B | worst drop | learned |",
+        "|---|---|---|---|---|",
+    ]
+    for lab, trials in rule["learning"].items():
+        for factor, c in trials.items():
+            out.append(
+                f"| {lab} | x{factor} | {scale * c['gain_at_budget']:+.2f} | "
+                f"{scale * c['worst_drop']:.2f} | {c['learned']} |"
+            )
+    return out
+
+
+def _per_seed(c: Comparison) -> str:
+    if not c.per_seed_mcnemar:
+        return "-"
+    return "; ".join(
+        "-" if t is None else f"{t[1]}/{t[2]} of {t[0]}, p {t[3]:.3g}" for t in c.per_seed_mcnemar
+    )
 
 
 def _secondary(text: str, rule: dict[str, Any], cells: dict[str, list[Cell]]) -> list[str]:

@@ -23,12 +23,14 @@ from fedlora.studies.study_rule import (
     LogRatio,
     Metric,
     derive_rule,
+    derive_rule_v2,
     holm,
     log_ratio,
     metric_points,
     parse_metric,
     speed_verdict,
     time_to_target,
+    time_to_target_held,
     value_at_budget,
 )
 from fedlora.studies.study_spec import REFERENCE
@@ -65,6 +67,8 @@ class Comparison:
     mcnemar: tuple | None  # (questions, only arm right, only base right, p)
     p_time_holm: float | None = None
     p_acc_holm: float | None = None
+    per_seed_mcnemar: list | None = None  # protocol v2: one exact test per seed, descriptive
+    margin: float = 0.0  # protocol v2: "not worse" = the t interval's lower end above -margin
 
 
 def check_rule_fields(rule: Any, path: str) -> dict[str, Any]:
@@ -101,7 +105,12 @@ def load_cells(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, lis
 
 def cell(run: RunRecord, metric: Metric, rule: dict[str, Any]) -> Cell:
     pts = metric_points(run, metric)
-    t, reached = time_to_target(pts, metric, rule["target_gain"], rule["budget_s"])
+    if "hold_evals" in rule:  # protocol v2: a crossing that holds (docs/study_planner_v2.md)
+        t, reached = time_to_target_held(
+            pts, metric, rule["target_gain"], rule["budget_s"], int(rule["hold_evals"])
+        )
+    else:
+        t, reached = time_to_target(pts, metric, rule["target_gain"], rule["budget_s"])
     start = pts[0][1] if pts else None
     return Cell(run, t, reached, value_at_budget(pts, rule["budget_s"]), start)
 
@@ -110,6 +119,8 @@ def check_pilot(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, Ru
     """The pilot's runs, and the rule re-derived from them: a rule.json that does not follow
     from the pilot's run directories is refused."""
     pilot_dir = out / "pilot"
+    if "steps" in rule:
+        return check_pilot_v2(out, rule, metric)
     runs = {}
     for d in sorted(pilot_dir.glob(f"*-seed{rule['pilot_seed']}")):
         runs[d.name.rsplit("-seed", 1)[0]] = load_run(d)
@@ -125,6 +136,40 @@ def check_pilot(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, Ru
             f"{rule['target_gain']:.6g} vs {again['target_gain']:.6g}, fixed-best "
             f"{rule['fixed_best']} vs {again['fixed_best']})"
         )
+    return runs
+
+
+def check_pilot_v2(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, RunRecord]:
+    """Protocol v2: the pilot's runs (`<label>[-x<factor>]-seed<pilot>`), and each arm's step,
+    whether it learned and fixed-best re-derived from them; a rule.json that does not follow
+    is refused. Returns {run name: run}."""
+    suffix = f"-seed{rule['pilot_seed']}"
+    runs = {d.name[: -len(suffix)]: load_run(d) for d in sorted((out / "pilot").glob("*" + suffix))}
+    pilot: dict[str, dict[float, list]] = {}
+    for name, run in runs.items():
+        label, factor = name, 1.0
+        head, sep, tail = name.rpartition("-x")
+        if sep and head in rule["steps"]:
+            label, factor = head, float(tail)
+        pilot.setdefault(label, {})[factor] = metric_points(run, metric)
+    if set(pilot) != set(rule["steps"]):
+        raise DataError(f"{out / 'pilot'}: the pilot's runs are not those of rule.json's steps")
+    again = derive_rule_v2(
+        pilot,
+        metric,
+        rule["budget_s"],
+        rule["target_gain"],
+        int(rule["hold_evals"]),
+        rule["fixed_order"],
+        rule["learn_min_gain"],
+        rule["learn_max_drop"],
+    )
+    for key in ("steps", "fixed_best"):
+        if again[key] != rule[key]:
+            raise DataError(
+                f"{out / 'rule.json'} does not follow from the pilot's runs ({key}: "
+                f"{rule[key]} vs {again[key]})"
+            )
     return runs
 
 
@@ -148,7 +193,9 @@ def best_baseline(cells: dict[str, list[Cell]], baselines: list[str], higher: bo
     return min(baselines, key=key)
 
 
-def compare(cells: dict[str, list[Cell]], arm: str, base: str, metric: Metric) -> Comparison:
+def compare(
+    cells: dict[str, list[Cell]], arm: str, base: str, metric: Metric, margin: float = 0.0
+) -> Comparison:
     a, b = cells[arm], cells[base]
     ratio = log_ratio([c.time_s for c in a], [c.time_s for c in b])
     values = [(x.at_budget, y.at_budget) for x, y in zip(a, b)]
@@ -156,14 +203,22 @@ def compare(cells: dict[str, list[Cell]], arm: str, base: str, metric: Metric) -
     if all(u is not None and v is not None for u, v in values):
         diff = paired_diff([u for u, _ in values], [v for _, v in values])  # type: ignore[misc]
     test = None
-    if metric.field == "acc":  # predictions.jsonl records correctness under acc
+    if metric.field == "acc" and not margin:  # the first rule: pooled over the seeds
         test = pooled_mcnemar([c.run for c in a], [c.run for c in b], metric.task)
-    return Comparison(arm, base, ratio, diff, test)
+    per_seed = None
+    if metric.field == "acc" and margin:
+        # protocol v2: the seeds answer the same questions, so their discordant pairs are
+        # not independent and are never pooled; each seed's test is reported, not judged
+        per_seed = [pooled_mcnemar([x.run], [y.run], metric.task) for x, y in zip(a, b)]
+    return Comparison(arm, base, ratio, diff, test, per_seed_mcnemar=per_seed, margin=margin)
 
 
 def comparisons(cells: dict[str, list[Cell]], rule: dict[str, Any], metric: Metric) -> list:
     """Every proposed arm against every baseline; Holm over the family, per endpoint."""
-    out = [compare(cells, p, b, metric) for p in rule["proposed"] for b in rule["baselines"]]
+    margin = float(rule.get("noninferiority_margin", 0.0))
+    out = [
+        compare(cells, p, b, metric, margin) for p in rule["proposed"] for b in rule["baselines"]
+    ]
     for attr, get in (("p_time_holm", lambda c: c.ratio.p), ("p_acc_holm", _acc_p)):
         idx = [i for i, c in enumerate(out) if get(c) is not None]
         for i, adj in zip(idx, holm([get(out[i]) for i in idx])):
@@ -180,6 +235,8 @@ def not_worse(c: Comparison, higher: bool) -> str:
     interval shows the arm worse; not worse otherwise when it can tell."""
     if c.diff is None:
         return INCONCLUSIVE
+    if c.margin:
+        return not_worse_by_margin(c.diff, c.margin, higher)
     worse_side = c.diff.mean < 0 if higher else c.diff.mean > 0
     if c.p_acc_holm is not None:
         return NOT_HELD if (c.p_acc_holm < 0.05 and worse_side) else HELD
@@ -189,6 +246,20 @@ def not_worse(c: Comparison, higher: bool) -> str:
     if (hi < 0) if higher else (lo > 0):
         return NOT_HELD
     return HELD
+
+
+def not_worse_by_margin(diff: PairedDiff, margin: float, higher: bool) -> str:
+    """Protocol v2, the seed as the unit: held when the 95% t interval of the paired
+    difference (arm − baseline, on the better-is-positive side) lies above −margin; not held
+    when it lies below −margin; inconclusive otherwise (or with one seed)."""
+    if diff.ci is None:
+        return INCONCLUSIVE
+    mean = diff.mean if higher else -diff.mean
+    if mean - diff.ci > -margin:
+        return HELD
+    if mean + diff.ci < -margin:
+        return NOT_HELD
+    return INCONCLUSIVE
 
 
 def claims(
@@ -211,6 +282,12 @@ def claims(
     for arm in arms:
         for base, factor, text in (
             ("fslora", PAPER_SPEEDUP, f"reaches the target >= {PAPER_SPEEDUP}x sooner than FSLoRA"),
+            (
+                "fslora-paper",
+                PAPER_SPEEDUP,
+                f"reaches the target >= {PAPER_SPEEDUP}x sooner than FSLoRA as the paper "
+                "describes it (plain averaging)",
+            ),
             ("fedstacklora", 1.0, "reaches the target sooner than FedStackLoRA"),
             ("heterolora", 1.0, "reaches the target sooner than HeteroLoRA"),
         ):
