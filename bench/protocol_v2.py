@@ -3,6 +3,8 @@ seeds, each run on a core of its own, and the rule's verdict over the seeds.
 
     .venv/bin/python bench/protocol_v2.py run --seeds 0 --core 0 --out results/protocol_v2
     .venv/bin/python bench/protocol_v2.py summary --out results/protocol_v2
+    .venv/bin/python bench/protocol_v2.py run --seeds 0 --core 0 --runs runs/protocol_v3 \
+        --out results/protocol_v3 --set training.rounds=200 training.eval_every=50
 
 `run` writes runs/protocol_v2/seed<S> (the run) and OUT/seed<S>/ (config.toml, metrics.jsonl,
 predictions.jsonl, summary.json, clients.csv and run_info.json: wall and CPU seconds, load,
@@ -29,16 +31,19 @@ COMMON = ["model.device=cpu", "model.threads=1", "output.progress=false"]
 TASK = "arc-e"
 
 
-def run_seed(seed: int, core: int, runs: Path, out: Path) -> None:
+def run_seed(seed: int, core: int, runs: Path, out: Path, extra: list[str]) -> None:
     run_dir = runs / f"seed{seed}"
     argv = ["taskset", "-c", str(core), sys.executable, "-m", "fedlora.cli", "run"]
     argv += ["--config", CONFIG, "--out", str(run_dir), "--overwrite"]
-    overrides = [*COMMON, f"training.seed={seed}"]
+    overrides = [*COMMON, *extra, f"training.seed={seed}"]
     dest = out / f"seed{seed}"
+    start = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    start = start.stdout.strip()
     timing = measured(
         f"seed{seed}", lambda: subprocess.run([*argv, *overrides], check=True), run_dir, dest
     )
-    info = {"config": CONFIG, "overrides": overrides, "core": core, **timing}
+    info = {"config": CONFIG, "overrides": overrides, "core": core, "commit_at_start": start}
+    info.update(timing)  # its "commit" is the checkout's at the end
     (dest / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
@@ -76,7 +81,7 @@ def summary(out: Path) -> dict:
         result.update(mean_gain=mean, mean_gain_ci95=[lo, hi], confirmed=confirmed)
     (out / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
-        "# Protocol v2: the confirmation (docs/protocol_v2.md)",
+        f"# {out.name}: the confirmation (docs/protocol_v2.md)",
         "",
         f"ARC-e `acc` on the same {next(iter(seeds.values()))['n'] if seeds else '?'} "
         "questions for every seed, before and after training (paired).",
@@ -111,13 +116,16 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=0, help="the CPU core of the runs (taskset)")
     ap.add_argument("--runs", type=Path, default=Path("runs/protocol_v2"))
     ap.add_argument("--out", type=Path, default=Path("results/protocol_v2"))
+    ap.add_argument(
+        "--set", nargs="*", default=[], help="overrides of the protocol (protocol v3: rounds)"
+    )
     args = ap.parse_args()
     if args.stage == "run":
         for seed in args.seeds:
             if (args.out / f"seed{seed}" / "run_info.json").is_file():
                 print(f"seed{seed}: landed earlier, skipped", flush=True)
                 continue
-            run_seed(seed, args.core, args.runs, args.out)
+            run_seed(seed, args.core, args.runs, args.out, args.set)
     print(json.dumps(summary(args.out), indent=1))
 
 
