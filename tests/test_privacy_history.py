@@ -211,3 +211,24 @@ def test_plan_refuses_a_non_finite_noise_multiplier_and_writes_nothing(tmp_path,
     assert main(["plan", str(path), "--max-epsilon", "8", "--delta", "0.6"]) == 2
     assert "options.delta" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_config_and_the_accountant_share_the_range_of_sigma():
+    from fedlora.config.privacy_section import SIGMA_RANGE as CONFIG_RANGE
+    from fedlora.system.privacy import SIGMA_RANGE
+
+    assert CONFIG_RANGE == SIGMA_RANGE
+
+
+def test_a_divergence_under_privacy_names_the_noises_fields():
+    from types import SimpleNamespace
+
+    from fedlora.config import load_config
+    from fedlora.federation.engine import _noise_hint
+    from fedlora.federation.privacy import ClientPrivacy
+
+    cfg = load_config(None, [*CENTRAL, "privacy.noise_multiplier=2", "privacy.clip_norm=300"])
+    run = SimpleNamespace(method=SimpleNamespace(privacy=ClientPrivacy(cfg)))
+    hint = _noise_hint(run)
+    assert "600" in hint and "privacy.noise_multiplier" in hint and "privacy.clip_norm" in hint
+    assert _noise_hint(SimpleNamespace(method=SimpleNamespace(privacy=None))) == ""
