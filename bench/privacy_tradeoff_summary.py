@@ -53,7 +53,8 @@ def load_run(run_dir: Path) -> dict | None:
         "sim_time_s": summary["sim_time_s"],
         "sigma": privacy.get("noise_multiplier"),
         "clip_norm": privacy.get("clip_norm"),
-        "max_epsilon": privacy.get("max_epsilon"),  # None: σ = 0, no finite ε
+        # the largest client ε spent (None: σ = 0, no finite ε); "max_epsilon" in older summaries
+        "max_epsilon": privacy.get("largest_epsilon", privacy.get("max_epsilon")),
         "epsilon": privacy.get("epsilon"),  # every client's final ε (None: not finite)
         "wall_s": info["wall_s"],
         "cpu_s": info["cpu_s"],

@@ -1,4 +1,5 @@
-"""Client-level differential privacy: the accounting against dp-accounting's own, the clipping
+"""Client-level differential privacy: the accounting against an RDP computation written from
+the papers (tests/rdp_reference.py), the clipping
 by hand, the noise's standard deviation, the refusals, and runs end to end (σ = 0 is the run
 without DP bit for bit; a resumed run draws the same noise)."""
 
@@ -11,68 +12,84 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import rdp_reference as ref
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import ClientTask, RoundPlan
 from fedlora.federation.privacy import ClientPrivacy
-from fedlora.system.privacy import (
-    PrivacyLedger,
-    epsilon,
-    max_poisson_rate,
-    poisson_epsilon,
-)
+from fedlora.system.privacy import epsilon, max_poisson_rate, poisson_epsilon
+from fedlora.system.privacy_ledger import PrivacyLedger, RoundSetting
 
-dpa = pytest.importorskip("dp_accounting")
+SETTING = RoundSetting("central", 1.0, 1.0, "poisson")
 
-
-def _library(event, steps: int, delta: float, relation=None) -> float:
-    kwargs = {} if relation is None else {"neighboring_relation": relation}
-    acc = dpa.rdp.RdpAccountant(**kwargs)
-    acc.compose(event, steps)
-    return acc.get_epsilon(delta)
+pytest.importorskip("dp_accounting")
 
 
 @pytest.mark.parametrize(("q", "sigma", "steps"), [(0.1, 1.0, 50), (0.5, 2.0, 7), (1.0, 0.8, 3)])
-def test_a_uniform_rate_gives_the_library_epsilon(q, sigma, steps):
-    want = _library(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps, 1e-5)
-    assert poisson_epsilon(q, sigma, steps, 1e-5) == want
+def test_a_uniform_rate_gives_the_epsilon_of_the_subsampled_gaussians_rdp(q, sigma, steps):
+    lo, hi = ref.poisson_bounds(q, sigma, steps, 1e-5)
+    got = poisson_epsilon(q, sigma, steps, 1e-5)
+    assert lo * (1 - 1e-9) <= got <= hi * (1 + 1e-9)
+    assert got == pytest.approx(lo, rel=2e-3)
     ledger = PrivacyLedger(3)
     for _ in range(steps):
-        ledger.record("poisson", np.full(3, q))
-    assert ledger.epsilons(sigma, 1e-5) == [want] * 3
+        ledger.record(RoundSetting("central", sigma, 1.0, "poisson"), "poisson", np.full(3, q))
+    assert ledger.epsilons(1e-5) == [got] * 3
+
+
+def test_hand_computed_rdp_points():
+    # Mironov et al. 2019, integer α: A_2 = 1 + q²(e^{1/σ²} − 1); q = 0.5, σ = 1
+    assert ref.poisson_rdp(0.5, 1.0, 2) == pytest.approx(math.log(1 + 0.25 * (math.e - 1)))
+    # the plain Gaussian: α/(2σ²); and the conversion at one order by hand
+    assert ref.gaussian_rdp(2.0, 3) == pytest.approx(3 / 8)
+    by_hand = 10 * 3 / 8 + math.log(2 / 3) - (math.log(1e-5) + math.log(3)) / 2
+    assert ref.epsilon_from_rdp({3: 10 * 3 / 8}, 1e-5) == pytest.approx(by_hand)
 
 
 def test_m_of_n_sampling_is_accounted_without_replacement_at_half_sigma():
-    # 4 of 20 clients: replace-one adjacency, the sensitivity of the sum is 2C
-    event = dpa.SampledWithoutReplacementDpEvent(20, 4, dpa.GaussianDpEvent(0.75))
-    want = _library(event, 10, 1e-6, dpa.NeighboringRelation.REPLACE_ONE)
-    assert epsilon([("uniform", 0.2, 10)], 1.5, 1e-6, 20) == want
+    # 4 of 20 clients: replace-one adjacency, the sensitivity of the sum is 2C: Wang, Balle &
+    # Kasiviswanathan's bound at σ/2, above the divergence of one pair of neighbours' outputs
+    got = epsilon([("uniform", 0.2, 10)], 1.5, 1e-6, 20)
+    upper = ref.wor_upper_epsilon(0.2, 0.75, 10, 1e-6)
+    lower = ref.epsilon_from_rdp(
+        {a: 10 * ref.shift_pair_rdp(0.2, 1.5, a) for a in ref.ORDERS if a <= 64}, 1e-6
+    )
+    assert lower < got <= upper * (1 + 1e-9)
+    assert got == pytest.approx(upper, rel=1e-6)
     # every client every round: the plain Gaussian (add or remove one client, sensitivity C)
-    assert epsilon([("uniform", 1.0, 10)], 1.5, 1e-6, 20) == _library(
-        dpa.GaussianDpEvent(1.5), 10, 1e-6
+    assert epsilon([("uniform", 1.0, 10)], 1.5, 1e-6, 20) == pytest.approx(
+        ref.gaussian_epsilon_reference(1.5, 10, 1e-6), rel=1e-9
+    )
+    # local: the Gaussian at σ/2 (any two of a client's data sets, 2C)
+    assert epsilon([("local", 1.0, 10)], 1.5, 1e-6) == pytest.approx(
+        ref.gaussian_epsilon_reference(0.75, 10, 1e-6), rel=1e-9
     )
 
 
-def test_per_client_rates_compose_and_the_ledger_survives_a_list():
+def test_per_client_rates_compose_and_the_ledger_survives_a_dict():
     ledger = PrivacyLedger(2)
-    ledger.record("poisson", np.array([0.2, 0.6]))
-    ledger.record("poisson", np.array([0.2, 0.3]))
-    acc = dpa.rdp.RdpAccountant()
-    acc.compose(dpa.PoissonSampledDpEvent(0.6, dpa.GaussianDpEvent(1.0)), 1)
-    acc.compose(dpa.PoissonSampledDpEvent(0.3, dpa.GaussianDpEvent(1.0)), 1)
-    eps = ledger.epsilons(1.0, 1e-5)
-    assert eps[1] == acc.get_epsilon(1e-5)
+    ledger.record(SETTING, "poisson", np.array([0.2, 0.6]))
+    ledger.record(SETTING, "poisson", np.array([0.2, 0.3]))
+    eps = ledger.epsilons(1e-5)
+    # client 1: one round at 0.6 and one at 0.3 compose additively in RDP
+    composed = {a: ref.poisson_rdp(0.6, 1.0, a) + ref.poisson_rdp(0.3, 1.0, a) for a in ref.ORDERS}
+    assert eps[1] == pytest.approx(ref.epsilon_from_rdp(composed, 1e-5), rel=2e-3)
     assert eps[0] == poisson_epsilon(0.2, 1.0, 2, 1e-5) < eps[1]
-    assert PrivacyLedger(2, json.loads(json.dumps(ledger.to_list()))).epsilons(1.0, 1e-5) == eps
-    assert math.isinf(ledger.epsilons(0.0, 1e-5)[0])  # σ = 0: no guarantee
-    assert PrivacyLedger(2).epsilons(1.0, 1e-5) == [0.0, 0.0]  # before any round
+    saved = json.loads(json.dumps(ledger.to_dict()))
+    again = PrivacyLedger.restore(2, saved, legacy_sigma=9.0, legacy_rounds=0)
+    assert again.epsilons(1e-5) == eps and again.rounds == 2
+    zero = PrivacyLedger(2)
+    zero.record(RoundSetting("central", 0.0, 1.0, "poisson"), "poisson", np.full(2, 0.2))
+    assert math.isinf(zero.epsilons(1e-5)[0])  # σ = 0: no guarantee
+    assert PrivacyLedger(2).epsilons(1e-5) == [0.0, 0.0]  # before any round
 
 
 def test_the_largest_rate_within_a_budget_keeps_it_and_is_tight():
     q = max_poisson_rate(4.0, 1.0, 30, 1e-5)
     assert 0 < q < 1
     assert poisson_epsilon(q, 1.0, 30, 1e-5) <= 4.0 < poisson_epsilon(q * 1.01, 1.0, 30, 1e-5)
+    assert ref.poisson_bounds(q, 1.0, 30, 1e-5)[0] <= 4.0  # the exact RDP keeps it too
     assert max_poisson_rate(1e6, 1.0, 30, 1e-5) == 1.0
 
 

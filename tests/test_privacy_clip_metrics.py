@@ -12,6 +12,7 @@ import pytest
 from fedlora.config import load_config
 from fedlora.federation.methods.base import ClientTask, RoundPlan
 from fedlora.federation.privacy import ClientPrivacy, account_round, clip_fields
+from fedlora.federation.progress import Progress
 
 pytest.importorskip("dp_accounting")
 S6 = math.sqrt(6.0)
@@ -36,7 +37,7 @@ def _round(weights: list[float]) -> tuple[dict, RoundPlan, list[dict]]:
 
 def _account(dp: ClientPrivacy, plan: RoundPlan) -> dict:
     method = SimpleNamespace(privacy=dp, q=[0.5, 0.5, 0.5, 0.5])
-    return account_round(method, plan, SimpleNamespace(privacy_ledger=[]))
+    return account_round(method, plan, Progress())
 
 
 def test_two_participants_give_the_hand_computed_median_and_clipped_share():

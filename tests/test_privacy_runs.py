@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import rdp_reference as ref
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.federation.checkpoints import load_checkpoint
 from fedlora.federation.run import prepare_run_dir, run_experiment
-from fedlora.system.privacy import poisson_epsilon
 from tiny_runs import TINY_FOUR_CLIENTS
 
 pytest.importorskip("dp_accounting")
@@ -67,11 +67,16 @@ def test_fedlora_run_with_central_privacy_records_every_clients_epsilon(tmp_path
     lines = _lines(out)
     assert "epsilon" not in lines[0]  # round 0: nothing released yet
     for r, line in enumerate(lines[1:], start=1):  # every client at its own q_n, r rounds
-        assert line["epsilon"] == [poisson_epsilon(q, 1.0, r, 1e-5) for q in Q]
+        for eps, q in zip(line["epsilon"], Q):  # against RDP computed from the paper
+            lo, hi = ref.poisson_bounds(q, 1.0, r, 1e-5)
+            assert lo * (1 - 1e-9) <= eps <= hi * (1 + 1e-9) and eps == pytest.approx(lo, rel=3e-3)
         assert len(line["dp_update_norms"]) == line["n_participants"]  # one per participant
     summary = json.loads((out / "summary.json").read_text())
     assert summary["privacy"]["epsilon"] == lines[-1]["epsilon"]
-    assert summary["privacy"]["max_epsilon"] == max(lines[-1]["epsilon"])
+    assert summary["privacy"]["largest_epsilon"] == max(lines[-1]["epsilon"])
+    assert summary["privacy"]["epsilon_budget"] is None
+    segment = {"mode": "central", "noise_multiplier": 1.0, "clip_norm": 0.01, "sampling": "poisson"}
+    assert summary["privacy"]["history"] == [{"rounds": [1, 3], **segment}]
     assert f"ε max {max(lines[-1]['epsilon']):.3g} (client 3)" in terminal
     assert _adapter(out)  # the final checkpoint holds the adapter
 
@@ -111,14 +116,14 @@ def test_a_resumed_private_run_draws_the_same_noise(tmp_path):
 @needs_data
 @pytest.mark.parametrize(("name", "mode"), [("fedavg", "central"), ("rolora", "local")])
 def test_m_of_n_methods_account_without_replacement_or_per_participation(tmp_path, name, mode):
-    from fedlora.system.privacy import epsilon
-
     extra = [f'method.name="{name}"', f'privacy.mode="{mode}"', "method.clients_per_round=2"]
     _run(tmp_path / name, *extra, "privacy.clip_norm=0.05", "training.rounds=2")
     lines = _lines(tmp_path / name)
     for r, line in enumerate(lines[1:], start=1):
-        if mode == "central":  # 2 of 4 without replacement, every client alike
-            assert line["epsilon"] == [epsilon([("uniform", 0.5, r)], 1.0, 1e-5, 4)] * 4
-        else:  # each client: the rounds it took part in, no amplification
+        if mode == "central":  # 2 of 4 without replacement at σ/2, every client alike
+            want = ref.wor_upper_epsilon(0.5, 0.5, r, 1e-5)
+            assert line["epsilon"] == pytest.approx([want] * 4, rel=1e-6)
+        else:  # each client: the rounds it took part in, the Gaussian at σ/2, no amplification
             took_part = [sum(n in x["participants"] for x in lines[1 : r + 1]) for n in range(4)]
-            assert line["epsilon"] == [epsilon([("local", 1.0, c)], 1.0, 1e-5) for c in took_part]
+            want = [ref.gaussian_epsilon_reference(0.5, c, 1e-5) if c else 0.0 for c in took_part]
+            assert line["epsilon"] == pytest.approx(want, rel=1e-9)

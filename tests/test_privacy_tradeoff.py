@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +105,7 @@ def test_clip_then_two_runs_then_the_summary_with_its_verdict(bench, tmp_path, m
     assert summary["privacy"]["noise_multiplier"] == noise_multiplier_for_epsilon(
         8.0, "poisson", 0.5, 2, 1e-5
     )
-    assert summary["privacy"]["max_epsilon"] <= 8.0
+    assert summary["privacy"]["largest_epsilon"] <= 8.0
     assert summary["privacy"]["clip_norm"] == clip["clip_norm"]["lora"]
 
     capsys.readouterr()
@@ -114,20 +115,48 @@ def test_clip_then_two_runs_then_the_summary_with_its_verdict(bench, tmp_path, m
     assert doc["runs"]["lora-inf"] == {"status": "not run"}
     assert doc["runs"]["lora-eps8"]["epsilon"] == summary["privacy"]["epsilon"]  # every client
     assert "| lora-inf | not run |" in md and "one core's time" in md
-    assert doc["ffa_vs_lora"]["8"]["verdict"] in ("held", "not held", "inconclusive")
+    assert doc["ffa_vs_lora"]["8"]["verdict"] == _rule_verdict(out / "lora-eps8", out / "ffa-eps8")
     assert doc["ffa_vs_lora"]["2"] is None and "| 2 | not run |" in md
     assert doc["verdict"] == "not decided (a run is missing)"
     assert "**The FFA-LoRA claim (better than LoRA under DP): not decided" in md
     assert doc["questions"] == 6 and doc["chance"] == 0.25
 
 
+def _rule_verdict(lora_dir: Path, ffa_dir: Path) -> str:
+    """The rule's verdict by hand from the two runs' last predictions: FFA-LoRA's gain over
+    LoRA on the same questions, decided by the exact two-sided McNemar test at p < 0.05."""
+
+    def last(run_dir: Path) -> dict:
+        lines = [json.loads(x) for x in (run_dir / "predictions.jsonl").read_text().splitlines()]
+        final = max(lines, key=lambda x: x["round"])  # one task: arc-e
+        return dict(zip(final["ids"], final["correct"]))
+
+    lora, ffa = last(lora_dir), last(ffa_dir)
+    assert lora.keys() == ffa.keys()
+    b = sum(lora[i] and not ffa[i] for i in lora)  # LoRA only
+    c = sum(ffa[i] and not lora[i] for i in lora)  # FFA-LoRA only
+    n = b + c
+    p = min(1.0, 2 * sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n) if n else 1.0
+    if p < 0.05:
+        return "held" if c > b else "not held"
+    return "inconclusive"
+
+
+# the rule's cohort (docs/privacy_tradeoff.md): 10 clients, 100 rounds, LoRA at q = 0.2,
+# FFA-LoRA 2 of 10 a round, δ = 1e-5
+RULE_BASE = (
+    TINY_BASE.replace("n_clients = 4", "n_clients = 10")
+    .replace("rounds = 2", "rounds = 100")
+    .replace("q_fixed = 0.5", "q_fixed = 0.2")
+)
+
+
 def test_a_sigma_other_than_the_rules_is_refused_before_any_run(bench, tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the rule's base, configs/demo.toml
-    assert bench.check_rule_sigma(["lora-eps8"], bench.BASE, True) == [] or (
-        bench.sigma_of("lora-eps8", bench.BASE)[0] != bench.RULE_SIGMA["lora-eps8"]
-    )
+    base = tmp_path / "rule.toml"
+    base.write_text(RULE_BASE)
+    assert bench.check_rule_sigma(list(bench.RULE_SIGMA), str(base), True) == []
     monkeypatch.setitem(bench.RULE_SIGMA, "lora-eps8", 1.0)
-    bad = bench.check_rule_sigma(["lora-inf", "lora-eps8"], bench.BASE, True)
+    bad = bench.check_rule_sigma(["lora-inf", "lora-eps8"], str(base), True)
     assert len(bad) == 1 and "lora-eps8" in bad[0] and "1.0" in bad[0]
     out = tmp_path / "results"
     out.mkdir()

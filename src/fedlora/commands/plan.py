@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         overrides["calibration_fit"] = args.calibration_fit
     for key in ("max_epsilon", "noise_multiplier", "delta"):
         if getattr(args, key) is not None:
-            overrides[key] = getattr(args, key)
+            overrides[key] = _finite_flag(key, getattr(args, key))
     problem, options = load_problem(args.problem, overrides)
     try:
         with np.errstate(all="ignore"):  # a degenerate result is refused below, not warned of
@@ -104,6 +104,17 @@ def run(args: argparse.Namespace) -> int:
     for line in budget_lines(result.privacy, result.q):
         print(line)
     return 0
+
+
+def _finite_flag(key: str, value: float) -> float:
+    """A privacy flag's value, refused when not finite (argparse's float takes inf and nan,
+    which JSON cannot hold)."""
+    import math
+
+    if not math.isfinite(value):
+        flag = "--" + key.replace("_", "-")
+        raise ConfigError(f"{flag} = {value!r} is invalid: must be a finite number")
+    return value
 
 
 def budget_lines(privacy: dict, q) -> list[str]:

@@ -41,6 +41,7 @@ class ExperimentConfig:
         n = self.data.n_clients
         check_private_method(self.privacy, self.method.name, self.method.heterolora_pruning)
         _check_budget(self.planner.max_epsilon, self.privacy, n)
+        _check_delta(self.privacy, n)
         for name in ("q", "k", "ranks"):
             value = getattr(self.method, name)
             if isinstance(value, tuple) and len(value) != n:
@@ -94,6 +95,24 @@ def _check_budget(max_epsilon: float | tuple[float, ...], privacy: PrivacyConfig
             max_epsilon,
             f"a privacy budget needs privacy.mode = 'central' (got {privacy.mode!r}); "
             "0 = no budget",
+        )
+    if max_epsilon and privacy.noise_multiplier == 0:
+        raise bad_value(
+            "planner.max_epsilon",
+            max_epsilon,
+            "a privacy budget needs privacy.noise_multiplier > 0 (σ = 0: ε = inf); 0 = no budget",
+        )
+
+
+def _check_delta(privacy: PrivacyConfig, n: int) -> None:
+    """privacy.delta < 1/N: a δ of 1/N or more is kept by a mechanism that publishes one
+    client's whole data at random (and makes every ε about 0)."""
+    if privacy.enabled and privacy.delta * n >= 1:
+        raise bad_value(
+            "privacy.delta",
+            privacy.delta,
+            f"must be < 1/data.n_clients = {1 / n:.3g}: a δ of 1/N or more allows publishing "
+            "one client's whole data",
         )
 
 

@@ -14,6 +14,20 @@ from fedlora.config.checks import check_choice, check_int, check_number
 from fedlora.errors import ConfigError, bad_value
 
 PRIVACY_MODES = ("none", "central", "local")
+CLIPPINGS = ("fixed", "adaptive")
+
+# Bounds that keep every ε, noise and quantization meaningful (docs/privacy.md): σ outside
+# SIGMA_RANGE is 0 or astronomically large to the accountant (fedlora.system.privacy); noise
+# of standard deviation above MAX_NOISE_STD per adapter entry swamps any adapter and
+# overflows half-precision sums (fp16's largest number is 65504); a clip bound above
+# MAX_CLIP_NORM is reached by no update; SecAgg+'s rounding step 2c/2^22 above 2.4e-4
+# (c > 500) is as large as a LoRA update's typical entry, which rounds to 0 or one step.
+# (the config layer sits below fedlora.system: SIGMA_RANGE is also there, tested equal)
+SIGMA_RANGE = (0.01, 1e4)
+MAX_NOISE_STD = 1e3
+MAX_CLIP_NORM = 1e12
+MAX_SECAGG_CLIPPING_RANGE = 500.0
+MAX_CLIP_LEARNING_RATE = 10.0
 
 # methods whose aggregate is the global adapter plus a weighted sum of client updates, and
 # how each samples its participants: "independent" (client n joins with its own q_n,
@@ -61,6 +75,11 @@ class PrivacyConfig:
     updates (SecAgg+); a round with fewer than `secagg_threshold` participants is skipped.
     `secagg_clipping_range`: c, every entry of a weighted update is clipped to [-c, c] and
     quantized to 2^22 levels across that range (docs/privacy.md, "Secure aggregation").
+    `clipping`: "fixed" (C = clip_norm) or "adaptive" (Andrew et al. 2021: C starts at
+    clip_norm and follows the `target_quantile` of the update norms with learning rate
+    `clip_learning_rate`; the count of unclipped updates is released with noise of standard
+    deviation `clip_count_noise`, and the sum's noise multiplier is what that leaves of
+    noise_multiplier, `fedlora.system.privacy.sum_noise_multiplier`).
     """
 
     mode: str = "none"
@@ -70,22 +89,83 @@ class PrivacyConfig:
     secure_aggregation: bool = False
     secagg_threshold: int = 2
     secagg_clipping_range: float = 1.0
+    clipping: str = "fixed"
+    target_quantile: float = 0.5
+    clip_learning_rate: float = 0.2
+    clip_count_noise: float = 5.0
 
     def __post_init__(self) -> None:
         check_choice("privacy.mode", self.mode, PRIVACY_MODES)
-        check_number("privacy.clip_norm", self.clip_norm, lo=0, lo_open=True)
+        check_number("privacy.clip_norm", self.clip_norm, lo=0, hi=MAX_CLIP_NORM, lo_open=True)
         check_number("privacy.noise_multiplier", self.noise_multiplier, lo=0)
+        _check_sigma(self.noise_multiplier)
         check_number("privacy.delta", self.delta, lo=0, hi=1, lo_open=True, hi_open=True)
+        if self.noise_multiplier * self.clip_norm > MAX_NOISE_STD:
+            raise ConfigError(
+                f"privacy.clip_norm = {self.clip_norm!r} with privacy.noise_multiplier = "
+                f"{self.noise_multiplier!r}: the noise's standard deviation σ·C = "
+                f"{self.noise_multiplier * self.clip_norm:g} per adapter entry must be <= "
+                f"{MAX_NOISE_STD:g} (more swamps any adapter); choose C near the update norms "
+                "(dp_update_norms)"
+            )
+        _check_adaptive(self)
         if not isinstance(self.secure_aggregation, bool):
             raise bad_value("privacy.secure_aggregation", self.secure_aggregation, "true or false")
         check_int("privacy.secagg_threshold", self.secagg_threshold, lo=2, hi=SECAGG_MAX_CLIENTS)
         check_number(
-            "privacy.secagg_clipping_range", self.secagg_clipping_range, lo=0, lo_open=True
+            "privacy.secagg_clipping_range",
+            self.secagg_clipping_range,
+            lo=0,
+            hi=MAX_SECAGG_CLIPPING_RANGE,
+            lo_open=True,
         )
 
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
+
+
+def _check_sigma(sigma: float) -> None:
+    lo, hi = SIGMA_RANGE
+    if sigma != 0 and not lo <= sigma <= hi:
+        raise bad_value(
+            "privacy.noise_multiplier",
+            sigma,
+            f"must be 0 (no noise: ε = inf) or in [{lo:g}, {hi:g}]: outside it every ε is 0 or "
+            "astronomically large to the accountant",
+        )
+
+
+def _check_adaptive(p: PrivacyConfig) -> None:
+    """The adaptive clipping keys: quantile in (0, 1), learning rate in (0, 10], count noise
+    > 0 that leaves the sum some of the noise (> noise_multiplier / 2)."""
+    check_choice("privacy.clipping", p.clipping, CLIPPINGS)
+    check_number(
+        "privacy.target_quantile", p.target_quantile, lo=0, hi=1, lo_open=True, hi_open=True
+    )
+    check_number(
+        "privacy.clip_learning_rate",
+        p.clip_learning_rate,
+        lo=0,
+        hi=MAX_CLIP_LEARNING_RATE,
+        lo_open=True,
+    )
+    check_number("privacy.clip_count_noise", p.clip_count_noise, lo=0, lo_open=True)
+    if p.clipping == "adaptive":
+        if not p.enabled:
+            raise bad_value(
+                "privacy.clipping",
+                p.clipping,
+                "must be 'fixed' with privacy.mode = 'none' (nothing is clipped)",
+            )
+        z, sb = p.noise_multiplier, p.clip_count_noise
+        if z > 0 and not 2 * sb > z:  # σ_sum = (z^-2 - (2σ_b)^-2)^-1/2 needs (2σ_b)^-2 < z^-2
+            raise bad_value(
+                "privacy.clip_count_noise",
+                sb,
+                f"must be > privacy.noise_multiplier / 2 = {z / 2:g}: the count's noise spends "
+                "(2σ_b)^-2 of the round's budget z^-2 and would leave none for the sum",
+            )
 
 
 def check_private_method(privacy: PrivacyConfig, method_name: str, pruning: float) -> None:

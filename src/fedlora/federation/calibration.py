@@ -150,6 +150,8 @@ def calibration_config(cfg: ExperimentConfig, q: float, k: int) -> ExperimentCon
             checkpoint_every=max(1, min(cfg.training.checkpoint_every, cap)),
         ),
         data=dataclasses.replace(cfg.data, eval_limit=CALIBRATION_EVAL_LIMIT),
+        # its own run, whose ε is not the planned run's: the budget does not stop it
+        planner=dataclasses.replace(cfg.planner, max_epsilon=0.0),
     )
 
 

@@ -33,7 +33,7 @@ from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
 from fedlora.federation.methods.base import RoundContext, RoundPlan
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.metrics_file import append_metrics, restore_metrics
-from fedlora.federation.privacy import account_round
+from fedlora.federation.privacy import account_round, budget_stop, prepare_round
 from fedlora.federation.profiles import write_clients_csv
 from fedlora.federation.progress import (
     Progress,
@@ -164,6 +164,12 @@ def run_rounds(
                 stop_reason = early
                 break
             run.method.before_round(hooks, progress.round)
+            prepare_round(run.method, progress)  # adaptive clipping's C after a resume
+            spent = budget_stop(run.method, progress)  # at the round's q (after before_round)
+            if spent:
+                log(spent)
+                stop_reason = "privacy_budget"
+                break
             plan = plan_next_round(run, progress)
             synchronize(run.device)  # on a GPU, compute_s counts the round's queued work too
             t0 = time.perf_counter()
@@ -185,7 +191,8 @@ def run_rounds(
             stop_reason = end_reason(cfg, progress)
     except TrainingDiverged as e:
         raise TrainingDiverged(
-            f"{e}. The run stopped; its last good checkpoint is kept in {run_dir / 'checkpoints'}"
+            f"{e}{_noise_hint(run)}. The run stopped; its last good checkpoint is kept in "
+            f"{run_dir / 'checkpoints'}"
         ) from None
     finally:
         if reporter is not None:
@@ -203,6 +210,17 @@ def run_rounds(
     write_summary(run_dir, summary)
     trackers.finish(run_dir)
     return summary
+
+
+def _noise_hint(run: Run) -> str:
+    """Under DP, the noise a divergence may come from, with the fields that set it."""
+    dp = run.method.privacy
+    if dp is None or dp.noise_std == 0:
+        return ""
+    return (
+        f" (the privacy noise has standard deviation {dp.noise_std:g} per adapter entry: "
+        "privacy.noise_multiplier x privacy.clip_norm)"
+    )
 
 
 def _round_zero(

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.system.privacy import PrivacyLedger
+from fedlora.federation.privacy import finite_or_none, restore_ledger
+from fedlora.system.privacy import sum_noise_multiplier
 
 
 @dataclass
@@ -49,8 +50,11 @@ class Progress:
     # eval_every_s grid is laid from here, so that every method's evaluations fall at the
     # same times after its start
     clock_start_s: float = 0.0
-    # privacy.mode set: every client's privacy events so far (fedlora.system.privacy)
-    privacy_ledger: list | None = None
+    # privacy.mode set: every client's privacy events and the rounds' settings so far
+    # (fedlora.system.privacy_ledger; a list from an older fedlora)
+    privacy_ledger: dict | list | None = None
+    # privacy.clipping = "adaptive": the clip bound the next round uses
+    dp_clip_norm: float | None = None
 
 
 class Reporter:
@@ -177,23 +181,33 @@ def summarize(
 
 
 def _privacy_summary(cfg: ExperimentConfig, progress: Progress) -> dict[str, Any]:
-    """summary.json's ``privacy``: the settings and every client's final ε(δ) (null: not
-    finite, σ = 0); nothing without privacy."""
+    """summary.json's ``privacy``: the settings, every client's final ε(δ) composed over the
+    rounds as they ran (null: not finite), the largest (``largest_epsilon``: spent) beside
+    the budget (``epsilon_budget``: planner.max_epsilon, null without one), the rounds
+    released without noise and the ledger's ``history`` of settings; nothing without
+    privacy."""
     p = cfg.privacy
     if not p.enabled:
         return {}
-    ledger = PrivacyLedger(cfg.data.n_clients, progress.privacy_ledger)
-    eps = [e if math.isfinite(e) else None for e in ledger.epsilons(p.noise_multiplier, p.delta)]
-    return {
-        "privacy": {
-            "mode": p.mode,
-            "clip_norm": p.clip_norm,
-            "noise_multiplier": p.noise_multiplier,
-            "delta": p.delta,
-            "epsilon": eps,
-            "max_epsilon": None if None in eps else max(eps, default=0.0),
-        }
+    ledger = restore_ledger(cfg.data.n_clients, p.noise_multiplier, progress)
+    eps = finite_or_none(ledger.epsilons(p.delta))
+    budget = cfg.planner.max_epsilon
+    out = {
+        "mode": p.mode,
+        "clipping": p.clipping,
+        "clip_norm": p.clip_norm,
+        "noise_multiplier": p.noise_multiplier,
+        "delta": p.delta,
+        "epsilon": eps,
+        "largest_epsilon": None if None in eps else max(eps, default=0.0),
+        "epsilon_budget": (list(budget) if isinstance(budget, tuple) else budget) or None,
+        "unprotected_rounds": ledger.unprotected_rounds,
+        "history": ledger.segments,
     }
+    if p.clipping == "adaptive":
+        out["final_clip_norm"] = progress.dp_clip_norm
+        out["sum_noise_multiplier"] = sum_noise_multiplier(p.noise_multiplier, p.clip_count_noise)
+    return {"privacy": out}
 
 
 def _largest(eps: list[float | None]) -> str:
@@ -226,16 +240,31 @@ def describe(summary: dict[str, Any]) -> str:
 
 
 def _describe_privacy(p: dict[str, Any]) -> str:
-    """The privacy line: the settings, the largest client ε (and whose) and the median."""
+    """The privacy line: the settings, the largest client ε (and whose), the median, the
+    budget; why ε is infinite when it is."""
     eps = p["epsilon"]
     text = f"privacy: {p['mode']}, σ = {p['noise_multiplier']:g}, clip {p['clip_norm']:g}, "
     if None in eps or not eps:
-        return text + f"δ = {p['delta']:g}: ε = inf (σ = 0: no guarantee)"
+        return text + f"δ = {p['delta']:g}: ε = inf ({_why_infinite(p)})"
     worst = int(np.argmax(eps))
+    budget = p.get("epsilon_budget")
+    within = ""
+    if budget is not None:
+        b = budget[worst] if isinstance(budget, list) else budget
+        within = f" (budget planner.max_epsilon = {b:g})"
     return text + (
-        f"δ = {p['delta']:g}: ε max {eps[worst]:.3g} (client {worst}), "
+        f"δ = {p['delta']:g}: ε max {eps[worst]:.3g} (client {worst}){within}, "
         f"median {float(np.median(eps)):.3g}"
     )
+
+
+def _why_infinite(p: dict[str, Any]) -> str:
+    """The rounds that released without noise, or σ = 0."""
+    bare = [s["rounds"] for s in p.get("history") or [] if s["mode"] == "none"]
+    if bare:
+        spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in bare)
+        return f"rounds {spans} released the adapter without noise (privacy.mode = 'none')"
+    return "σ = 0: no guarantee"
 
 
 def _known(x: Any) -> bool:

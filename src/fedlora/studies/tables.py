@@ -252,8 +252,9 @@ def privacy_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
                 raise DataError(
                     f"{r.path}/summary.json: privacy = {p!r} is not what fedlora writes"
                 )
-            eps = p.get("max_epsilon")
-            eps_text = "∞ (σ = 0: no guarantee)" if eps is None else _number(eps, "max_epsilon", r)
+            key = "largest_epsilon" if "largest_epsilon" in p else "max_epsilon"  # older runs
+            eps = p.get(key)
+            eps_text = _infinite(p) if eps is None else _number(eps, key, r)
             rows.append(
                 f"| {label} | {r.seed} | {p['mode']} | {_number(p.get('noise_multiplier'), 'noise_multiplier', r)} | "
                 f"{_number(p.get('clip_norm'), 'clip_norm', r)} | {_number(p.get('delta'), 'delta', r)} | "
@@ -273,6 +274,13 @@ def privacy_section(runs: Sequence[RunRecord], labels: list[str]) -> list[str]:
         "|---|---|---|---|---|---|---|",
         *rows,
     ]
+
+
+def _infinite(p: dict) -> str:
+    """Why a run's ε is infinite: rounds released without noise, or σ = 0."""
+    if p.get("unprotected_rounds"):
+        return f"∞ ({p['unprotected_rounds']} rounds without noise)"
+    return "∞ (σ = 0: no guarantee)"
 
 
 def _number(value: object, key: str, run: RunRecord) -> str:

@@ -15,8 +15,12 @@ A client's history is a list of events ``(kind, rate, count)``:
                Gaussian with multiplier σ/2 (any two of its data sets, 2C), once per round it
                took part; the server chose who takes part, so no amplification
 
-composed with Rényi DP by dp-accounting's `RdpAccountant` (its default orders), so a uniform
-rate gives exactly the library's ε. dp-accounting is imported where an ε is computed, with a
+    "none"     the round released the adapter without noise (a run resumed into DP from
+               ``privacy.mode = "none"``): no guarantee, ε = inf
+
+composed with Rényi DP by dp-accounting's `RdpAccountant` (its default orders), each event at
+the noise multiplier σ in force in its round (`history_epsilon`; a resumed run may change σ),
+so a uniform rate gives exactly the library's ε. dp-accounting is imported where an ε is computed, with a
 ConfigError naming the extra when it is missing. Pure numpy otherwise: no torch, no I/O.
 """
 
@@ -27,14 +31,19 @@ import logging
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 from fedlora.errors import ConfigError
 
 EVENT_KINDS = ("poisson", "uniform", "local")
+UNPROTECTED = "none"  # the kind of a round released without noise
 RATE_DIGITS = 12  # rates are rounded to this many digits before they key an event
 
+# The range of σ the accountant computes (0 = no noise, ε = inf): below 0.01 every ε is in
+# the thousands or more (and dp-accounting divides by zero near 1e-200); above 1e4 it is 0 to
+# the accountant's precision (and overflows near 1e308).
+SIGMA_RANGE = (0.01, 1e4)
+
 Event = tuple[str, float, int]  # (kind, rate, count)
+SigmaEvent = tuple[str, float, float, int]  # (kind, rate, σ, count)
 
 
 def _accounting():  # -> the dp_accounting module
@@ -63,13 +72,14 @@ def _dp_event(kind: str, rate: float, sigma: float, n_clients: int):  # -> a DpE
 
 
 @functools.lru_cache(maxsize=4096)
-def _epsilon_cached(events: tuple[Event, ...], sigma: float, delta: float, n_clients: int) -> float:
-    if not events or all(count == 0 for _, _, count in events):
+def _epsilon_cached(events: tuple[SigmaEvent, ...], delta: float, n_clients: int) -> float:
+    events = tuple(e for e in events if e[3])
+    if not events:
         return 0.0
-    if sigma <= 0:
+    if any(kind == UNPROTECTED or sigma <= 0 for kind, _, sigma, _ in events):
         return math.inf
     dpa = _accounting()
-    uniform = any(kind == "uniform" for kind, _, _ in events)
+    uniform = any(kind == "uniform" for kind, _, _, _ in events)
     relation = dpa.NeighboringRelation
     accountant = dpa.rdp.RdpAccountant(
         neighboring_relation=relation.REPLACE_ONE if uniform else relation.ADD_OR_REMOVE_ONE
@@ -78,19 +88,27 @@ def _epsilon_cached(events: tuple[Event, ...], sigma: float, delta: float, n_cli
     level = absl.level  # by the library with a warning per order: keep them off the terminal
     absl.setLevel(logging.ERROR)
     try:
-        for kind, rate, count in events:
-            if count:
-                accountant.compose(_dp_event(kind, rate, sigma, n_clients), count)
+        for kind, rate, sigma, count in events:
+            accountant.compose(_dp_event(kind, rate, sigma, n_clients), count)
         return float(accountant.get_epsilon(delta))
     finally:
         absl.setLevel(level)
 
 
+def history_epsilon(events: Sequence[SigmaEvent], delta: float, n_clients: int = 0) -> float:
+    """ε(δ) of one client's history `events`, each ``(kind, rate, σ, count)`` at its own σ
+    (inf when an exposed round had σ = 0 or was released without noise; 0 before any
+    round). `n_clients` N: for the "uniform" events."""
+    key = tuple(
+        sorted((str(k), round(float(r), RATE_DIGITS), float(s), int(c)) for k, r, s, c in events)
+    )
+    return _epsilon_cached(key, float(delta), int(n_clients))
+
+
 def epsilon(events: Sequence[Event], sigma: float, delta: float, n_clients: int = 0) -> float:
-    """ε(δ) of one client's history `events` at noise multiplier σ (inf when σ = 0 and the
-    client was exposed; 0 before any round). `n_clients` N: for the "uniform" events."""
-    key = tuple(sorted((str(k), round(float(r), RATE_DIGITS), int(c)) for k, r, c in events))
-    return _epsilon_cached(key, float(sigma), float(delta), int(n_clients))
+    """ε(δ) of one client's history `events` at one noise multiplier σ (inf when σ = 0 and
+    the client was exposed; 0 before any round). `n_clients` N: for the "uniform" events."""
+    return history_epsilon([(k, r, sigma, c) for k, r, c in events], delta, n_clients)
 
 
 def poisson_epsilon(q: float, sigma: float, rounds: int, delta: float) -> float:
@@ -195,30 +213,32 @@ def _check_target(
         raise bad("decimals", decimals, "an integer in 0..9")
 
 
-class PrivacyLedger:
-    """Every client's history of privacy events (plain data: checkpointed as a list)."""
+def sum_noise_multiplier(noise_multiplier: float, count_noise: float) -> float:
+    """Adaptive clipping's noise multiplier σ_Δ of the clipped sum, for a total z
+    (``privacy.noise_multiplier``, what the accounting uses) and the standard deviation σ_b
+    of the noise on the count of unclipped updates (``privacy.clip_count_noise``).
 
-    def __init__(self, n_clients: int, history: Sequence[Sequence[Sequence]] | None = None):
-        self.n = int(n_clients)
-        self.history: list[dict[tuple[str, float], int]] = [{} for _ in range(self.n)]
-        for i, events in enumerate(history or []):
-            for kind, rate, count in events:
-                self.history[i][(str(kind), float(rate))] = int(count)
+    Andrew et al. 2021 (Theorem 1): the sum with noise σ_Δ·C (sensitivity C) and the count
+    of the shifted bits b_n − 1/2 with noise σ_b (sensitivity 1/2) released together are one
+    Gaussian mechanism with z^-2 = σ_Δ^-2 + (2σ_b)^-2, so σ_Δ = (z^-2 − (2σ_b)^-2)^(-1/2);
+    under replace-one both sensitivities double and the pair is the Gaussian at z/2, as the
+    sum alone at z. z = 0: no noise (0). 2σ_b <= z leaves no budget for the sum."""
+    if noise_multiplier == 0:
+        return 0.0
+    rest = noise_multiplier**-2 - (2.0 * count_noise) ** -2
+    if not rest > 0:
+        raise ConfigError(
+            f"privacy.clip_count_noise = {count_noise!r}: must be > privacy.noise_multiplier "
+            f"/ 2 = {noise_multiplier / 2:g}: the count's noise σ_b spends (2σ_b)^-2 of the "
+            f"round's budget z^-2 and leaves none for the sum (σ_sum = (z^-2 - (2σ_b)^-2)^-1/2)"
+        )
+    return rest**-0.5
 
-    def record(self, kind: str, rates: np.ndarray, mask: np.ndarray | None = None) -> None:
-        """One round: client n exposed at `rates[n]` (where `mask` is true, or all)."""
-        rates = np.broadcast_to(np.asarray(rates, dtype=float), (self.n,))
-        for i in range(self.n):
-            if mask is None or mask[i]:
-                key = (kind, round(float(rates[i]), RATE_DIGITS))
-                self.history[i][key] = self.history[i].get(key, 0) + 1
 
-    def epsilons(self, sigma: float, delta: float) -> list[float]:
-        """Every client's ε(δ) so far."""
-        return [
-            epsilon([(k, r, c) for (k, r), c in h.items()], sigma, delta, self.n)
-            for h in self.history
-        ]
-
-    def to_list(self) -> list[list[list]]:
-        return [[[k, r, c] for (k, r), c in sorted(h.items())] for h in self.history]
+def next_clip(
+    clip_norm: float, unclipped_fraction: float, target_quantile: float, learning_rate: float
+) -> float:
+    """The geometric update of adaptive clipping (Andrew et al. 2021): C·exp(−η(b̃ − γ)),
+    with b̃ the noised share of unclipped updates and γ the target quantile: C shrinks while
+    more than γ of the updates fit within it and grows while fewer do."""
+    return clip_norm * math.exp(-learning_rate * (unclipped_fraction - target_quantile))

@@ -2,7 +2,8 @@
 (seed, stream, r, ...), so a resumed run replays exactly the draws of an uninterrupted one
 and a Flower node can rebuild its own batches.
 
-Streams: partition, profiles, strategy, sampling, sketch, data, fading, torch, init, privacy.
+Streams: partition, profiles, strategy, sampling, sketch, data, fading, torch, init, privacy,
+privacy_count (adaptive clipping's noise on the count of unclipped updates).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ STREAMS = {
     "torch": 8,
     "init": 9,
     "privacy": 10,
+    "privacy_count": 11,
 }
 
 

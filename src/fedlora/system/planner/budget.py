@@ -115,6 +115,13 @@ def plan_within_budget(
         raise bad_value(
             "privacy.noise_multiplier", options.noise_multiplier, "> 0 with planner.max_epsilon"
         )
+    if options.delta * problem.n >= 1:
+        raise bad_value(
+            "options.delta",
+            options.delta,
+            f"must be < 1/N = {1 / problem.n:.3g} with a budget: a δ of 1/N or more allows "
+            "publishing one client's whole data (and makes every ε about 0)",
+        )
     budgets = client_budgets(problem, options)
     free = dataclasses.replace(options, max_epsilon=0.0, q_max=(), max_rounds=0.0)
     result = solve(free)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.system.privacy import SIGMA_RANGE
 
 A_SUM_TOLERANCE = 1e-6  # |Σ a_n − 1| allowed without normalisation
 GAMMA_MAX = 4096  # the largest global rank γ a problem may name (LoRA ranks are far below)
@@ -287,8 +288,15 @@ def _check_budget_options(options: PlanOptions) -> None:
         if not ok or e < 0 or (isinstance(budgets, tuple) and e <= 0):
             raise bad_value("options.max_epsilon", budgets, "a number >= 0 or one > 0 per client")
     sigma, delta = options.noise_multiplier, options.delta
-    if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma >= 0:
-        raise bad_value("options.noise_multiplier", sigma, "a number >= 0")
+    lo, hi = SIGMA_RANGE
+    if (
+        isinstance(sigma, bool)
+        or not isinstance(sigma, (int, float))
+        or not (sigma == 0 or lo <= sigma <= hi)
+    ):
+        raise bad_value(
+            "options.noise_multiplier", sigma, f"0 or a number in [{lo:g}, {hi:g}] (finite)"
+        )
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
         raise bad_value("options.delta", delta, "a number in (0, 1)")
     if any(not (isinstance(u, (int, float)) and 0 < u <= 1) for u in options.q_max):
