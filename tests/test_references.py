@@ -193,11 +193,10 @@ def test_local_clients_never_mix(tmp_path):
     assert any(not np.array_equal(mine[k], init[k]) for k in mine)  # it trained
     assert not all(np.array_equal(one.memory.restore(1)[k], two.memory.restore(1)[k]) for k in mine)
     # the independent chain: client 0 alone, 3 rounds of H steps from the initial adapter
-    three = _built(tmp_path, "c", "method.name=local", "training.slots=1")
-    state = init
+    state = init  # (the first run's model and slots, reused: slot 0 starts from `state`)
     for r in range(3):
-        train_clients(three, r, [0], np.ones((1, 4)), 0, overlays=[state])
-        state = to_numpy(three.lora.slot_state(0))
+        train_clients(one, r, [0], np.ones((1, 4)), 0, overlays=[state])
+        state = to_numpy(one.lora.slot_state(0))
     assert all(np.array_equal(state[k], mine[k]) for k in mine)
 
 
@@ -236,6 +235,17 @@ def test_centralized_steps_and_clock_in_its_metrics(tmp_path):
     for x in lines:  # τ of the fastest device × its steps / H, nothing sent
         assert x["round_time_s"] == pytest.approx(tau[fastest] * x["steps"][0] / 2)
         assert x["uplink_bits"] == x["downlink_bits"] == 0
+    # re-clocked (`fedlora report --comm-cost`): the same clock under the run's own model,
+    # and under a rank-based uplink model too, since nothing is sent
+    from fedlora.studies.reclock import reclock
+    from fedlora.studies.runs import load_run
+
+    record = load_run(run_dir)
+    for comm in ("exact", "quadratic"):
+        again = reclock(record, comm, "affine").lines
+        assert [x["sim_time_s"] for x in again] == pytest.approx(
+            [x["sim_time_s"] for x in record.lines]
+        )
 
 
 def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
