@@ -12,7 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "compare",
-        help="run a suite of methods side by side (table1 | sampling | ranks) and report",
+        help="run a suite of methods side by side (table1 | sampling | ranks | methods | "
+        "references) and report",
         description=(
             "Run the methods of a suite on the same data partition, client profiles, eval "
             "subset and seeds, one run directory per (method, seed) under --out; finished runs "

@@ -53,6 +53,10 @@ NOT_A_SUM = {
     "weights, which clipping the adapter updates does not bound",
     "fedsalora": "its clients keep B on the device and the evaluated adapter uses their "
     "mean, released without noise",
+    "centralized": "it is the non-private reference: one learner on every client's data "
+    "pooled, nothing aggregated",
+    "local": "it is the reference without federation: every client trains alone and nothing "
+    "is aggregated or released",
 }
 
 

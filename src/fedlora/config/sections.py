@@ -273,6 +273,9 @@ class MethodConfig:
     server_eps: float = 1e-3  # adam, yogi, adagrad: τ (the adaptivity)
     server_bias_correction: bool = False  # adam, yogi: divide m, v by 1 − β^t (torch's Adam)
     server_weight_decay: float = 0.0  # decoupled decay λ: X ← (1 − ηλ) X (torch's AdamW)
+    # the references (method.name = centralized | local): the federated method whose expected
+    # participation per round sets their budget of client-steps (docs/methods.md, "References")
+    budget_of: str = "sketched"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -300,6 +303,8 @@ class MethodConfig:
                 "method.server_bias_correction", self.server_bias_correction, "true or false"
             )
         check_number("method.server_weight_decay", self.server_weight_decay, lo=0)
+        if not isinstance(self.budget_of, str) or not self.budget_of.isidentifier():
+            raise bad_value("method.budget_of", self.budget_of, "a method name")
         if self.server_lr * self.server_weight_decay > 1:  # X <- (1 - ηλ) X flips X's sign
             raise bad_value(
                 "method.server_weight_decay",

@@ -52,10 +52,14 @@ class TrainingConfig:
     # "cosine": lr at the first round, falling to lr_min after the last (llm.step_sizes.round_lr)
     lr_schedule: str = "constant"
     lr_min: float = 0.0
+    # method.name = "centralized": its training steps (0: training.rounds × local_steps ×
+    # the expected participants per round of method.budget_of; docs/methods.md, "References")
+    centralized_steps: int = 0
 
     def __post_init__(self) -> None:
         check_int("training.rounds", self.rounds, lo=1)
         check_int("training.local_steps", self.local_steps, lo=1)
+        check_int("training.centralized_steps", self.centralized_steps, lo=0)
         check_int("training.batch_size", self.batch_size, lo=1)
         check_number("training.lr", self.lr, lo=0, lo_open=True)
         check_int("training.slots", self.slots, lo=1)

@@ -33,19 +33,26 @@ def round_cost(
     net: NetworkConfig,
     gamma: int,
     seed: int,
+    local_steps: int = 0,  # H: the steps τ_n^γ times (needed by tasks with their own steps)
 ) -> RoundCost:
     """Round time from the exact payload of every participant (docs/paper.md, rows 4–6 and 15).
 
     τ_n = tau_full_s · comp_factor(k_n). t_n = t_full · (payload bits / full-adapter bits)
     for comm_cost = exact (scaled by the faded spectral efficiency with Rayleigh fading), or
-    t_full · comm_factor(k_n) for the paper's `quadratic` / the `linear` model.
+    t_full · comm_factor(k_n) for the paper's `quadratic` / the `linear` model. A task with
+    its own step count s (`ClientTask.steps`) computes τ_n · s / `local_steps`; a task whose
+    uplink payload is 0 takes no uplink time.
     """
     if not plan.tasks:
         return RoundCost(0.0, 0, 0, [])
     clients = np.array(plan.participants)
     ranks = np.array([t.rank_used for t in plan.tasks])
+    # τ_n^γ is H local steps; a task of its own length (`centralized`) computes in proportion
+    steps = np.array([t.steps / local_steps if t.steps else 1.0 for t in plan.tasks])
     payloads = [method.payload(t, shapes, plan) for t in plan.tasks]
     up_bits = np.array([p.uplink_params for p in payloads], dtype=float) * net.bits_per_param
+    # a task that sends nothing needs no uplink time, whatever the cost model (the references)
+    t_full = profiles.t_full[clients] * (up_bits > 0)
     down_bits = np.array([p.downlink_params for p in payloads], dtype=float) * net.bits_per_param
     full_bits = gamma * sum(o + i for o, i in shapes.values()) * net.bits_per_param
     efficiency = None
@@ -55,8 +62,8 @@ def round_cost(
         faded = spectral_efficiency(profiles.snr_db, gains)[clients]
         efficiency = (profiles.spectral_efficiency[clients], faded)
     round_time_s, f = round_time(
-        profiles.tau_full_s[clients],
-        profiles.t_full[clients],
+        profiles.tau_full_s[clients] * steps,
+        t_full,
         ranks,
         gamma,
         comm_cost=net.comm_cost,

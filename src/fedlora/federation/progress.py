@@ -55,6 +55,9 @@ class Progress:
     privacy_ledger: dict | list | None = None
     # privacy.clipping = "adaptive": the clip bound the next round uses
     dp_clip_norm: float | None = None
+    # `local`: the last evaluation's per-client accuracies and their spread
+    # (fedlora.federation.client_eval.client_fields)
+    last_clients: dict[str, Any] | None = None
 
 
 class Reporter:
@@ -177,6 +180,7 @@ def summarize(
         "method": cfg.method.name,
         "seed": cfg.training.seed,
         **_privacy_summary(cfg, progress),
+        **({"clients": progress.last_clients} if progress.last_clients else {}),
     }
 
 
@@ -235,6 +239,12 @@ def describe(summary: dict[str, Any]) -> str:
         )
     if summary.get("privacy"):
         lines.append(_describe_privacy(summary["privacy"]))
+    for task, s in ((summary.get("clients") or {}).get("spread") or {}).items():
+        lines.append(
+            f"{task} over the clients' own adapters: mean {pct(s['mean'])}, sd "
+            f"{100 * s['sd']:.1f} points, best client {s['best_client']} {pct(s['max'])}, "
+            f"worst client {s['worst_client']} {pct(s['min'])}"
+        )
     lines.extend(describe_eval(summary))
     return "\n".join(lines)
 

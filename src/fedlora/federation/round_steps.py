@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
+from fedlora.federation.client_eval import evaluate_clients
 from fedlora.federation.clock import round_cost
 from fedlora.federation.methods.base import RoundPlan
 from fedlora.federation.progress import Progress
@@ -22,13 +23,17 @@ __all__ = ["round_header", "apply_aggregate", "close_round", "evaluate_global"]
 
 
 def round_header(plan: RoundPlan) -> dict[str, Any]:
-    """The first fields of a round's metrics line: who was asked to train, with which k."""
-    return {
+    """The first fields of a round's metrics line: who was asked to train, with which k (and,
+    for tasks of their own length, how many local steps)."""
+    line = {
         "round": plan.round + 1,
         "participants": plan.participants,
         "n_participants": len(plan.tasks),
         "k": [t.rank_used for t in plan.tasks],
     }
+    if any(t.steps for t in plan.tasks):  # tasks of their own length (`centralized`)
+        line["steps"] = [t.steps for t in plan.tasks]
+    return line
 
 
 def apply_aggregate(
@@ -65,6 +70,7 @@ def close_round(
         net=cfg.network,
         gamma=cfg.lora.rank,
         seed=cfg.training.seed,
+        local_steps=cfg.training.local_steps,
     )
     before_s = progress.sim_time_s
     progress.sim_time_s += cost.round_time_s
@@ -88,16 +94,25 @@ def close_round(
 
 
 def evaluate_global(run: Run, progress: Progress, round_no: int) -> dict[str, Any]:
-    """Evaluate the global adapter: its metrics-line fields (accuracy per task and mean,
+    """Evaluate the global adapter (or, for `local`, every client's own adapter and their mean:
+    `fedlora.federation.client_eval`): its metrics-line fields (accuracy per task and mean,
     eval_loss, intervals), with the accuracy's initial/last/best kept in `progress`."""
-    results = evaluate_tasks(run)
+    clients: dict[str, Any] = {}
+    if run.method.evaluates_clients:
+        results, clients = evaluate_clients(run)
+        progress.last_clients = clients
+    else:
+        results = evaluate_tasks(run)
     accs = {task: res.accuracy for task, res in results.items()}
     acc = mean_over_tasks(accs)
     if progress.initial_accuracy is None:
         progress.initial_accuracy = acc
     progress.last_accuracy = acc
     progress.best_accuracy = max(progress.best_accuracy or 0.0, acc)
-    return {"eval_accuracy": acc, "eval": accs, **eval_fields(run, progress, round_no, results)}
+    fields = eval_fields(run, progress, round_no, results, predictions=not clients)
+    if clients:  # each client's accuracy, their spread, best and worst
+        fields.update(eval_clients=clients["accuracy"], eval_clients_spread=clients["spread"])
+    return {"eval_accuracy": acc, "eval": accs, **fields}
 
 
 def _crossed_budget(cfg: ExperimentConfig, before_s: float, after_s: float) -> bool:

@@ -104,10 +104,18 @@ def check_predictions(run_dir: Path) -> None:
         _read_predictions(path)
 
 
-def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[str, Any]) -> dict:
+def eval_fields(
+    run: Run,
+    progress: Progress,
+    round_index: int,
+    results: dict[str, Any],
+    *,
+    predictions: bool = True,
+) -> dict:
     """The metrics-line fields of an evaluation beside the accuracy (eval_loss, intervals,
     majority-label and chance scores, n); updates the loss in `progress` and writes the
-    per-question predictions."""
+    per-question predictions (unless `predictions` is False: results without per-question
+    answers, the mean over `local`'s clients)."""
     loss = mean_over_tasks({t: r.loss for t, r in results.items()})
     if progress.initial_eval_loss is None:
         progress.initial_eval_loss = loss
@@ -153,10 +161,10 @@ def eval_fields(run: Run, progress: Progress, round_index: int, results: dict[st
         progress.last_paired = {
             t: paired_change(progress.initial_correct[t], c)
             for t, c in correct.items()
-            if len(progress.initial_correct.get(t, ())) == len(c)
+            if c and len(progress.initial_correct.get(t, ())) == len(c)
         }
     progress.last_eval = details
-    if run.cfg.evaluation.predictions:
+    if run.cfg.evaluation.predictions and predictions:
         write_predictions(run.run_dir, round_index, results)
     response = instruct_fields(run)  # held-out instruction records: {} without them
     return {

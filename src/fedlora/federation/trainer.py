@@ -91,12 +91,15 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
     states: list[dict[str, np.ndarray]] = []
     losses: list[float] = []
     tasks = list(plan.tasks)
-    trains = {t.trains for t in tasks}
-    if len(trains) > 1:
-        raise FedloraError(f"round {r + 1}: tasks train different factors {sorted(trains)}")
+    for what in ("trains", "steps"):  # the slots of one pass step together
+        values = {getattr(t, what) for t in tasks}
+        if len(values) > 1:
+            raise FedloraError(f"round {r + 1}: tasks differ in {what} {sorted(values)}")
     memory = run.memory  # what clients keep across rounds (FedSA-LoRA's B_n)
-    # training.optimizer_state = "keep": each client's AdamW state across its rounds
-    kept = run.optim_states if cfg.training.optimizer_state == "keep" else None
+    # training.optimizer_state = "keep" (or a reference's learner): each client's AdamW state
+    # across its rounds
+    keep = cfg.training.optimizer_state == "keep" or run.method.keeps_optimizer_state
+    kept = run.optim_states if keep else None
     per_pass = run.slots_per_pass or cfg.training.slots
     for start in range(0, len(tasks), per_pass):
         chunk = tasks[start : start + per_pass]
@@ -112,6 +115,8 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
                 trains=chunk[0].trains,
                 overlays=[memory.restore(c) for c in clients],
                 optim_states=kept,
+                steps=chunk[0].steps,
+                pooled=[t.pooled for t in chunk],
             )  # (c, H)
         except TrainingError as e:
             raise TrainingDiverged(f"round {r + 1}, clients {clients}: {e}") from None
@@ -132,6 +137,8 @@ def train_clients(
     trains: str = "AB",
     overlays: list[dict[str, np.ndarray]] | None = None,
     optim_states: dict[int, dict[str, np.ndarray]] | None = None,
+    steps: int = 0,
+    pooled: list[bool] | None = None,
 ) -> Any:
     """H local steps of `clients` on slots 0..c-1 (each starts from the global adapter);
     returns their losses (c, H). `holder`: what trains, the in-process `Run` or a Flower
@@ -143,7 +150,9 @@ def train_clients(
     ``training.lr_schedule`` at this round (`round_lr`), per client with ``sketch_step``.
     ``training.optimizer = "adamw"``: a `SlotAdamW` on the c slots, new (`optim_states`
     None) or starting from each client's entry in `optim_states`, which it updates (a
-    client's kept state, ``training.optimizer_state = "keep"``)."""
+    client's kept state, ``training.optimizer_state = "keep"``). `steps`: the local steps
+    (0: ``training.local_steps``); `pooled[i]`: slot i's batches come from the union of every
+    client's data (`centralized`)."""
     import torch
 
     from fedlora.llm.client_optim import SlotAdamW
@@ -159,16 +168,18 @@ def train_clients(
     for i, values in enumerate(overlays or []):
         if values:
             holder.lora.set_slot(i, {k: torch.from_numpy(np.asarray(v)) for k, v in values.items()})
+    pooled = pooled or [False] * len(clients)
     batches = [
         client_batches(
             holder.fed,
             client,
-            cfg.training.local_steps,
+            steps or cfg.training.local_steps,
             cfg.training.batch_size,
             derive_rng(seed, "data", round_index, client),
             holder.tokenizer.pad_token_id,
+            pooled=pool,
         )
-        for client in clients
+        for client, pool in zip(clients, pooled)
     ]
     adamw = None
     if t.optimizer == "adamw":

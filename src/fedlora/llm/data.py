@@ -249,16 +249,19 @@ def client_batches(
     batch_size: int,
     rng: np.random.Generator,
     pad_id: int,
+    *,
+    pooled: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
-    """`steps` batches of `batch_size` from one client's data: shuffled epochs, concatenated
-    (so no example repeats before all were seen)."""
+    """`steps` batches of `batch_size` from one client's data (`pooled`: from the union of
+    every client's data, in record order): shuffled epochs, concatenated (so no example
+    repeats before all were seen)."""
     if not 0 <= client < len(fed.client_indices):
         raise DataError(
             f"client = {client!r} is invalid: must be in 0..{len(fed.client_indices) - 1}"
         )
     if steps < 1 or batch_size < 1:
         raise DataError(f"steps = {steps!r}, batch_size = {batch_size!r}: both must be >= 1")
-    own = fed.client_indices[client]
+    own = np.sort(np.concatenate(fed.client_indices)) if pooled else fed.client_indices[client]
     if len(own) == 0:
         raise DataError(f"client {client} holds no examples")
     need = steps * batch_size

@@ -6,6 +6,8 @@ subset and seeds (the engine derives all of those from the seed), then a report.
     sampling  proposed q vs full, fixed 0.2, uniform 1/N, weighted; k = γ (Figure 2)
     ranks     proposed k vs full, normal, uniform; q = 0.2                 (Figure 3)
     methods   every method: proposed, the baselines, ffalora, fedsalora, fedexlora, rolora, fedsb
+    references  the suite file's method ("federated") beside centralized and local training at
+              its budget of client-steps (docs/methods.md, "References")
 
 A suite file is an experiment TOML (the sections of `fedlora.config`) plus a `[suite]` table:
 
@@ -78,8 +80,12 @@ class SuiteSpec:
 
     def config_for(self, label: str, seed: int) -> ExperimentConfig:
         raw = {s: dict(v) for s, v in self.raw.items()}
+        base = config_from_dict(self.raw, source=f"suite {self.name}")
         for text in (*SUITES[self.name][label], f"training.seed={seed}"):
             section, key, value = parse_override(text)
+            if isinstance(value, str) and value.startswith("$"):  # the suite file's own value
+                ref_section, ref_key = value[1:].split(".", 1)
+                value = getattr(getattr(base, ref_section), ref_key)
             raw.setdefault(section, {})[key] = value
         cfg = config_from_dict(raw, source=f"suite {self.name}, {label}")
         check_method_config(cfg)  # method.name and its own fields (the methods' registry)

@@ -17,11 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedlora.federation.methods.references import REFERENCES
 from fedlora.studies.claims import Group, groups, paired_runs, reference_group
 from fedlora.studies.runs import RunRecord, eval_constant, level_at, points
 from fedlora.studies.seeds import t_interval95
 
 DIVERGED_FACTOR = 2.0  # eval_loss above this × the seed's round-0 value: diverged
+# the references (docs/methods.md, "References") are drawn beside other runs as horizontal
+# lines at their final value (the mean over their seeds), not as curves on the clock
+REFERENCE_STYLE = (0, (6, 2, 1, 2))  # dash-dot-dot: apart from the targets and baselines
 
 
 def pyplot() -> Any:
@@ -61,6 +65,42 @@ def save_figure(fig: Any, path: Path, *, axes: Sequence[Any] = (), title: str = 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def split_references(
+    runs: Sequence[RunRecord],
+) -> tuple[list[RunRecord], list[RunRecord]]:
+    """(the runs drawn as curves, the references drawn as lines). Without another run
+    beside them the references are curves like any run."""
+    curves = [r for r in runs if r.method not in REFERENCES]
+    if not curves:
+        return list(runs), []
+    return curves, [r for r in runs if r.method in REFERENCES]
+
+
+def draw_references(
+    ax: Any, refs: Sequence[RunRecord], final: Any, scale: float = 1.0
+) -> list[float]:
+    """Each reference label's final value (`final(run)`, the mean over its seeds that have
+    one) as a horizontal line named in the legend; returns the values drawn (scaled)."""
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    labels = list(dict.fromkeys(r.label for r in refs))
+    for i, label in enumerate(labels):
+        values = [v for r in refs if r.label == label and (v := final(r)) is not None]
+        if not values:
+            continue
+        level = scale * sum(values) / len(values)
+        ax.axhline(
+            level,
+            color=plt.cm.Dark2(i % 8),
+            linestyle=REFERENCE_STYLE,
+            linewidth=1.4,
+            label=f"{label} (reference: final, mean of {len(values)})",
+        )
+        drawn.append(level)
+    return drawn
 
 
 def time_grid(runs: Sequence[RunRecord], n: int = 200) -> list[float]:

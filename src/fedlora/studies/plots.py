@@ -14,6 +14,7 @@ from fedlora.studies.figures import (
     DIVERGED_FACTOR,
     clock_unit,
     diverged,
+    draw_references,
     fit_ylim,
     mean_band,
     panels,
@@ -22,6 +23,7 @@ from fedlora.studies.figures import (
     pyplot,
     sampled,
     save_figure,
+    split_references,
     time_grid,
 )
 from fedlora.studies.runs import (
@@ -45,6 +47,7 @@ def plot_runs(
 
     tasks = list(targets) or list(dict.fromkeys(t for r in runs for t in r.tasks()))
     fig, axes = _panels(plt, len(tasks), 6.0, 4.0)
+    runs, refs = split_references(runs)  # the references: lines at their final accuracy
     labels = list(dict.fromkeys(r.label for r in runs))
     unit, scale = _clock_unit(runs)
     colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
@@ -65,6 +68,7 @@ def plot_runs(
                     ax.fill_between(
                         [t / scale for t in bx], lo, hi, color=colors[label], alpha=0.12
                     )
+        draw_references(ax, refs, lambda r, t=task: _final_accuracy(r, t), 100.0)
         for key, style, name in (
             ("eval_majority", ":", "most-frequent label"),
             ("eval_chance", "-.", "chance"),
@@ -82,6 +86,11 @@ def plot_runs(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return save_figure(fig, path, axes=list(axes.flat)[len(tasks) :], title=title)
+
+
+def _final_accuracy(run: RunRecord, task: str) -> float | None:
+    curve = run.eval_points(task)
+    return curve[-1][1] if curve else None
 
 
 def _wilson_band(run: RunRecord, task: str) -> tuple[list[float], list[float], list[float]]:
@@ -115,10 +124,12 @@ def plot_losses(
         return None
     plt = _pyplot()
 
+    runs, refs = split_references(runs)  # the references: lines at their final eval_loss
     labels = list(dict.fromkeys(r.label for r in runs))
     unit, scale = _clock_unit(runs)
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     shown: list[float] = [target_loss] if target_loss else []
+    shown += draw_references(ax, refs, lambda r: (r.loss_points() or [(0.0, None)])[-1][1])
     for i, label in enumerate(labels):
         first = True
         for run in (r for r in runs if r.label == label):
@@ -178,6 +189,7 @@ def plot_bands(
     drawn dashed on its own and named in the legend. None when no run has the metric."""
     plt = pyplot()
 
+    runs, refs = split_references(runs)  # the references: lines at their final value
     gs = groups(runs, order)
     tasks = [t for t in targets if any(points(r, t, metric) for g in gs for r in g.runs)]
     if not tasks:
@@ -242,6 +254,7 @@ def plot_bands(
                     end = final_value(r, task, metric)
                     if end is not None:
                         ax.plot(r.total_time_s / per, scale * end, marker="x", color=c, ms=8)
+        shown += draw_references(ax, refs, lambda r, t=task: final_value(r, t, metric), scale)
         if metric == "accuracy":
             for key, style, name in (
                 ("eval_chance", "-.", "chance"),

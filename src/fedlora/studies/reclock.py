@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.config.sections import LoraConfig, NetworkConfig
+from fedlora.config.training_section import TrainingConfig
 from fedlora.errors import ConfigError, bad_value
+from fedlora.federation.methods.references import REFERENCES
 from fedlora.federation.metrics_file import METRICS_FILE, read_metrics
 from fedlora.federation.runfiles import CLIENTS_FILE, read_clients
 from fedlora.studies.runs import RunRecord, read_toml
@@ -22,8 +24,11 @@ def _reclock_lines(
     clients: Path,
     cost: tuple[str, str, float],
     start_s: float,
+    sends: bool = True,
 ) -> list[dict[str, Any]]:
-    """Round times recomputed from each line's participants and k under another cost model."""
+    """Round times recomputed from each line's participants and k (and `steps`, the local
+    steps of tasks of their own length) under another cost model; `sends` False: the tasks
+    send nothing (the references), no uplink time under any model."""
     import numpy as np
 
     from fedlora.system.network import round_time
@@ -47,16 +52,18 @@ def _reclock_lines(
     comm, comp, rho = cost
     rows = read_clients(clients)
     tau_full = np.asarray([r.tau_full_s for r in rows])
-    t_full = np.asarray([r.t_full for r in rows])
+    t_full = np.asarray([r.t_full for r in rows]) * float(sends)
+    local_steps = int(config.get("training", {}).get("local_steps", TrainingConfig.local_steps))
     out, clock = [], start_s
     for line in lines:
         line = dict(line)
         who = np.asarray(line.get("participants") or [], dtype=int)
         if line.get("round", 0) >= 1 and who.size:
             k = np.asarray(line["k"], dtype=float)
+            steps = np.asarray(line.get("steps") or [local_steps] * who.size, dtype=float)
             # no payload bits recorded: exact = linear (a sketch's uplink ∝ k)
             line["round_time_s"] = round_time(
-                tau_full[who],
+                tau_full[who] * steps / local_steps,
                 t_full[who],
                 k,
                 gamma,
@@ -99,7 +106,8 @@ def reclock(run: RunRecord, comm_cost: str, comp_cost: str, rho: float | None = 
                 read_metrics(sub / METRICS_FILE), sub_cfg, sub / CLIENTS_FILE, cost, 0.0
             )
             start += lines[-1]["sim_time_s"] if lines else 0.0
-    lines = _reclock_lines(run.lines, run.config, run.path / CLIENTS_FILE, cost, start)
+    sends = run.method not in REFERENCES  # the references send nothing
+    lines = _reclock_lines(run.lines, run.config, run.path / CLIENTS_FILE, cost, start, sends)
     if lines:
         lines[0]["calibration_sim_time_s"] = start
     summary = run.summary.replace_fields(sim_time_s=lines[-1]["sim_time_s"] if lines else 0.0)

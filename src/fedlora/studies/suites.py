@@ -1,5 +1,6 @@
 """The suites of `fedlora compare`: each suite's labels and the overrides each label applies on
-top of the suite file's config (`fedlora.studies.experiments` runs them)."""
+top of the suite file's config (`fedlora.studies.experiments` runs them). An override's value
+``$section.key`` is the suite file's own value of that key (before the label's overrides)."""
 
 from __future__ import annotations
 
@@ -53,9 +54,18 @@ SUITES: dict[str, dict[str, tuple[str, ...]]] = {
         **{name: (f"method.name={name}", EXACT) for name in METHOD_SUITE},
     },
 }
+# `references`: the suite file's own method beside the two references at its budget
+# (docs/methods.md, "References"); BUDGET_OF_BASE takes the suite file's method.name
+BUDGET_OF_BASE = "method.budget_of=$method.name"
+SUITES["references"] = {
+    "federated": (),
+    "centralized": ("method.name=centralized", BUDGET_OF_BASE),
+    "local": ("method.name=local", BUDGET_OF_BASE),
+}
 TITLES = {
     "table1": "Table I: time to target accuracy",
     "sampling": "Figure 2: sampling probabilities q (k = γ)",
     "ranks": "Figure 3: sketch sizes k (q = 0.2)",
     "methods": "Every method: time to target accuracy",
+    "references": "The federated method beside centralized and local training at its budget",
 }

@@ -132,12 +132,17 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
     """ConfigError for what the Flower runtime cannot run like the engine does: `fedstacklora`
     (its merged base update stays on the server, so the nodes would train on a stale base),
     `fedsalora` (its evaluation view needs every client's B) and `proposed` without a plan
-    file (the calibration runs of Algorithm 2 are engine runs), and a client AdamW state kept
+    file (the calibration runs of Algorithm 2 are engine runs), a method with a
+    `flower_refusal` (the references `centralized` and `local`), and a client AdamW state kept
     across rounds (``training.optimizer_state = "keep"``). FedEx-LoRA's base merges
     travel to the nodes with every train message (the ``base`` ArrayRecord)."""
     from fedlora.federation.methods.registry import check_method_config
 
-    check_method_config(cfg)
+    cls = check_method_config(cfg)
+    if cls.flower_refusal:  # a method that says why it does not run on Flower (references)
+        raise ConfigError(
+            f"method.name = {cfg.method.name!r} is not supported on Flower: {cls.flower_refusal}"
+        )
     check_secure_clients(cfg)
     if cfg.training.optimizer_state == "keep":
         raise ConfigError(

@@ -37,6 +37,8 @@ class ClientTask:
     rank_used: int
     weight: float  # the aggregation weight of this participant (a_n/q_n for unbiased sampling)
     trains: str = "AB"  # the factors it trains (FFA-LoRA "B", RoLoRA "A"/"B", Fed-SB "R")
+    steps: int = 0  # local steps of this task; 0 = training.local_steps (H)
+    pooled: bool = False  # batches from the union of every client's data (centralized)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,14 @@ class Method:
 
     name = "base"
     delta_aggregate = False
+    # True: every learner's client-optimizer state is kept across its rounds whatever
+    # training.optimizer_state (the references: one uninterrupted training per learner)
+    keeps_optimizer_state = False
+    # True: evaluation scores every client's own adapter (kept in the run's client memory) and
+    # reports their mean and spread (`local`); False: the global adapter
+    evaluates_clients = False
+    # why the method does not run on Flower ("" = it does; checked by the Flower runtime)
+    flower_refusal = ""
     server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
     privacy: Any = None  # federation.privacy.ClientPrivacy, set by make_method (None: no DP)
 
@@ -186,6 +196,11 @@ class Method:
         if self.server_opt is not None and plan.tasks:
             agg.global_state = self.server_opt.step(global_state, agg.global_state)
         return agg
+
+    def participation(self) -> np.ndarray | None:
+        """Each client's probability of taking part in a round, (N,) (the references take
+        their budget from it: `method.budget_of`); None where it is not fixed in advance."""
+        return None
 
     def before_round(self, ctx: RoundContext, round_index: int) -> None:
         """Called by the round loop before round `round_index` is planned (most methods:

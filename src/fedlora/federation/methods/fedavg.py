@@ -48,6 +48,11 @@ def truncated_rank_plan(
     return RoundPlan(round_index, tasks)
 
 
+def uniform_participation(n: int, m: int) -> np.ndarray:
+    """Each of n clients' probability of being among m drawn uniformly (m = 0: all)."""
+    return np.full(n, 1.0 if m == 0 or m >= n else m / n)
+
+
 def weighted_mean(client_states: list[Adapter], weights: np.ndarray) -> Adapter:
     """Σ w_i X_i / Σ w_i, key by key (float64 accumulation, cast back)."""
     w = np.asarray(weights, dtype=float) / np.sum(weights)
@@ -76,6 +81,9 @@ class RankTruncationMethod(Method):
         return truncated_rank_plan(
             round_index, self.a, self.ranks, self.gamma, self.clients_per_round, rng_sampling
         )
+
+    def participation(self) -> np.ndarray:
+        return uniform_participation(self.a.size, self.clients_per_round)
 
 
 @register_method("fedavg")

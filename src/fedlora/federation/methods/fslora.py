@@ -30,7 +30,7 @@ from fedlora.federation.methods.base import (
     MethodContext,
     RoundPlan,
 )
-from fedlora.federation.methods.fedavg import uniform_subset
+from fedlora.federation.methods.fedavg import uniform_participation, uniform_subset
 from fedlora.federation.methods.registry import register_method
 from fedlora.system.sketch import check_k, draw_sketch_scales, unbiased_aggregate
 
@@ -61,6 +61,9 @@ class FSLoRA(Method):
         self.k = check_k(k, gamma, name="method.ranks")
         self.gamma = gamma
         self.clients_per_round = clients_per_round
+
+    def participation(self) -> np.ndarray:
+        return uniform_participation(self.k.size, self.clients_per_round)
 
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator

@@ -29,7 +29,7 @@ from fedlora.federation.methods.base import (
     RoundPlan,
 )
 from fedlora.federation.methods.factors import normalized_weights
-from fedlora.federation.methods.fedavg import uniform_subset
+from fedlora.federation.methods.fedavg import uniform_participation, uniform_subset
 
 # parameters of one factor of one module: (out, in, γ) -> count
 FACTOR_PARAMS: dict[str, Callable[[int, int, int], int]] = {
@@ -104,6 +104,9 @@ class PartialMethod(Method):
         return full_rank_plan(
             round_index, self.a, self.gamma, self.clients_per_round, rng_sampling, self.trains
         )
+
+    def participation(self) -> np.ndarray:
+        return uniform_participation(self.a.size, self.clients_per_round)
 
     def aggregate(
         self, global_state: Adapter, plan: RoundPlan, client_states: list[Adapter]

@@ -60,6 +60,9 @@ class Sketched(Method):
         assert np.all((self.q > 0) & (self.q <= 1)), f"unchecked q: {self.q}"
         assert np.all((self.k >= 1) & (self.k <= self.gamma)), f"unchecked k: {self.k}"
 
+    def participation(self) -> np.ndarray:
+        return self.q.copy()
+
     def plan_round(
         self, round_index: int, rng_sampling: np.random.Generator, rng_sketch: np.random.Generator
     ) -> RoundPlan:
