@@ -13,6 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reliability_cases import CASES, DATA, TINY, make_finished_run, message, run_case  # noqa: E402
+from reliability_reads_cases import READ_CASES  # noqa: E402
+
+# every case the table lists: the files of cases, each appended here
+ALL_CASES = [*CASES, *READ_CASES]
 
 HEAD = """# Reliability: bad inputs and the run directory
 
@@ -143,10 +147,38 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
 - **Values are cut in errors.** A value shown in an error message is cut to 200
   characters (`fedlora.errors.shown`), and any message longer than that in one word is cut
   the same way: a 10 MB value gives a one-line error, not a 10 MB one.
-- **User files are regular files of at most 64 MiB.** A config, a q / k / ranks file, a
+- **User files are regular files of bounded size.** A config, a q / k / ranks file, a
   profiles file, a PROBLEM.json and a Flower run's node_times.csv are read only when they
   are regular files (a link counts as what it points to: `/dev/zero`, a FIFO or a directory
-  is refused without reading) of at most 64 MiB (`fedlora.config.toml_io.MAX_FILE_BYTES`).
+  is refused without reading) of at most 64 MiB (`fedlora.config.toml_io.MAX_FILE_BYTES`);
+  data files (`data.mc_files`, `mc_eval_files`, `instruct_files`, `instruct_eval_files`),
+  task files (`data.task_files`, a data directory's splits, `fedlora eval --task-file`) by
+  the same rule of at most 1 GiB (`fedlora.files.MAX_DATA_BYTES`), and `data.chat_template`
+  of at most 1 MiB.
+- **Every parse names the file and the line.** A CSV field over csv's limit (131,072
+  characters), a JSON number of more than 4,300 digits and JSON nested past the parser's
+  depth are refused like any other malformed record, naming the file and the line the
+  record starts on (a JSON list is parsed a record at a time for that).
+- **A hub spec is a hub name, never a path.** `hf:owner/name[:config]@split` is accepted
+  only when owner, name and config follow the hub's own naming rule (letters, digits,
+  `-_.`, at most 96 characters, no `--` or `..`, no `-` or `.` at either end), so `..`,
+  `/`, `~` never reach `datasets.load_dataset`; and since that function reads a local
+  folder of the same name before it asks the hub, a name that is also a path in the
+  working directory is refused.
+- **Errors about records show no file's text.** They name the file, the line and the
+  field; a value is described by its kind (a list of 3, a string, null), and field names
+  are listed only when they look like names, so a link to a file that is not your data
+  (`/etc/shadow` read as CSV makes its first line the header) prints none of it.
+- **Chat templates fail in one line, bounded, before the run directory.** With
+  `data.chat_template`, the template is compiled in transformers' sandbox and rendered for
+  every chat record before anything is created: a syntax error, the sandbox's
+  SecurityError, an `include`, `raise_exception` or any error inside it is exit 2 naming
+  the template and the record; a rendering stops after 5 s
+  (`fedlora.llm.chat_render.RENDER_SECONDS`) or 1 MiB plus four times the conversation's
+  text; records whose rendering has no response are named, not dropped. The tokenizer's
+  own template is rendered under the same time bound and errors when the data is tokenized.
+  A `data.partition_key` field holding a list, an object or null is refused as not scalar,
+  naming the file and line, before anything is created.
 - **Trackers end with the run.** `output.trackers` and `output.mlflow_uri` are checked with
   the other inputs, before anything is created or replaced (a plain path, a URI that does
   not parse, an unknown scheme, an SQLite database in a missing folder); a resume whose
@@ -191,7 +223,7 @@ def main() -> int:
         root = Path(d)
         template = root / "template" / "run"
         make_finished_run(template)
-        for i, case in enumerate(CASES):
+        for i, case in enumerate(ALL_CASES):
             tmp = root / f"case{i}"
             out = run_case(case, tmp, template)
             ok = out.rc == 2 and "Traceback" not in out.stderr and not out.lost

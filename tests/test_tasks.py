@@ -89,11 +89,11 @@ def test_malformed_records_name_file_and_index(records: object, match: str) -> N
 
 
 def test_load_task_file_errors(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"task file '.*nope\.json' does not exist"):
+    with pytest.raises(DataError, match=r"task file: '.*nope\.json' does not exist"):
         load_task_file(str(tmp_path / "nope.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("[{")
-    with pytest.raises(DataError, match=r"task file '.*bad\.json' is not valid JSON"):
+    with pytest.raises(DataError, match=r"bad\.json: line 1: Expecting property name"):
         load_task_file(str(bad))
 
 

@@ -64,7 +64,7 @@ BAD = [
     ({"question": "q", "choices": ["a", "b"], "answer": 2}, r"line 2: field 'answer' = 2 is not"),
     (
         {"question": "q", "choices": [], "answer": 0},
-        r"line 2: field 'choices' needs >= 2 choices, got \[\]",
+        r"line 2: field 'choices' needs >= 2 choices, got 0",
     ),
     ({"question": "q", "choices": ["a", ""], "answer": 0}, r"line 2: choice 'choices\[1\]' is"),
     ({"choices": ["a", "b"], "answer": 0}, r"line 2: field 'question' is missing"),

@@ -23,14 +23,16 @@ from fedlora.errors import ConfigError, cut
 MAX_FILE_BYTES = 64 * 2**20  # the largest user file fedlora reads (64 MiB)
 
 
-def read_user_file(path: str | os.PathLike[str], what: str) -> bytes:
+def read_user_file(
+    path: str | os.PathLike[str], what: str, max_bytes: int = MAX_FILE_BYTES
+) -> bytes:
     """The bytes of the user's file `path`. `ConfigError` naming `what` (``config file``,
     ``method.q = '...'``) when it is not a regular file (a device such as /dev/zero, a FIFO,
-    a directory; a link counts as what it points to) or is larger than `MAX_FILE_BYTES`
+    a directory; a link counts as what it points to) or is larger than `max_bytes`
     (checked on the bytes read too: a file may grow, or lie about its size). An `OSError`
     (missing, unreadable) is the caller's to word."""
     p = Path(path)
-    cap = f"at most {MAX_FILE_BYTES // 2**20} MiB is read"
+    cap = f"at most {max_bytes // 2**20:,} MiB is read"
     # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on a regular file)
     fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     with os.fdopen(fd, "rb") as f:
@@ -40,11 +42,11 @@ def read_user_file(path: str | os.PathLike[str], what: str) -> bytes:
             raise ConfigError(
                 f"{what}: {cut(str(p))!r} is not a regular file ({kind}): give a file"
             )
-        if st.st_size > MAX_FILE_BYTES:
+        if st.st_size > max_bytes:
             raise ConfigError(f"{what}: {cut(str(p))!r} is {st.st_size:,} bytes: {cap}")
-        data = f.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise ConfigError(f"{what}: {cut(str(p))!r} is over {MAX_FILE_BYTES:,} bytes: {cap}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{what}: {cut(str(p))!r} is over {max_bytes:,} bytes: {cap}")
     return data
 
 

@@ -137,10 +137,13 @@ def check_data(cfg: ExperimentConfig) -> None:
 
         for paths in (data.mc_files, data.mc_eval_files):
             load_mc_files(paths, FieldMap.of(data), data.mc_task)
-    if data.instruct_files or data.instruct_eval_files:
-        from fedlora.llm.instruct import load_instructions
+    if data.instruct_files or data.instruct_eval_files:  # and the template renders them
+        from fedlora.llm.instruct import check_instruction_templates, load_instructions
 
-        load_instructions([*data.instruct_files, *data.instruct_eval_files], data.instruct_task)
+        paths = [*data.instruct_files, *data.instruct_eval_files]
+        check_instruction_templates(
+            data.chat_template, load_instructions(paths, data.instruct_task)
+        )
     data_dir = resolve_data_dir(data.data_dir)
     if data_dir is None:  # the hub: checked when the data loads
         return
@@ -161,14 +164,18 @@ def check_data(cfg: ExperimentConfig) -> None:
 
 def check_partition_size(cfg: ExperimentConfig) -> None:
     """The training mix (read, not tokenized) holds data.n_clients × data.min_client_examples
-    examples: the partition's own check, before anything is created."""
+    examples, and each has a scalar value of data.partition_key: the partition's own checks,
+    before anything is created."""
     from fedlora.llm.data import training_records
+    from fedlora.llm.partition import partition_keys
 
     data = cfg.data
+    records = training_records(data, cfg.training.seed)
+    partition_keys(records, data.partition_key)  # a key a record lacks, or not scalar
     need = data.n_clients * data.min_client_examples
     if need <= 1 or data.partition_mode == "per_value":  # one client per value: no minimum
         return
-    have = training_records(data, cfg.training.seed)
+    have = len(records)
     if have < need:
         raise ConfigError(
             f"data.n_clients = {data.n_clients} with data.min_client_examples = "

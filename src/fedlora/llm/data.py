@@ -87,15 +87,17 @@ def training_mix(cfg: DataConfig, seed: int) -> list[Example]:
     return mix
 
 
-def training_records(cfg: DataConfig, seed: int) -> int:
-    """How many records the training set holds before tokenizing: the multiple-choice mix plus
-    the instruction records, each cut to `cfg.train_limit` as `build_federated_data` cuts them
+def training_records(cfg: DataConfig, seed: int) -> list[Any]:
+    """The training set's records before tokenizing: the multiple-choice mix plus the
+    instruction records, each cut to `cfg.train_limit` as `build_federated_data` cuts them
     (records too long for `cfg.max_seq_len` are dropped only later)."""
-    n = len(training_mix(cfg, seed))
+    records: list[Any] = training_mix(cfg, seed)
     if cfg.instruct_files:
-        records = len(load_instructions(cfg.instruct_files, cfg.instruct_task))
-        n += min(records, cfg.train_limit) if cfg.train_limit else records
-    return n
+        recs = load_instructions(cfg.instruct_files, cfg.instruct_task)
+        records += seeded_subset(
+            recs, cfg.train_limit, stream_rng(seed, "train", cfg.instruct_task)
+        )
+    return records
 
 
 def own_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:

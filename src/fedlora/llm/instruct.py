@@ -21,14 +21,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedlora.errors import DataError
+from fedlora.llm.chat_render import (
+    NOT_PREFIX,
+    RENDER_SECONDS,
+    check_chat_records,
+    no_response,
+    read_chat_template,
+    template_failure,
+    within,
+)
 from fedlora.llm.prompts import IGNORE_INDEX, TokenizedSet, collate, encode_prompt, format_prompt
-from fedlora.llm.user_tasks import read_records, scalars
+from fedlora.llm.user_tasks import field_names, kind, non_scalars, read_records, scalars
 
 ROLES = ("system", "user", "assistant")
 
@@ -44,6 +52,8 @@ class Instruction:
     output: str = ""
     messages: tuple[tuple[str, str], ...] = ()
     fields: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    source: str = field(default="", compare=False)  # "file: line N"
+    non_scalar: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # (name, kind)
 
     @property
     def chat(self) -> bool:
@@ -55,15 +65,15 @@ def _text(rec: dict, name: str, where: str, required: bool = True) -> str:
     if value is None:
         value = ""
     if not isinstance(value, str) or (required and not value.strip()):
-        raise DataError(f"{where}: field {name!r} must be a non-empty string, got {value!r:.80}")
+        raise DataError(f"{where}: field {name!r} must be a non-empty string, got {kind(value)}")
     return value
 
 
 def record_to_instruction(rec: Any, task: str, where: str) -> Instruction:
     """One Alpaca or chat record as an `Instruction` (`DataError` naming `where` and the field)."""
     if not isinstance(rec, dict):
-        raise DataError(f"{where}: a record must be an object, got {rec!r:.80}")
-    meta = scalars(rec)
+        raise DataError(f"{where}: a record must be an object, got {kind(rec)}")
+    meta = {"fields": scalars(rec), "source": where, "non_scalar": non_scalars(rec)}
     if "messages" in rec:
         msgs = rec["messages"]
         if not isinstance(msgs, list) or len(msgs) < 2:
@@ -72,9 +82,10 @@ def record_to_instruction(rec: Any, task: str, where: str) -> Instruction:
         for i, m in enumerate(msgs):
             f = f"messages[{i}]"
             if not isinstance(m, dict) or m.get("role") not in ROLES:
+                got = kind(m) if not isinstance(m, dict) else f"role {kind(m.get('role'))}"
                 raise DataError(
                     f"{where}: field {f!r} must be an object with role {', '.join(ROLES)}, "
-                    f"got {m!r:.80}"
+                    f"got {got}"
                 )
             out.append((m["role"], _text(m, "content", f"{where}: {f}")))
         if out[-1][0] != "assistant":
@@ -82,18 +93,18 @@ def record_to_instruction(rec: Any, task: str, where: str) -> Instruction:
                 f"{where}: field 'messages[{len(out) - 1}]': the last message must be the "
                 f"assistant's (the response trained on), got role {out[-1][0]!r}"
             )
-        return Instruction(task, messages=tuple(out), fields=meta)
+        return Instruction(task, messages=tuple(out), **meta)
     if "instruction" not in rec and "output" not in rec:
         raise DataError(
             f"{where}: neither 'messages' nor 'instruction'/'output' fields (fields: "
-            f"{', '.join(map(str, rec)) or 'none'})"
+            f"{field_names(rec)})"
         )
     return Instruction(
         task,
         instruction=_text(rec, "instruction", where),
         input=_text(rec, "input", where, required=False),
         output=_text(rec, "output", where),
-        fields=meta,
+        **meta,
     )
 
 
@@ -105,13 +116,18 @@ def load_instructions(paths: Sequence[str], task: str) -> list[Instruction]:
 
 
 def set_chat_template(tokenizer: Any, path: str) -> None:
-    """Give the tokenizer the Jinja chat template in file `path` ("" = keep its own)."""
-    if not path:
-        return
-    try:
-        tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"data.chat_template = {path!r} is unreadable: {e}") from None
+    """Give the tokenizer the Jinja chat template in file `path` ("" = keep its own): a
+    regular file of at most 1 MiB (`fedlora.llm.chat_render.read_chat_template`)."""
+    if path:
+        tokenizer.chat_template = read_chat_template(path)
+
+
+def check_instruction_templates(template: str, records: Sequence[Instruction]) -> None:
+    """Before any run directory exists: `template` (data.chat_template, "" = none) read,
+    compiled and rendered, bounded, for every chat record (`check_chat_records`)."""
+    if template:
+        chats = [(r.source or f"task {r.task!r}", r.messages) for r in records if r.chat]
+        check_chat_records(template, chats)
 
 
 def _chat_texts(tokenizer: Any, ins: Instruction) -> tuple[str, str]:
@@ -121,13 +137,19 @@ def _chat_texts(tokenizer: Any, ins: Instruction) -> tuple[str, str]:
             "set data.chat_template to a Jinja template file, or use Alpaca records"
         )
     msgs = [{"role": r, "content": c} for r, c in ins.messages]
-    prompt = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
-    whole = tokenizer.apply_chat_template(msgs, tokenize=False)
-    if not whole.startswith(prompt):
-        raise DataError(
-            f"task {ins.task!r}: the chat template does not render the conversation as its "
-            "prompt followed by the response, so the response tokens cannot be told apart"
+    where = ins.source or f"task {ins.task!r}"
+    try:  # bounded in time; any error of the template is one line naming the record
+        prompt = within(
+            RENDER_SECONDS,
+            lambda: tokenizer.apply_chat_template(
+                msgs[:-1], tokenize=False, add_generation_prompt=True
+            ),
         )
+        whole = within(RENDER_SECONDS, lambda: tokenizer.apply_chat_template(msgs, tokenize=False))
+    except Exception as e:  # noqa: BLE001 - whatever the template raises
+        raise DataError(f"{where}: the chat template fails: {template_failure(e)}") from None
+    if not whole.startswith(prompt):
+        raise DataError(f"{where}: {NOT_PREFIX}")
     return prompt, whole[len(prompt) :]
 
 
@@ -147,11 +169,16 @@ def tokenize_instructions(
     records: Sequence[Instruction], tokenizer: Any, max_len: int
 ) -> tuple[TokenizedSet, list[int]]:
     """Prompt + response tokens, labels -100 on the prompt; records longer than `max_len`
-    (or with no response token) are dropped. Returns the set and the indices it kept."""
-    ids_out, labels_out, kept = [], [], []
+    are dropped. Returns the set and the indices it kept. Chat records whose rendering has
+    no response token are a `DataError` naming them (a template that writes nothing for the
+    last message), not dropped."""
+    ids_out, labels_out, kept, silent = [], [], [], []
     for i, ins in enumerate(records):
         prompt, target = encode_instruction(tokenizer, ins)
-        if not target or len(prompt) + len(target) > max_len:
+        if not target:
+            silent.append(ins.source or f"task {ins.task!r} record {i}")
+            continue
+        if len(prompt) + len(target) > max_len:
             continue
         ids = np.asarray(prompt + target, dtype=np.int64)
         labels = ids.copy()
@@ -159,6 +186,8 @@ def tokenize_instructions(
         ids_out.append(ids)
         labels_out.append(labels)
         kept.append(i)
+    if silent:
+        raise DataError(no_response(silent))
     return TokenizedSet(ids_out, labels_out), kept
 
 

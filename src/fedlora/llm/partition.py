@@ -105,6 +105,13 @@ def partition_keys(examples: Sequence[Any], key: str) -> list[str]:
     out = []
     for i, e in enumerate(examples):
         fields = dict(getattr(e, "fields", ()))
+        other = dict(getattr(e, "non_scalar", ()))
+        if key in other:  # a list, an object or null: no value to group by
+            where = getattr(e, "source", "") or f"training example {i} (task {e.task!r})"
+            raise DataError(
+                f"data.partition_key = {key!r}: {where}: field {key!r} is not scalar "
+                f"({other[key]}): a partition key needs a string, number or boolean"
+            )
         if key not in fields:
             have = ", ".join(["task", "label", *fields])
             raise DataError(

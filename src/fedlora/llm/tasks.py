@@ -9,7 +9,6 @@ whose allowed answers (``labels``) are read from the record itself: the instruct
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -17,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedlora.errors import DataError
+from fedlora.errors import DataError, cut
+from fedlora.files import json_list_records, read_data_text
 from fedlora.llm.task_registry import BUILTIN_TASKS, TASKS, get_task
 from fedlora.llm.task_types import TaskSpec
 
@@ -43,6 +43,9 @@ class Example:
     input: str = ""  # LLM-Adapters' optional context; empty for all commonsense tasks
     # the record's other fields (your own data's columns), for data.partition_key
     fields: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    source: str = field(default="", compare=False)  # "file: line N" of your own records
+    # (name, kind) of the record's fields that are lists, objects or null
+    non_scalar: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
 
 def _natural_key(s: str) -> tuple[Any, ...]:
@@ -73,19 +76,20 @@ def records_to_examples(records: Any, source: str, task: str) -> list[Example]:
     for i, rec in enumerate(records):
         where = f"{source}: record {i}"
         if not isinstance(rec, dict):
-            raise DataError(f"{where} is not an object: {rec!r:.80}")
+            raise DataError(f"{where} is not an object: {type(rec).__name__}")
         instruction = rec.get("instruction")
         if not isinstance(instruction, str) or not instruction.strip():
             raise DataError(
-                f"{where}: 'instruction' must be a non-empty string, got {instruction!r:.80}"
+                f"{where}: 'instruction' must be a non-empty string, got "
+                f"{type(instruction).__name__}"
             )
         inp = rec.get("input", "") or ""
         if not isinstance(inp, str):
-            raise DataError(f"{where}: 'input' must be a string, got {inp!r:.80}")
+            raise DataError(f"{where}: 'input' must be a string, got {type(inp).__name__}")
         answer = rec.get("answer")
         output = rec.get("output")
         if output is not None and not isinstance(output, str):
-            raise DataError(f"{where}: 'output' must be a string, got {output!r:.80}")
+            raise DataError(f"{where}: 'output' must be a string, got {type(output).__name__}")
         if answer is None and output:
             m = _OUTPUT_RE.search(output)
             answer = m.group(1).rstrip(".") if m else None
@@ -93,8 +97,8 @@ def records_to_examples(records: Any, source: str, task: str) -> list[Example]:
             answer = str(answer).lower()
         if not isinstance(answer, str) or not answer.strip():
             raise DataError(
-                f"{where}: no answer: 'answer' is {rec.get('answer')!r:.40} and 'output' "
-                f"{output!r:.60} does not read 'the correct answer is X'"
+                f"{where}: no answer: 'answer' is missing or empty and 'output' does not read "
+                "'the correct answer is X'"
             )
         answer = answer.strip()
         parsed.append((instruction, inp, output or RESPONSE_PREFIX + answer, answer))
@@ -117,16 +121,12 @@ def records_to_examples(records: Any, source: str, task: str) -> list[Example]:
 
 
 def load_task_file(path: str, task: str | None = None) -> list[Example]:
-    """Load any LLM-Adapters JSON file; `task` defaults to the file's parent folder name."""
+    """Load any LLM-Adapters JSON file (a regular file of at most `MAX_DATA_BYTES`, parsed a
+    record at a time so that an error names its line); `task` defaults to the file's parent
+    folder name."""
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"task file {str(p)!r} does not exist")
-    try:
-        records = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read task file {str(p)!r}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"task file {str(p)!r} is not valid JSON: {e}") from None
+    text = read_data_text(p, "task file")
+    records = [rec for _, rec in json_list_records(text, cut(str(p)))]
     return records_to_examples(records, str(p), task or p.parent.name or p.stem)
 
 
@@ -227,6 +227,16 @@ HUB_SOURCES: dict[str, tuple[str, str | None, dict[str, str]]] = {
 }
 
 
+def refuse_local_shadow(what: str, repo: str) -> None:
+    """`datasets.load_dataset(repo)` reads a local folder or file named `repo` (relative to
+    the working directory) before it asks the hub: refuse (naming `what`) when one exists."""
+    if os.path.lexists(repo):
+        raise DataError(
+            f"{what}: {repo!r} is also a path here, and the datasets package would read "
+            "it instead of the hub: run from another folder, or name the local files directly"
+        )
+
+
 def load_hub_task(name: str, split: str) -> list[Example]:
     """A task's split from the Hugging Face hub, converted to LLM-Adapters examples."""
     check_task(name)
@@ -244,6 +254,7 @@ def load_hub_task(name: str, split: str) -> list[Example]:
             "pip install datasets, or give a directory in the LLM-Adapters layout"
         ) from None
     repo, config, splits = hub.repo, hub.config, hub.splits
+    refuse_local_shadow(f"task {name!r}", repo)
     try:
         ds = datasets.load_dataset(repo, config, split=splits[split])
     except Exception as e:  # network, missing dataset, ... : report, do not trace

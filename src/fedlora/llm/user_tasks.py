@@ -18,25 +18,24 @@ the file, the line (the record's first line) and the field.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedlora.errors import DataError
+from fedlora.errors import DataError, shown
+from fedlora.files import read_data_records
 from fedlora.llm.harness import harness_request
 from fedlora.llm.task_registry import QUESTION_LEAD_IN, TASKS, question_answer, register_task
 from fedlora.llm.task_types import TaskSpec
-from fedlora.llm.tasks import Example, mc_example
+from fedlora.llm.tasks import Example, mc_example, refuse_local_shadow
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedlora.config.sections import DataConfig
 
 ANSWER_TYPES = ("index", "label", "text")
-SUFFIXES = (".json", ".jsonl", ".csv")
 
 
 @dataclass(frozen=True)
@@ -78,40 +77,40 @@ def user_task(name: str) -> TaskSpec:
 
 # ----------------------------------------------------------------------------- files
 
-
-def _json_records(text: str, source: str) -> Iterator[tuple[int, Any]]:
-    """The objects of a JSON list with the line each starts on."""
-    decoder = json.JSONDecoder()
-    pos = len(text) - len(text.lstrip())
-    if not text.startswith("[", pos):
-        raise DataError(f"{source}: expected a JSON list of records (or use .jsonl)")
-    pos += 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text):
-            raise DataError(f"{source}: the JSON list is not closed with ']'")
-        if text[pos] == "]":
-            return
-        try:
-            rec, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{source}: line {text.count(chr(10), 0, pos) + 1}: {e.msg}") from None
-        yield text.count("\n", 0, pos) + 1, rec
-        pos = end
-
-
 HUB_PREFIX = "hf:"  # hf:owner/name[:config]@split, e.g. hf:allenai/sciq@train
+# the hub's own rule for a name (huggingface_hub's `validate_repo_id`): letters, digits,
+# "-", "_", "."; at most 96 characters; no "--" or ".."; no "-" or "." at either end
+_HUB_NAME = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[\w.-]{0,94}[A-Za-z0-9_])?", re.ASCII)
+_HUB_SPLIT = re.compile(r"[\w.%+:\[\]-]{1,100}", re.ASCII)  # train, train[:10%], a+b
+HUB_FORM = "hf:owner/name[:config]@split (owner and name as the hub spells them, never a path)"
+
+
+def parse_hub_spec(spec: str) -> tuple[str, str, str]:
+    """(repo ``owner/name``, config or "", split) of ``hf:owner/name[:config]@split``;
+    `DataError` unless owner and name each follow the hub's naming rule: a path (``..``,
+    ``/``, ``~``) is no hub name, so it never reaches `datasets.load_dataset`, which would
+    read a local folder of that name."""
+    body = spec[len(HUB_PREFIX) :]
+    name, at, split = body.rpartition("@")
+    repo, _, config = name.partition(":")
+    parts = repo.split("/")
+    ok = (
+        at
+        and _HUB_SPLIT.fullmatch(split)
+        and len(parts) == 2
+        and all(_HUB_NAME.fullmatch(x) for x in parts)
+        and (not config or _HUB_NAME.fullmatch(config))
+    )
+    if not ok:
+        raise DataError(f"{shown(spec)} is invalid: a hub dataset reads {HUB_FORM}")
+    return repo, config, split
 
 
 def hub_records(spec: str) -> list[tuple[str, Any]]:
     """(where, record) for every record of a hub dataset ``hf:owner/name[:config]@split``,
     through the `datasets` package; online only (offline: one line saying so)."""
-    body = spec[len(HUB_PREFIX) :]
-    name, at, split = body.rpartition("@")
-    repo, _, config = (name if at else body).partition(":")
-    if not at or not split or repo.count("/") != 1 or not all(repo.split("/")):
-        raise DataError(f"{spec!r}: a hub dataset reads hf:owner/name[:config]@split")
+    repo, config, split = parse_hub_spec(spec)
+    refuse_local_shadow(shown(spec), repo)
     offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v) == "1"]
     if offline:
         raise DataError(
@@ -134,50 +133,55 @@ def hub_records(spec: str) -> list[tuple[str, Any]]:
 
 def read_records(path: str) -> list[tuple[str, Any]]:
     """(where, record) for every record of a .json (a list), .jsonl or .csv file (`where`
-    names the file and the line the record starts on), or of a hub dataset
-    ``hf:owner/name[:config]@split`` (`hub_records`: the record's index)."""
+    names the file and the line the record starts on; `fedlora.files.read_data_records`: a
+    regular file, bounded), or of a hub dataset ``hf:owner/name[:config]@split``
+    (`hub_records`: the record's index)."""
     if path.startswith(HUB_PREFIX):
         out = hub_records(path)
         if not out:
             raise DataError(f"{path!r} holds no records")
         return out
-    p = Path(path)
-    if p.suffix.lower() not in SUFFIXES:
-        raise DataError(f"{path!r}: unknown file type {p.suffix!r}: allowed: {', '.join(SUFFIXES)}")
-    try:
-        text = p.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise DataError(f"{path!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read {path!r}: {e}") from None
-    out: list[tuple[str, Any]] = []
-    if p.suffix.lower() == ".json":
-        out = [(f"{path}: line {n}", rec) for n, rec in _json_records(text, path)]
-    elif p.suffix.lower() == ".jsonl":
-        for n, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    out.append((f"{path}: line {n}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}: line {n}: not a JSON object: {e.msg}") from None
-    else:
-        reader = csv.DictReader(text.splitlines(keepends=True))
-        start = 2
-        for row in reader:
-            out.append((f"{path}: line {start}", row))
-            start = reader.line_num + 1
-    if not out:
-        raise DataError(f"{path!r} holds no records")
-    return out
+    return read_data_records(path)
 
 
 # ----------------------------------------------------------------------------- records
 
 
+# Errors about a record name the file, the line and the field, never the record's text: the
+# file may not be the user's data (a link to /etc/shadow read as CSV makes its first line the
+# header), so a value is described by its kind, and field names are shown only when they
+# look like names.
+_NAME = re.compile(r"[\w .()/-]{1,64}")
+
+
+def kind(value: Any) -> str:
+    """What a JSON value is, without its text (for error messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "an empty string" if not value.strip() else "a string"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def field_names(rec: Mapping[str, Any]) -> str:
+    """The record's field names for an error message: those that look like names (letters,
+    digits, spaces, ``_.()/-``; at most 64 characters), and how many others there are."""
+    names = [str(k) for k in rec]
+    shown_names = [n for n in names if _NAME.fullmatch(n)]
+    other = len(names) - len(shown_names)
+    hidden = f"{other} not shown: not names; is this a data file?" if other else ""
+    return "; ".join(x for x in (", ".join(shown_names), hidden) if x) or "none"
+
+
 def _field(rec: Mapping[str, Any], name: str, where: str) -> Any:
     if name not in rec or rec[name] is None or rec[name] == "":
-        present = ", ".join(map(str, rec)) or "none"
-        raise DataError(f"{where}: field {name!r} is missing or empty (fields: {present})")
+        raise DataError(f"{where}: field {name!r} is missing or empty (fields: {field_names(rec)})")
     return rec[name]
 
 
@@ -188,12 +192,12 @@ def _choices(rec: Mapping[str, Any], fm: FieldMap, where: str) -> tuple[list[str
         if isinstance(value, str):  # a CSV cell holding a JSON list
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # not JSON, too deep, too many digits
                 value = None
         if not isinstance(value, list):
             raise DataError(
                 f"{where}: field {fm.choices[0]!r} must be a list of choices (in CSV: a JSON "
-                f"list), got {rec[fm.choices[0]]!r:.80}; or name one field per choice"
+                f"list), got {kind(rec[fm.choices[0]])}; or name one field per choice"
             )
         fields = [f"{fm.choices[0]}[{i}]" for i in range(len(value))]
         labels = [chr(ord("A") + i) for i in range(len(value))]
@@ -201,18 +205,22 @@ def _choices(rec: Mapping[str, Any], fm: FieldMap, where: str) -> tuple[list[str
         value = [_field(rec, name, where) for name in fm.choices]
         fields, labels = list(fm.choices), list(fm.choices)
     if len(value) < 2:
-        raise DataError(f"{where}: field {fm.choices[0]!r} needs >= 2 choices, got {value!r:.80}")
+        raise DataError(f"{where}: field {fm.choices[0]!r} needs >= 2 choices, got {len(value)}")
     texts = []
     for f, v in zip(fields, value):
         text = str(v).strip() if isinstance(v, (str, int, float)) else ""
         if not text:
-            raise DataError(f"{where}: choice {f!r} is empty or not text: {v!r:.80}")
+            raise DataError(f"{where}: choice {f!r} is empty or not text: {kind(v)}")
         texts.append(text)
     return texts, labels
 
 
 def _gold(value: Any, texts: list[str], labels: list[str], fm: FieldMap, where: str) -> int:
-    field = f"field {fm.answer!r} = {value!r:.80}"
+    # the answer field's own value (a scalar) is shown: the record read as the user's data
+    scalar = isinstance(value, (str, int, float))
+    field = (
+        f"field {fm.answer!r} = {value!r:.80}" if scalar else f"field {fm.answer!r} ({kind(value)})"
+    )
     if fm.answer_type == "index":
         try:
             i = int(str(value).strip()) if not isinstance(value, bool) else -1
@@ -241,18 +249,36 @@ def scalars(rec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     )
 
 
+def non_scalars(rec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The record's other fields as (name, kind) pairs: a partition key naming one of them
+    is refused as not scalar, not as missing."""
+    return tuple(
+        (str(k), kind(v)) for k, v in rec.items() if not isinstance(v, (str, int, float, bool))
+    )
+
+
 def record_to_example(rec: Any, fm: FieldMap, task: str, where: str) -> Example:
     """One user record as the LLM-Adapters `Example` of task `task` (its harness request
     checked to read back the same question and options)."""
     if not isinstance(rec, dict):
-        raise DataError(f"{where}: a record must be an object, got {rec!r:.80}")
+        raise DataError(f"{where}: a record must be an object, got {kind(rec)}")
     question = str(_field(rec, fm.question, where)).strip()
     texts, labels = _choices(rec, fm, where)
     gold = _gold(_field(rec, fm.answer, where), texts, labels, fm, where)
     context = str(_field(rec, fm.context, where)).strip() if fm.context else ""
     spec = user_task(task)
     ex = mc_example(spec, question, texts, gold)
-    ex = Example(ex.task, ex.instruction, ex.output, ex.answer, ex.labels, context, scalars(rec))
+    ex = Example(
+        ex.task,
+        ex.instruction,
+        ex.output,
+        ex.answer,
+        ex.labels,
+        context,
+        scalars(rec),
+        source=where,
+        non_scalar=non_scalars(rec),
+    )
     try:
         req = harness_request(ex)
     except DataError as e:
