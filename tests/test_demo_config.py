@@ -63,6 +63,9 @@ def test_a_run_without_config_says_it_is_a_smoke_run_and_names_the_demo(tmp_path
     assert rc in (0, None)
     assert "no --config: the built-in defaults (1 rounds) are a smoke run" in err
     assert "fedlora run --config configs/demo.toml" in err
+    # a refusal stays one line: the note comes only after a run
+    assert main(["run", "--out", str(tmp_path / "x"), "training.rounds=0"]) == 2
+    assert "no --config" not in capsys.readouterr().err
     # with a config the note is not printed
     conf = tmp_path / "c.toml"
     conf.write_text("[training]\nrounds = 1\n")

@@ -65,11 +65,11 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_run_file(args.config, overrides)
         run_dir = run_dir_for(cfg, args.out)
         log = _announcing(run_dir)
-        if args.config is None:
-            log(no_config_note(cfg.training.rounds))
         summary = run_entry(cfg, run_dir, overwrite=args.overwrite, quiet=args.quiet, log=log)
     print(describe(summary))
     print(f"results: {run_dir}/metrics.jsonl, summary.json, adapter/")
+    if args.config is None and not args.resume:  # after the run: a refusal stays one line
+        print(no_config_note(cfg.training.rounds), file=sys.stderr)
     return 0
 
 
