@@ -13,6 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reliability_cases import CASES, DATA, TINY, make_finished_run, message, run_case  # noqa: E402
+from reliability_links_cases import LINK_CASES, RULES  # noqa: E402
+
+TABLE_CASES = [*CASES, *LINK_CASES]  # every case file's cases, in the one table
 
 HEAD = """# Reliability: bad inputs and the run directory
 
@@ -159,7 +162,7 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
   holding NaN or ±inf is not written as a checkpoint (the previous one is kept); a
   checkpoint whose server-optimizer moments are non-finite, or whose second moment is
   negative, is refused on resume naming the file.
-
+{rules}
 ## Bad inputs
 
 | case | command | exit code | message |
@@ -191,7 +194,7 @@ def main() -> int:
         root = Path(d)
         template = root / "template" / "run"
         make_finished_run(template)
-        for i, case in enumerate(CASES):
+        for i, case in enumerate(TABLE_CASES):
             tmp = root / f"case{i}"
             out = run_case(case, tmp, template)
             ok = out.rc == 2 and "Traceback" not in out.stderr and not out.lost
@@ -202,7 +205,7 @@ def main() -> int:
                 f"| {_cell(case.name)} | `{_cell(_command(case.argv))}` | {out.rc} | "
                 f"{_cell(message(out, tmp))} |"
             )
-    sys.stdout.write(HEAD.format(tiny=" ".join(TINY).replace(DATA, "<data>")))
+    sys.stdout.write(HEAD.format(tiny=" ".join(TINY).replace(DATA, "<data>"), rules=RULES))
     sys.stdout.write("\n".join(rows) + "\n")
     return 0
 
