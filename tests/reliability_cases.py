@@ -198,12 +198,28 @@ def _disk_full(tmp: Path):
     return cleanup
 
 
-def _link_to_dev_full(rel: str) -> Setup:
-    """`rel` is a symlink to /dev/full: writing it fails with a real ENOSPC from the kernel."""
+def dev_full_at(path: Path) -> Callable[[], None]:
+    """Writing `path` fails with a real ENOSPC from the kernel: fedlora's one opener of files
+    it writes (`fedlora.files._open_fd`, which never follows a link there) is handed
+    /dev/full for that path. Returns the undo."""
+    import fedlora.files as files
 
-    def setup(tmp: Path) -> None:
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / rel).symlink_to("/dev/full")
+    original = files._open_fd
+
+    def opener(p: Path, flags: int) -> int:
+        if Path(p) == Path(path):
+            return os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+        return original(p, flags)
+
+    files._open_fd = opener
+    return lambda: setattr(files, "_open_fd", original)
+
+
+def _dev_full_at(rel: str) -> Setup:
+    """{tmp}/`rel` is written on a full disk (`dev_full_at`) while the case runs."""
+
+    def setup(tmp: Path) -> Callable[[], None]:
+        return dev_full_at(tmp / rel)
 
     return setup
 
@@ -342,7 +358,7 @@ CASES: list[Case] = [
         "disk full while resuming (a real ENOSPC)",
         ["run", "--resume", "{run}", "-q"],
         "no space left",
-        _link_to_dev_full("run/metrics.jsonl.tmp"),
+        _dev_full_at("run/metrics.jsonl.tmp"),
         needs_run=True,
     ),
     # run: inputs checked before the model loads
@@ -493,7 +509,7 @@ CASES: list[Case] = [
         "report --out on a full disk (a real ENOSPC)",
         ["report", "{run}", *REPORT_TARGET, "--out", "{tmp}/r"],
         "No space left",
-        _link_to_dev_full("r/report.md"),
+        _dev_full_at("r/report.md.tmp"),
         needs_run=True,
     ),
     Case("report a directory that does not exist", ["report", "/nonexistent"], "no such"),

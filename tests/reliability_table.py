@@ -13,10 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reliability_cases import CASES, DATA, TINY, make_finished_run, message, run_case  # noqa: E402
+from reliability_links_cases import LINK_CASES, RULES  # noqa: E402
 from reliability_reads_cases import READ_CASES  # noqa: E402
 
 # every case the table lists: the files of cases, each appended here
-ALL_CASES = [*CASES, *READ_CASES]
+ALL_CASES = [*CASES, *READ_CASES, *LINK_CASES]
+TABLE_CASES = ALL_CASES
 
 HEAD = """# Reliability: bad inputs and the run directory
 
@@ -191,7 +193,7 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
   holding NaN or ±inf is not written as a checkpoint (the previous one is kept); a
   checkpoint whose server-optimizer moments are non-finite, or whose second moment is
   negative, is refused on resume naming the file.
-
+{rules}
 ## Bad inputs
 
 | case | command | exit code | message |
@@ -234,7 +236,7 @@ def main() -> int:
                 f"| {_cell(case.name)} | `{_cell(_command(case.argv))}` | {out.rc} | "
                 f"{_cell(message(out, tmp))} |"
             )
-    sys.stdout.write(HEAD.format(tiny=" ".join(TINY).replace(DATA, "<data>")))
+    sys.stdout.write(HEAD.format(tiny=" ".join(TINY).replace(DATA, "<data>"), rules=RULES))
     sys.stdout.write("\n".join(rows) + "\n")
     return 0
 

@@ -66,6 +66,7 @@ def _fake_run(run_dir: Path, dtype: str, overrides: list[str]):
         {"round": 3, "progress": progress, "global": lora.global_state(), "base_delta": base_delta},
     )
     lora.export_peft(run_dir / "adapter", base_model_name_or_path="tiny-llama")
+    (run_dir / "summary.json").write_text(json.dumps({"rounds": 3, "stop_reason": "max_rounds"}))
     return logits, base, lora
 
 

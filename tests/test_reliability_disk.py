@@ -1,8 +1,9 @@
 """Issue 24: a full disk while a run writes a checkpoint or its adapter, and a damaged
 predictions.jsonl on resume (refused with its remedy, which then works).
 
-The full disk is real: the temporary file the write goes through is a symlink to /dev/full,
-so the kernel answers ENOSPC (no root, no monkeypatching). Each case must exit 2 with one
+The full disk is real: the temporary file the write goes through is /dev/full, so the kernel
+answers ENOSPC (no root; fedlora never writes through a link, so /dev/full is handed to its
+one opener of written files, `reliability_cases.dev_full_at`). Each case must exit 2 with one
 line naming the file and "no space left", keep the previous checkpoint (or adapter) byte for
 byte, and resume to the end once there is space again."""
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fedlora.cli import main
-from reliability_cases import DATA, make_finished_run
+from reliability_cases import DATA, dev_full_at, make_finished_run
 
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
 
@@ -49,10 +50,13 @@ def test_disk_full_while_writing_a_checkpoint(template, tmp_path, capsys) -> Non
     run = tmp_path / "run"
     shutil.copytree(template, run)
     before = _hashes(run / "checkpoints")
-    (run / "checkpoints" / "round-000003.safetensors.tmp").symlink_to("/dev/full")
+    undo = dev_full_at(run / "checkpoints" / "round-000003.safetensors.tmp")
     argv = ["run", "--resume", str(run), "--force", "training.rounds=3", "-q"]
     # Execute
-    rc, err = _run(argv, capsys)
+    try:
+        rc, err = _run(argv, capsys)
+    finally:
+        undo()
     # Assert: exit 2, one line naming the file; the older checkpoints as they were, no .tmp
     assert rc == 2, err
     line = _one_error_line(err)
@@ -75,9 +79,12 @@ def test_disk_full_while_writing_the_adapter(name, template, tmp_path, capsys) -
     run = tmp_path / "run"
     shutil.copytree(template, run)
     adapter = _hashes(run / "adapter")
-    (run / "adapter" / f"{name}.tmp").symlink_to("/dev/full")
+    undo = dev_full_at(run / "adapter" / f"{name}.tmp")
     # Execute
-    rc, err = _run(["run", "--resume", str(run), "-q"], capsys)
+    try:
+        rc, err = _run(["run", "--resume", str(run), "-q"], capsys)
+    finally:
+        undo()
     # Assert: exit 2, one line naming the file; the old file whole; the checkpoint resumable
     assert rc == 2, err
     line = _one_error_line(err)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from fedlora.config.sections import EVAL_FORMATS, SCORINGS
-from fedlora.errors import ConfigError, bad_value
+from fedlora.errors import ConfigError, DataError, bad_value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -125,6 +125,13 @@ def _check_args(args: argparse.Namespace) -> None:
     for s in args.exclude_seed:
         if s < 0:
             raise bad_value("--exclude-seed", s, "must be >= 0")
+    if args.exclude_seed and args.limit == 0:  # the seed-S subset of "all" is every question
+        raise bad_value(
+            "--exclude-seed",
+            args.exclude_seed[0],
+            "needs --limit N > 0: it leaves out the N questions the seed-S subset of --limit N "
+            "draws, and with --limit 0 (the whole test set) that subset is every question",
+        )
     if args.batch_size < 1:
         raise bad_value("--batch-size", args.batch_size, "must be >= 1")
     if args.threads < 0:
@@ -180,7 +187,9 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         examples = load_task_file(args.task_file)
         task = examples[0].task
-    examples = eval_questions(examples, task, args.limit, args.seed, args.exclude_seed)
+    examples = eval_questions(
+        examples, task, args.limit, args.seed, args.exclude_seed, ("--exclude-seed", "--limit")
+    )
 
     import torch
 
@@ -215,6 +224,7 @@ def run_eval(args: argparse.Namespace) -> int:
         task=task,
         fmt=fmt,
     )
+    _refuse_non_finite(result, args)
     if args.json:
         print(
             json.dumps(
@@ -261,6 +271,23 @@ def run_eval(args: argparse.Namespace) -> int:
             f"{fmt}, scoring {result.scoring}, threads {torch.get_num_threads()}]"
         )
     return 0
+
+
+def _refuse_non_finite(result, args: argparse.Namespace) -> None:
+    """A DataError when any question's scores are NaN or ±inf: an accuracy from them (the
+    arg-max of NaNs) would be a number that means nothing."""
+    import math
+
+    bad = [
+        i for i, (mc, nll) in enumerate(zip(result.mc, result.nll)) if not math.isfinite(mc + nll)
+    ]
+    if bad:
+        adapter = f" with --adapter {args.adapter!r}" if args.adapter else ""
+        raise DataError(
+            f"--model {args.model!r}{adapter} gives non-finite scores (NaN or inf) on "
+            f"{len(bad)} of the {result.n} questions (the first: #{bad[0]}): its weights hold "
+            f"NaN or inf, or overflow in --dtype {args.dtype}; no accuracy reported"
+        )
 
 
 def _run_lm_eval(args: argparse.Namespace, model, tokenizer, examples, task: str) -> int:

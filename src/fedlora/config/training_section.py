@@ -102,6 +102,16 @@ class TrainingConfig:
                 self.weight_decay,
                 "0 with training.optimizer = 'sgd' (decoupled weight decay is AdamW's)",
             )
+        # AdamW's decay W <- (1 - η'λ) W with every client step size η' <= training.lr (a
+        # sketch scales it by (k/γ)^p <= 1, a schedule lowers it): ηλ > 1 flips W's sign, as
+        # method.server_weight_decay's bound says for the server optimizer
+        if self.lr * self.weight_decay > 1:
+            raise bad_value(
+                "training.weight_decay",
+                self.weight_decay,
+                f"training.lr × training.weight_decay must be <= 1 (the decay factor 1 - ηλ "
+                f">= 0); with training.lr = {self.lr}: at most {1 / self.lr:.6g}",
+            )
         if self.optimizer == "sgd" and self.optimizer_state == "keep":
             raise bad_value(
                 "training.optimizer_state",

@@ -61,7 +61,7 @@ from fedlora.federation.methods.proposed_replan import outcome, probe_settings
 from fedlora.federation.metrics_file import METRICS_FILE, read_metrics
 from fedlora.federation.rundir import write_run_dir
 from fedlora.federation.runfiles import CLIENTS_FILE, PLAN_FILE, read_clients, read_plan, write_plan
-from fedlora.files import atomic_write
+from fedlora.files import atomic_write, remove_own_file
 
 AUTO_LOSS_FRACTION = 0.5
 SMOOTHING_ROUNDS = 3
@@ -185,7 +185,7 @@ def _calibrate(
         if (sub / "summary.json").exists() and _extendable(sub, metrics, target, fraction, ccfg):
             # the cap was raised after this run stopped at the old one short of F_s: go on
             atomic_write(sub / "config.toml", dump_toml(ccfg).encode())
-            (sub / "summary.json").unlink()
+            remove_own_file(sub / "summary.json")
             log(f"calibration run {i + 1}/4: continued to at most {ccfg.training.rounds} rounds")
             run_one(ccfg, sub, resume=True, stop=stop)
         elif not (sub / "summary.json").exists():

@@ -19,7 +19,7 @@ import numpy as np
 
 from fedlora.errors import DataError
 from fedlora.federation.metrics_file import METRICS_FILE, read_metrics_lines
-from fedlora.files import atomic_write
+from fedlora.files import atomic_write, refuse_link, remove_own_file
 
 CHECKPOINT_FORMAT = "fedlora-checkpoint-1"
 # stored as tensors "<group>/<key>": FedStackLoRA's / FedEx-LoRA's base merges, the server
@@ -65,6 +65,8 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
             "diverged; not checkpointed (the previous checkpoint is kept)"
         )
     ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.is_symlink():  # its rotation would delete files in the folder it points to
+        raise refuse_link(ckpt_dir)
     ckpt_dir.mkdir(exist_ok=True)
     tensors = {f"global/{k}": v.detach().cpu().contiguous() for k, v in state["global"].items()}
     for group in TENSOR_GROUPS:  # server_opt: its m, v, t; memory: FedSA-LoRA's B_n; ...
@@ -79,7 +81,7 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], keep: int = 2) -> Path
     # (safetensors' save_file reports it as a SafetensorError without errno or path)
     atomic_write(path, save(tensors, metadata=meta))
     for old in checkpoint_paths(run_dir)[keep:]:
-        old.unlink(missing_ok=True)
+        remove_own_file(old)  # a regular file only: never a link nor through one
     return path
 
 

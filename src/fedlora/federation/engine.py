@@ -64,6 +64,7 @@ from fedlora.federation.trainer import (
     Trainer,
     TrainingDiverged,
 )
+from fedlora.files import remove_own_file
 from fedlora.llm.device import Resolution, synchronize
 from fedlora.system.seeding import derive_rng
 
@@ -139,7 +140,7 @@ def run_rounds(
             log(f"no checkpoint in {run_dir}: starting from round 0")
         restore_metrics(metrics_path, state, warn=log)
     else:
-        metrics_path.unlink(missing_ok=True)
+        remove_own_file(metrics_path)
     progress.clock_start_s = calibration_s or 0.0  # also on resume (older checkpoints lack it)
     write_clients_csv(run_dir, run.fed, run.profiles)
     next_step = 0 if progress.metrics_lines == 0 else progress.round + 1

@@ -8,7 +8,6 @@ are `fedlora.federation.runfiles`'.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 
 from fedlora.errors import DataError
 from fedlora.federation.runfiles import SUMMARY_FILE, read_run_text
-from fedlora.files import atomic_write, with_filename
+from fedlora.files import append_file, atomic_write, remove_own_file
 
 __all__ = [
     "METRICS_FILE",
@@ -32,13 +31,8 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def append_metrics(path: Path, line: dict[str, Any]) -> None:
-    try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise with_filename(e, path) from None
+    """One line appended and fsynced, never through a link (`fedlora.files.append_file`)."""
+    append_file(path, (json.dumps(line) + "\n").encode("utf-8"))
 
 
 # The one torn-line rule. A metrics line is a JSON object with `round` and `sim_time_s`, one a
@@ -150,7 +144,7 @@ def restore_metrics(path: Path, state: dict[str, Any] | None, warn=print) -> Non
                 "checkpoints/ from a backup, or start the run again with --overwrite "
                 "(or another --out)"
             )
-        path.unlink(missing_ok=True)
+        remove_own_file(path)
         return
     lines = state.get("metrics")
     if lines is None:

@@ -37,11 +37,12 @@ from fedlora.federation.runmarker import (
     MARKER_NAME,
     has_legacy_evidence,
     is_never_started,
+    linked_names,
     read_marker,
     sort_entries,
     write_marker,
 )
-from fedlora.files import atomic_write
+from fedlora.files import atomic_write, open_lock_file
 
 __all__ = [
     "FIXED_EXCEPTIONS",
@@ -49,6 +50,7 @@ __all__ = [
     "LEGACY_DEFAULTS",
     "LOCK_NAME",
     "check_run_dir",
+    "refuse_linked_names",
     "config_changes",
     "load_run_config",
     "load_saved_config",
@@ -96,8 +98,8 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     run_dir = Path(run_dir)
     make_run_dir(run_dir)
     path = run_dir / LOCK_NAME
-    try:
-        f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held across the yield
+    try:  # never through a link: a link at .lock is refused (ConfigError) naming it
+        f = open_lock_file(path)
     except OSError as e:
         raise ConfigError(
             f"run directory {str(run_dir)!r}: cannot lock: {e.strerror or e}"
@@ -160,6 +162,24 @@ def _manifest(run_dir: Path, names: Sequence[str]) -> dict[str, Any]:
     )
 
 
+def refuse_linked_names(run_dir: Path) -> None:
+    """Refuse (ConfigError naming them) a run directory whose names fedlora writes or deletes
+    are symbolic links (`linked_names`): a run, a resume, or --overwrite there would write or
+    delete through them."""
+    try:
+        links = linked_names(run_dir) if run_dir.is_dir() else []
+    except OSError as e:
+        raise ConfigError(f"run directory {str(run_dir)!r}: {e.strerror or e}") from None
+    if links:
+        raise ConfigError(
+            f"run directory {str(run_dir)!r}: {', '.join(links)} "
+            f"{'is a symbolic link' if len(links) == 1 else 'are symbolic links'} where fedlora "
+            "writes its own files; fedlora never writes or deletes through a link: replace "
+            f"{'it' if len(links) == 1 else 'them'} with the real files or folders, or choose "
+            "another directory"
+        )
+
+
 def check_run_dir(run_dir: Path, *, overwrite: bool = False) -> None:
     """Refuse, before anything is written, an output path a new run may not use."""
     if run_dir.exists() and not run_dir.is_dir():
@@ -172,6 +192,7 @@ def check_run_dir(run_dir: Path, *, overwrite: bool = False) -> None:
         entries = _entries(run_dir)
     except OSError as e:
         raise ConfigError(f"output directory {str(run_dir)!r}: {e.strerror or e}") from None
+    refuse_linked_names(run_dir)
     if not entries or never_started(run_dir):
         return
     manifest = _manifest(run_dir, [p.name + ("/" if p.is_dir() else "") for p in entries])

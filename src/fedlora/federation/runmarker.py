@@ -158,6 +158,23 @@ def sort_entries(run_dir: Path, manifest: dict[str, Any]) -> tuple[list[Path], l
     return owned, foreign
 
 
+def linked_names(run_dir: Path) -> list[str]:
+    """The names fedlora writes or deletes in `run_dir` (the lock, the marker, `MANIFEST`'s
+    files and folders, their ``.tmp``, and everything inside those folders) that are symbolic
+    links: a run refuses them rather than write or delete through a link."""
+    out: list[str] = []
+    ours = [".lock", MARKER_NAME, *MANIFEST["files"]]
+    for p in sorted(run_dir.iterdir()):
+        if p.name in MANIFEST["dirs"]:
+            if p.is_symlink():
+                out.append(p.name + "/")
+            elif p.is_dir():
+                out += [f"{p.name}/{c.name}" for c in sorted(p.iterdir()) if c.is_symlink()]
+        elif p.is_symlink() and _matches(p.name, ours):
+            out.append(p.name)
+    return out
+
+
 def is_never_started(run_dir: Path, names: list[str]) -> bool:
     """Only what a run that failed before its first round leaves, and fedlora's marker."""
     return (run_dir / MARKER_NAME).is_file() and all(

@@ -48,6 +48,7 @@ from fedlora.federation.mlflow_store import (
     store_uri,
     stored_run,
 )
+from fedlora.files import atomic_write
 
 EXPERIMENT = "fedlora"
 
@@ -183,7 +184,7 @@ class MlflowTracker(Tracker):
             self.run_id, self.last_step = run.info.run_id, -1
             self._log_params(cfg)
         record = {"tracking_uri": uri, "run_id": self.run_id, "experiment_id": exp_id}
-        (run_dir / MLFLOW_RUN_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        atomic_write(run_dir / MLFLOW_RUN_FILE, (json.dumps(record, indent=2) + "\n").encode())
 
     @contextlib.contextmanager
     def _store(self) -> Iterator[None]:

@@ -135,11 +135,13 @@ def eval_questions(
     limit: int,
     seed: int,
     exclude_seeds: Sequence[int] = (),
+    names: tuple[str, str] = ("data.eval_exclude", "data.eval_limit"),
 ) -> list[Example]:
     """The evaluation questions of one task: a seeded subset of `limit` (0 = all) drawn with
     the stream (seed, "eval", task) from the test split, after leaving out every question
     that the subset of the same `limit` for each seed in `exclude_seeds` draws. With no
-    exclusions this is exactly the subset earlier versions drew."""
+    exclusions this is exactly the subset earlier versions drew. `names`: what an error calls
+    the exclusions and the limit (the config's keys; `fedlora eval`'s flags)."""
     pool = list(range(len(examples)))
     if exclude_seeds:
         dropped: set[int] = set()
@@ -147,10 +149,13 @@ def eval_questions(
             dropped.update(_subset_indices(len(examples), limit, stream_rng(s, "eval", task)))
         pool = [i for i in pool if i not in dropped]
         if not pool or len(pool) < limit:
+            excluded = [f"{task}:{s}" for s in exclude_seeds]
+            if names[0].startswith("--"):
+                excluded = [str(s) for s in exclude_seeds]
             raise ConfigError(
-                f"data.eval_exclude = {[f'{task}:{s}' for s in exclude_seeds]!r} leaves "
-                f"{len(pool)} of the {len(examples)} {task} test questions: fewer than "
-                f"data.eval_limit = {limit}; exclude fewer subsets or lower the limit"
+                f"{names[0]} = {', '.join(excluded)} leaves {len(pool)} of the "
+                f"{len(examples)} {task} test questions: fewer than {names[1]} = {limit}; "
+                "exclude fewer subsets or lower the limit"
             )
     keep = _subset_indices(len(pool), limit, stream_rng(seed, "eval", task))
     return [examples[pool[i]] for i in keep]

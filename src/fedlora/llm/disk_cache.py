@@ -20,6 +20,13 @@ row recomputed, never trusted. Files are written atomically (a temporary file re
 runs in parallel share the store. The store is bounded: past `max_mb`, the least recently
 used files (a hit refreshes a file's mtime) are deleted down to 90% of it. Deleting the
 whole folder is always safe: it only costs recomputation.
+
+The store deletes only what it writes, never through a link: an entry is a regular file
+named ``<40 hex>.bin`` in a real (not linked) folder named by its first two hex digits;
+anything else under the root (a user's ``*.bin``, a linked folder or file) is neither read,
+counted nor deleted. An I/O error never fails a run: a read error is a miss, a write error
+(a full disk, a root that is a file or read-only) is counted (``disk_write_errors``) and
+skipped.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import secrets
+import stat
 import struct
 import weakref
 from collections.abc import Sequence
@@ -42,6 +52,8 @@ FOLDER = "frozen_layers"
 ENABLED = True  # tests turn the store off unless they ask for it (tests/conftest.py)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_ENTRY = re.compile(r"[0-9a-f]{40}\.bin")  # entry_name's blake2b (20 bytes), the only files
+_FOLDER = re.compile(r"[0-9a-f]{2}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -107,13 +119,13 @@ class DiskStore:
     def get(self, name: str) -> tuple[torch.Tensor, torch.dtype] | None:
         path = self.path(name)
         try:
-            raw = path.read_bytes()
+            raw = _read_own(path)
         except OSError:
             return None
         entry = self._decode(name, raw)
         if entry is None:
             self.corrupt += 1
-            path.unlink(missing_ok=True)
+            _remove_own(path)
             return None
         try:
             os.utime(path)  # most recently used
@@ -162,13 +174,12 @@ class DiskStore:
         if len(data) > self.max_bytes:
             return
         path = self.path(name)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
+            _write_new(tmp, data)
             os.replace(tmp, path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        except OSError:  # counted and skipped: the row is computed again when needed
+            _remove_own(tmp)
             self.write_errors += 1
             return
         self.writes += 1
@@ -180,16 +191,23 @@ class DiskStore:
             self._evict()
 
     def _files(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of every entry the store wrote: regular files named as entries
+        in their real two-hex-digit folder; links and anything else are left out."""
         out = []
-        for sub in self.root.glob("??"):
+        try:
+            subs = [e for e in os.scandir(self.root) if _FOLDER.fullmatch(e.name)]
+        except OSError:
+            return out
+        for sub in subs:
             try:
-                with os.scandir(sub) as it:
+                if not sub.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(sub.path) as it:
                     for e in it:
-                        if e.name.endswith(".bin"):
-                            try:
-                                st = e.stat()
-                            except OSError:
-                                continue
+                        if not (_ENTRY.fullmatch(e.name) and e.name[:2] == sub.name):
+                            continue
+                        st = e.stat(follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
                             out.append((st.st_mtime, st.st_size, Path(e.path)))
             except OSError:
                 continue
@@ -206,10 +224,48 @@ class DiskStore:
         for _, size, path in files:
             if total <= goal:
                 break
-            path.unlink(missing_ok=True)
+            _remove_own(path)
             total -= size
             self.evictions += 1
         self._bytes = total
+
+
+def _folder_ok(path: Path) -> bool:
+    """The entry's folder is a real folder (not a link): the store never acts through one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path.parent).st_mode)
+    except OSError:
+        return False
+
+
+def _read_own(path: Path) -> bytes:
+    """An entry's bytes, never through a link (OSError for a link, a linked folder, ...)."""
+    if not _folder_ok(path):
+        raise OSError(f"{path.parent} is not a folder of the store")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return f.read()
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """A new file at `path` (its folder made if missing), never through a link: O_EXCL."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not _folder_ok(path):
+        raise OSError(f"{path.parent} is not a folder of the store")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(path, flags, 0o666), "wb") as f:
+        f.write(data)
+
+
+def _remove_own(path: Path) -> None:
+    """Delete a regular file of the store; a link, or anything in a linked folder, stays."""
+    try:
+        if _folder_ok(path) and stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:  # gone already, or not ours to delete: never fails a run
+        pass
 
 
 _STORES: dict[tuple[str, int], DiskStore] = {}

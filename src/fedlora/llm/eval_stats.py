@@ -90,9 +90,14 @@ def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]
     return max(0.0, center - half), min(1.0, center + half)
 
 
-def mean_interval(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
-    """The mean of per-question values and its normal 95% interval (nan for one question)."""
+def mean_interval(
+    values: Sequence[float], lower: float = -math.inf
+) -> tuple[float, tuple[float, float]]:
+    """The mean of per-question values and its normal 95% interval (nan for one question),
+    cut at `lower`, the least value the mean can take (0 for a loss): the part of the normal
+    interval below it holds no possible mean, so cutting it keeps the coverage (a mean that
+    lay in the normal interval lies in the cut one) and never reports an impossible bound."""
     n = len(values)
     mean = float(np.mean(values))
     half = Z95 * float(np.std(values, ddof=1)) / math.sqrt(n) if n > 1 else math.nan
-    return mean, (mean - half, mean + half)
+    return mean, (max(lower, mean - half) if n > 1 else math.nan, mean + half)

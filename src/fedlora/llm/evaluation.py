@@ -278,8 +278,8 @@ def evaluate(
         mc.append(mc_loss(scores, gold))
         nll.append(-float(np.mean(tok_lps[gold][start:])))
     n = len(examples)
-    loss, loss_ci = mean_interval(nll)
-    mc_mean, mc_ci = mean_interval(mc)
+    loss, loss_ci = mean_interval(nll, lower=0.0)  # both are losses: >= 0
+    mc_mean, mc_ci = mean_interval(mc, lower=0.0)
     acc_norm = sum(norm_correct) / n if norm_correct else math.nan
     return EvalResult(
         task=task or examples[0].task,

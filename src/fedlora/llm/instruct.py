@@ -239,7 +239,7 @@ def response_loss(
             tok = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
             per = -(tok * mask).sum(1) / mask.sum(1)
             nll.extend(float(x) for x in per.cpu())
-    loss, (lo, hi) = mean_interval(nll)
+    loss, (lo, hi) = mean_interval(nll, lower=0.0)
     return ResponseLoss(
         task=task or records[0].task,
         n=len(kept),

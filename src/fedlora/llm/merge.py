@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedlora.errors import ConfigError
+from fedlora.errors import ConfigError, bad_value
+from fedlora.files import atomic_write, write_directory
 
 
 def lora_deltas(state: Mapping[str, Any], scaling: float) -> dict[str, torch.Tensor]:
@@ -96,11 +97,62 @@ def merge_into(
     return names
 
 
-def save_merged(model: Any, tokenizer: Any, out_dir: str | Path) -> None:
+EXPORT_MARKER = "fedlora_export.json"  # what `save_merged` wrote: the only files it replaces
+
+
+def check_export_out(out: Path, overwrite: bool) -> None:
+    """Refuse, before anything loads, an OUT that `save_merged` may not write: a link, a file,
+    a non-empty directory without `overwrite`, or (with it) one that is not an earlier
+    fedlora export holding only the files that export wrote."""
+    out = Path(out)
+    if out.is_symlink():
+        raise bad_value("--merged", str(out), "a directory, not a symbolic link (name its target)")
+    if out.exists() and not out.is_dir():
+        raise bad_value("--merged", str(out), "a directory (this is a file)")
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not names:
+        return
+    if not overwrite:
+        raise ConfigError(f"--merged {str(out)!r} exists and is not empty: pass --overwrite")
+    try:
+        written = json.loads((out / EXPORT_MARKER).read_text(encoding="utf-8"))["files"]
+        if not isinstance(written, list):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"--merged {str(out)!r} --overwrite: it is not a fedlora export (no readable "
+            f"{EXPORT_MARKER}); fedlora replaces only its own exports: move it away or choose "
+            "another --merged"
+        ) from None
+    foreign = [n for n in names if n not in written and n != EXPORT_MARKER]
+    if foreign:
+        raise ConfigError(
+            f"--merged {str(out)!r} --overwrite: it holds files the export did not write "
+            f"({', '.join(foreign[:6])}{', ...' if len(foreign) > 6 else ''}); move them away "
+            "or choose another --merged"
+        )
+
+
+def non_finite_weights(model: nn.Module, names: list[str]) -> list[str]:
+    """The layers among `names` whose weight holds NaN or ±inf (a sum that overflowed)."""
+    modules = dict(model.named_modules())
+    return [n for n in names if not bool(torch.isfinite(modules[n].weight).all())]
+
+
+def save_merged(
+    model: Any, tokenizer: Any, out_dir: str | Path, record: Mapping[str, Any] | None = None
+) -> None:
     """The model and its tokenizer as a transformers directory (safetensors) that
-    ``AutoModelForCausalLM.from_pretrained`` loads alone; the KV cache on, for generation."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    ``AutoModelForCausalLM.from_pretrained`` loads alone; the KV cache on, for generation.
+    Written whole or not at all (`fedlora.files.write_directory`: a staging sibling renamed
+    to `out_dir`), with `EXPORT_MARKER` listing its files and `record` (where it came from)."""
     model.config.use_cache = True
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
+
+    def fill(staging: Path) -> None:
+        model.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+        files = sorted(p.name for p in staging.iterdir())
+        marker = {"format": 1, **dict(record or {}), "files": files}
+        atomic_write(staging / EXPORT_MARKER, (json.dumps(marker, indent=2) + "\n").encode())
+
+    write_directory(Path(out_dir), fill)

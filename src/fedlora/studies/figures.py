@@ -12,12 +12,14 @@ with the range it reached.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fedlora.federation.methods.references import REFERENCES
+from fedlora.files import atomic_write
 from fedlora.studies.claims import Group, groups, paired_runs, reference_group
 from fedlora.studies.runs import RunRecord, eval_constant, level_at, points
 from fedlora.studies.seeds import t_interval95
@@ -62,8 +64,10 @@ def save_figure(fig: Any, path: Path, *, axes: Sequence[Any] = (), title: str = 
         fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()  # written by fedlora, never through a link at `path`
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    atomic_write(path, image.getvalue())
     return path
 
 

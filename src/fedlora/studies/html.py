@@ -15,6 +15,8 @@ import html
 import re
 from pathlib import Path
 
+from fedlora.files import atomic_write
+
 _IMAGE = re.compile(r"^!\[([^\]]*)\]\(([^)]+)\)$")
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em;
@@ -132,5 +134,6 @@ def write_html(report_md: Path) -> Path:
     text = report_md.read_text(encoding="utf-8")
     first = next((x for x in text.splitlines() if x.startswith("# ")), "# fedlora report")
     out = report_md.with_suffix(".html")
-    out.write_text(markdown_to_html(text, report_md.parent, first[2:].strip()), encoding="utf-8")
+    page = markdown_to_html(text, report_md.parent, first[2:].strip())
+    atomic_write(out, page.encode("utf-8"))  # never through a link at report.html
     return out

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fedlora.errors import ConfigError, DataError, bad_value
+from fedlora.files import atomic_write, refuse_link
 from fedlora.studies.plots import plot_losses, plot_runs
 from fedlora.studies.runs import REFERENCE, RunRecord
 from fedlora.studies.tables import (
@@ -154,6 +155,27 @@ def _time_sections(
     return out
 
 
+# what `fedlora report` writes into --out (the first run's directory by default)
+REPORT_FILES = (
+    "report.md",
+    "report.html",
+    "accuracy_vs_time.png",
+    "eval_loss_vs_time.png",
+    "accuracy_bands.png",
+    "eval_loss_bands.png",
+    "accuracy_paired.png",
+    "eval_loss_paired.png",
+)
+
+
+def refuse_linked_outputs(out: Path) -> None:
+    """Refuse, before anything is written, an --out where a report file is a symbolic link
+    (each file is also opened without following one: `fedlora.files.atomic_write`)."""
+    for name in REPORT_FILES:
+        if (out / name).is_symlink():
+            raise refuse_link(out / name)
+
+
 def write_report(
     runs: Sequence[RunRecord],
     targets: dict[str, float],
@@ -177,25 +199,27 @@ def write_report(
         if not (isinstance(value, (int, float)) and 0 < value <= 1):
             raise ConfigError(f"target {task} = {value!r} is invalid: an accuracy in (0, 1]")
     out = Path(out_dir)
+    refuse_linked_outputs(out)
     if target_loss is not None and not (
         isinstance(target_loss, (int, float)) and math.isfinite(target_loss) and target_loss > 0
     ):
         raise bad_value("--target-loss", target_loss, "an eval_loss > 0")
+    # rendered first: what it reads and checks (a damaged summary) refuses before any write
+    text = render_markdown(
+        runs,
+        targets,
+        title=title,
+        order=order,
+        command=command,
+        note=note,
+        target_loss=target_loss,
+        mcnemar=mcnemar,
+    )
     try:
         out.mkdir(parents=True, exist_ok=True)
         plot_runs([r for r in runs if r.lines], targets, out / "accuracy_vs_time.png", title)
         plot_losses([r for r in runs if r.lines], out / "eval_loss_vs_time.png", target_loss, title)
-        text = render_markdown(
-            runs,
-            targets,
-            title=title,
-            order=order,
-            command=command,
-            note=note,
-            target_loss=target_loss,
-            mcnemar=mcnemar,
-        )
-        (out / "report.md").write_text(text, encoding="utf-8")
+        atomic_write(out / "report.md", text.encode("utf-8"))  # never through a link
     except OSError as e:
         where = f" {e.filename!r}" if e.filename else ""
         raise ConfigError(f"--out {str(out)!r}: cannot write{where}: {e.strerror or e}") from None

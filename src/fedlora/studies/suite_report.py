@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.files import append_file
 from fedlora.studies.figures import plot_paired
 from fedlora.studies.html import write_html
 from fedlora.studies.reclock import reclock
@@ -199,8 +200,7 @@ def _append_powered(
         )
         if drawn is not None:
             images.append(f"![{metric}: paired difference to the reference method]({name})")
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text + "\n" + "\n\n".join(images) + "\n")
+    append_file(path, (text + "\n" + "\n\n".join(images) + "\n").encode("utf-8"))
     return path
 
 

@@ -283,7 +283,24 @@ def _infinite(p: dict) -> str:
     return "∞ (σ = 0: no guarantee)"
 
 
+# what fedlora writes in summary.json's `privacy`: (lowest, highest, whether the bounds are
+# excluded); a value outside (a NaN, a negative ε: a summary altered or damaged) is refused
+_PRIVACY_RANGES = {
+    "max_epsilon": (0.0, math.inf, False, "a finite ε >= 0 (null: ∞)"),
+    "noise_multiplier": (0.0, math.inf, False, "a finite σ >= 0"),
+    "clip_norm": (0.0, math.inf, True, "a finite C > 0"),
+    "delta": (0.0, 1.0, True, "a δ in (0, 1)"),
+}
+
+
 def _number(value: object, key: str, run: RunRecord) -> str:
+    lo, hi, open_, allowed = _PRIVACY_RANGES[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DataError(f"{run.path}/summary.json: privacy.{key} = {value!r} is not a number")
+    inside = lo < value < hi if open_ else lo <= value < hi
+    if not (math.isfinite(value) and inside):
+        raise DataError(
+            f"{run.path}/summary.json: privacy.{key} = {value!r} is invalid: {allowed} "
+            "(fedlora never writes another; the file was altered or damaged)"
+        )
     return f"{value:.4g}"

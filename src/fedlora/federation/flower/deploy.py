@@ -28,6 +28,7 @@ from fedlora.errors import ConfigError, bad_value
 from fedlora.federation.flower.common import safe_env
 from fedlora.federation.flower.processes import descendants, signal_pids, stop_process
 from fedlora.federation.flower.worker import LOOPBACK, check_loopback, wait_ready
+from fedlora.files import open_for_write
 
 WORKER_MODULE = "fedlora.federation.flower.worker_main"  # python -m WORKER_MODULE --port P
 LOG_MARKER = ".fedlora-logs"  # a log folder fedlora made: its own log names are rewritten
@@ -132,8 +133,8 @@ class LocalDeployment:
     def _popen(self, args: list[str], log_name: str) -> subprocess.Popen:
         check_log_dir(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        (self.log_dir / LOG_MARKER).touch()
-        log = open(self.log_dir / log_name, "wb")  # noqa: SIM115 - closed with the process
+        open_for_write(self.log_dir / LOG_MARKER, append=True).close()  # never through a link
+        log = open_for_write(self.log_dir / log_name)  # closed with the process
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )

@@ -29,6 +29,7 @@ import numpy as np
 
 from fedlora.config.toml_io import read_user_file
 from fedlora.errors import ConfigError, DataError, shown
+from fedlora.files import append_file
 
 NODE_TIMES = "node_times.csv"
 NODE_TIMES_COLUMNS = (
@@ -62,12 +63,9 @@ def append_node_times(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """Append a round's rows to node_times.csv (header on first write). A resumed run may
     append a replayed round again; `read_node_times` keeps the last row per (round, client)."""
     path = run_dir / NODE_TIMES
-    new = not path.exists()
-    with path.open("a", encoding="utf-8") as f:
-        if new:
-            f.write(",".join(NODE_TIMES_COLUMNS) + "\n")
-        for row in rows:
-            f.write(",".join(repr(row[c]) for c in NODE_TIMES_COLUMNS) + "\n")
+    lines = [] if path.exists() else [",".join(NODE_TIMES_COLUMNS)]
+    lines += [",".join(repr(row[c]) for c in NODE_TIMES_COLUMNS) for row in rows]
+    append_file(path, "".join(x + "\n" for x in lines).encode("utf-8"))  # never through a link
 
 
 # what each column of node_times.csv may hold: (integer?, lowest, lowest excluded?)

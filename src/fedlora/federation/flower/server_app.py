@@ -55,7 +55,7 @@ from fedlora.federation.run import entered
 from fedlora.federation.rundir import run_dir_for
 from fedlora.federation.runstate import build_run
 from fedlora.federation.trainer import Trained, Trainer, TrainingDiverged
-from fedlora.files import atomic_write
+from fedlora.files import atomic_write, remove_own_file
 from fedlora.llm.device import Resolution
 
 apply_safe_env()
@@ -177,7 +177,7 @@ def run_server(
             )
         )
         if resume:
-            (run_dir / "error.txt").unlink(missing_ok=True)
+            remove_own_file(run_dir / "error.txt")
         try:
             return _run_server(grid, runtime, opts, run_dir, wall_start, log, resume=resume)
         except Exception as e:  # leave a trace in the run directory for whoever waits on it
@@ -199,7 +199,7 @@ def _run_server(
     run = build_run(runtime, run_dir, log=log)
     clients = discover_nodes(grid, cfg, run.fed, opts, log=log)
     if not resume:
-        (run_dir / NODE_TIMES).unlink(missing_ok=True)
+        remove_own_file(run_dir / NODE_TIMES)
     trainer = FlowerTrainer(grid, cfg, clients, opts, log, run_dir=run_dir)
     trainer.base_delta = lambda: run.base_delta  # the nodes train on the server's base
     if cfg.privacy.secure_aggregation:
