@@ -228,6 +228,7 @@ def write_directory(out: Path, fill: Callable[[Path], None]) -> None:
     out = Path(out)
     if out.is_symlink():
         raise refuse_link(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(out)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}{STAGING}{os.getpid()}-"))
     old = None
