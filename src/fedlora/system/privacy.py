@@ -26,10 +26,13 @@ ConfigError naming the extra when it is missing. Pure numpy otherwise: no torch,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from fedlora.errors import ConfigError
 
@@ -71,28 +74,112 @@ def _dp_event(kind: str, rate: float, sigma: float, n_clients: int):  # -> a DpE
     raise ValueError(f"unknown privacy event kind {kind!r} (allowed: {', '.join(EVENT_KINDS)})")
 
 
-@functools.lru_cache(maxsize=4096)
-def _epsilon_cached(events: tuple[SigmaEvent, ...], delta: float, n_clients: int) -> float:
-    events = tuple(e for e in events if e[3])
-    if not events:
-        return 0.0
-    if any(kind == UNPROTECTED or sigma <= 0 for kind, _, sigma, _ in events):
-        return math.inf
-    dpa = _accounting()
-    uniform = any(kind == "uniform" for kind, _, _, _ in events)
-    relation = dpa.NeighboringRelation
-    accountant = dpa.rdp.RdpAccountant(
-        neighboring_relation=relation.REPLACE_ONE if uniform else relation.ADD_OR_REMOVE_ONE
-    )
-    absl = logging.getLogger("absl")  # orders whose series does not converge are dropped
-    level = absl.level  # by the library with a warning per order: keep them off the terminal
+@contextlib.contextmanager
+def _quiet_absl():
+    """dp-accounting drops the orders whose series does not converge with a warning per
+    order: keep them off the terminal."""
+    absl = logging.getLogger("absl")
+    level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        for kind, rate, sigma, count in events:
-            accountant.compose(_dp_event(kind, rate, sigma, n_clients), count)
-        return float(accountant.get_epsilon(delta))
+        yield
     finally:
         absl.setLevel(level)
+
+
+@functools.lru_cache(maxsize=65536)
+def _event_rdp(kind: str, rate: float, sigma: float, n_clients: int) -> np.ndarray:
+    """One round's RDP at dp-accounting's default orders of one event, from its accountant
+    (read-only; cached: a client's rate repeats over rounds, so each (kind, rate, σ) is
+    computed once, not once per client and round)."""
+    dpa = _accounting()
+    relation = dpa.NeighboringRelation
+    replace_one = kind == "uniform" and int(round(rate * n_clients)) < n_clients
+    accountant = dpa.rdp.RdpAccountant(
+        neighboring_relation=relation.REPLACE_ONE if replace_one else relation.ADD_OR_REMOVE_ONE
+    )
+    with _quiet_absl():
+        accountant.compose(_dp_event(kind, rate, sigma, n_clients), 1)
+    rdp = accountant.rdp
+    rdp.setflags(write=False)
+    return rdp
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon_cached(events: tuple[SigmaEvent, ...], delta: float, n_clients: int) -> float:
+    return float(histories_epsilons([events], delta, n_clients)[0])
+
+
+def histories_epsilons(
+    histories: Sequence[Sequence[SigmaEvent]], delta: float, n_clients: int = 0
+) -> np.ndarray:
+    """ε(δ) of many histories at once: each history's RDP composed as dp-accounting's
+    `RdpAccountant` composes it (count times each event's RDP, added in order), and the
+    conversion of its `compute_epsilon` applied to all of them with numpy (`_to_epsilon`), so
+    a round with N clients at N different rates costs N sums of cached vectors, not N
+    accountants. Empty history: 0; an event with σ = 0 or released without noise: inf."""
+    orders = _orders()
+    rdp = np.zeros((len(histories), len(orders)))
+    empty = np.zeros(len(histories), dtype=bool)
+    for i, events in enumerate(histories):
+        events = [e for e in events if e[3]]
+        empty[i] = not events
+        if any(kind == UNPROTECTED or sigma <= 0 for kind, _, sigma, _ in events):
+            rdp[i] = math.inf
+            continue
+        for kind, rate, sigma, count in events:
+            rdp[i] += count * _event_rdp(kind, rate, sigma, n_clients)
+    eps = _to_epsilon(rdp, delta)
+    eps[empty] = 0.0
+    return eps
+
+
+def columns_epsilons(columns: Sequence[dict], delta: float, n_clients: int) -> np.ndarray:
+    """Every client's ε(δ) from a ledger's event columns (`fedlora.system.privacy_ledger`:
+    each {"kind", "sigma", "rates" (N,), "counts" (N,)}): client n's RDP is the sum over the
+    columns of counts[n] times the event's RDP at rates[n], one cached vector per distinct
+    rate, then `_to_epsilon`; numpy over the clients. No event: 0; an event with σ = 0 or
+    released without noise: inf."""
+    rdp = np.zeros((n_clients, len(_orders())))
+    exposed = np.zeros(n_clients, dtype=bool)
+    unbounded = np.zeros(n_clients, dtype=bool)
+    for c in columns:
+        on = np.asarray(c["counts"]) > 0
+        if not on.any():
+            continue
+        exposed |= on
+        if c["kind"] == UNPROTECTED or c["sigma"] <= 0:
+            unbounded |= on
+            continue
+        values, back = np.unique(np.asarray(c["rates"])[on], return_inverse=True)
+        table = np.stack([_event_rdp(c["kind"], float(v), c["sigma"], n_clients) for v in values])
+        rdp[on] += np.asarray(c["counts"])[on][:, None] * table[back]
+    eps = _to_epsilon(rdp, delta)
+    eps[unbounded] = math.inf
+    eps[~exposed] = 0.0
+    return eps
+
+
+def _to_epsilon(rdp: np.ndarray, delta: float) -> np.ndarray:
+    """dp-accounting's `compute_epsilon` on every row of `rdp` (histories × orders): per
+    order, r + log(1 − 1/α) − log(δα)/(α − 1) (Canonne, Kamath & Steinke 2020, Prop. 12);
+    0 where the KL bound gives it (δ² + e^{−r} − 1 > 0) or r < 0; inf for α <= 1.01; the
+    order of the first smallest value, at least 0. The terms of the orders are computed with
+    `math` as the library does, so the values are the library's, bit for bit (tested)."""
+    orders = _orders()
+    gain = np.array([math.log1p(-1 / a) for a in orders])
+    cost = np.array([math.log(delta * a) / (a - 1) if a > 1.01 else 0.0 for a in orders])
+    with np.errstate(invalid="ignore", over="ignore"):
+        eps = rdp + gain - cost
+        eps = np.where(orders > 1.01, eps, math.inf)
+        eps = np.where((delta**2 + np.expm1(-rdp) > 0) | (rdp < 0), 0.0, eps)
+    best = eps[np.arange(len(eps)), np.argmin(eps, axis=1)] if eps.size else eps[:, 0]
+    return np.maximum(0.0, best)
+
+
+@functools.lru_cache(maxsize=1)
+def _orders() -> np.ndarray:
+    return _accounting().rdp.RdpAccountant().orders
 
 
 def history_epsilon(events: Sequence[SigmaEvent], delta: float, n_clients: int = 0) -> float:

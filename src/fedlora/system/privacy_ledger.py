@@ -9,25 +9,28 @@ from them):
                ``{"rounds": [first, last], "mode", "noise_multiplier", "clip_norm",
                "sampling"}``; a round released without noise (``privacy.mode = "none"``
                before a resume into DP) has mode "none"
-    clients    per client, how many rounds exposed it at each (kind, rate q, σ): the events
-               `fedlora.system.privacy.history_epsilon` composes, each at its own σ
+    columns    every client's events, as columns over the clients: (kind, σ) with each
+               client's rate q_n and count of rounds; a round at the rates of an earlier
+               column adds to its counts (constant q: one column; a new plan: a new one)
 
 so a run resumed with another σ composes the old rounds at the old σ and the new at the new,
-and a run that released un-noised adapters reports ε = inf. Pure Python; no I/O.
+and a run that released un-noised adapters reports ε = inf.
+
+A round updates the columns with numpy, and every client's ε is one sum of cached RDP vectors
+and one conversion, both numpy over the clients (`fedlora.system.privacy.columns_epsilons`):
+with N clients at N different rates, no Python work per client and round
+(bench/cohort_scaling.py --accounting). Pure Python and numpy; no I/O.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fedlora.system.privacy import RATE_DIGITS, UNPROTECTED, history_epsilon
-
-Key = tuple[str, float, float]  # (kind, rate, σ)
+from fedlora.system.privacy import RATE_DIGITS, UNPROTECTED, columns_epsilons
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,9 @@ class PrivacyLedger:
 
     def __init__(self, n_clients: int) -> None:
         self.n = int(n_clients)
-        self.clients: list[dict[Key, int]] = [{} for _ in range(self.n)]
+        # event columns: {"kind", "sigma", "rates" (N,), "counts" (N,)}, one per (kind, σ,
+        # rate vector) in the order they were first used
+        self.columns: list[dict[str, Any]] = []
         self.segments: list[dict[str, Any]] = []
         self.rounds = 0  # rounds accounted (with or without noise)
 
@@ -76,17 +81,34 @@ class PrivacyLedger:
         if isinstance(saved, dict):
             ledger.rounds = int(saved["rounds"])
             ledger.segments = [dict(s) for s in saved["segments"]]
-            clients = saved["clients"]
-        else:
-            ledger.rounds = int(legacy_rounds)
-            clients = [[[k, r, legacy_sigma, c] for k, r, c in events] for events in saved]
-        for i, events in enumerate(clients):
-            for kind, rate, sigma, count in events:
-                ledger.clients[i][(str(kind), float(rate), float(sigma))] = int(count)
+            ledger.columns = [
+                {
+                    "kind": str(c["kind"]),
+                    "sigma": float(c["sigma"]),
+                    "rates": np.asarray(c["rates"], dtype=float),
+                    "counts": np.asarray(c["counts"], dtype=np.int64),
+                }
+                for c in saved["columns"]
+            ]
+            return ledger
+        ledger.rounds = int(legacy_rounds)
+        for i, events in enumerate(saved):
+            for kind, rate, count in events:
+                rates = np.zeros(ledger.n)
+                rates[i] = float(rate)
+                counts = np.zeros(ledger.n, dtype=np.int64)
+                counts[i] = int(count)
+                ledger._add_column(str(kind), float(legacy_sigma), rates, counts)
         return ledger
 
     def copy(self) -> PrivacyLedger:
-        return copy.deepcopy(self)
+        other = PrivacyLedger(self.n)
+        other.columns = [
+            {**c, "rates": c["rates"].copy(), "counts": c["counts"].copy()} for c in self.columns
+        ]
+        other.segments = [dict(s) for s in self.segments]
+        other.rounds = self.rounds
+        return other
 
     def record(
         self,
@@ -99,12 +121,9 @@ class PrivacyLedger:
         (where `mask` is true, or all)."""
         self.rounds += 1
         self._add_segment(setting, 1)
-        rates = np.broadcast_to(np.asarray(rates, dtype=float), (self.n,))
-        sigma = float(setting.noise_multiplier)
-        for i in range(self.n):
-            if mask is None or mask[i]:
-                key = (kind, round(float(rates[i]), RATE_DIGITS), sigma)
-                self.clients[i][key] = self.clients[i].get(key, 0) + 1
+        rates = np.round(np.broadcast_to(np.asarray(rates, dtype=float), (self.n,)), RATE_DIGITS)
+        exposed = np.ones(self.n, bool) if mask is None else np.asarray(mask, dtype=bool)
+        self._add_column(kind, float(setting.noise_multiplier), rates, exposed.astype(np.int64))
 
     def record_unprotected(self, rounds: int) -> None:
         """`rounds` rounds that released the adapter without noise: every client exposed
@@ -113,9 +132,20 @@ class PrivacyLedger:
             return
         self.rounds += rounds
         self._add_segment(NO_PRIVACY, rounds)
-        key = (UNPROTECTED, 1.0, 0.0)
-        for events in self.clients:
-            events[key] = events.get(key, 0) + rounds
+        self._add_column(UNPROTECTED, 0.0, np.ones(self.n), np.full(self.n, rounds, np.int64))
+
+    def _add_column(self, kind: str, sigma: float, rates: np.ndarray, counts: np.ndarray) -> None:
+        """Add `counts` to the column of (kind, σ) whose rates agree where they count (a round
+        at the rates of an earlier one: the same event again), or start a new column."""
+        for c in self.columns:
+            if c["kind"] != kind or c["sigma"] != sigma:
+                continue
+            both = (c["counts"] > 0) & (counts > 0)
+            if np.array_equal(c["rates"][both], rates[both]):
+                c["rates"] = np.where(counts > 0, rates, c["rates"])
+                c["counts"] = c["counts"] + counts
+                return
+        self.columns.append({"kind": kind, "sigma": sigma, "rates": rates, "counts": counts})
 
     def _add_segment(self, setting: RoundSetting, rounds: int) -> None:
         first = self.rounds - rounds + 1
@@ -133,19 +163,31 @@ class PrivacyLedger:
             s["rounds"][1] - s["rounds"][0] + 1 for s in self.segments if s["mode"] == "none"
         )
 
-    def epsilons(self, delta: float) -> list[float]:
-        """Every client's ε(δ) so far, each round at its own σ."""
+    def history(self, client: int) -> list[tuple[str, float, float, int]]:
+        """Client `client`'s events (kind, rate, σ, count)."""
         return [
-            history_epsilon([(k, r, s, c) for (k, r, s), c in events.items()], delta, self.n)
-            for events in self.clients
+            (c["kind"], float(c["rates"][client]), c["sigma"], int(c["counts"][client]))
+            for c in self.columns
+            if c["counts"][client]
         ]
+
+    def epsilons(self, delta: float) -> list[float]:
+        """Every client's ε(δ) so far, each round at its own σ (`columns_epsilons`: numpy over
+        the clients, each distinct (kind, rate, σ) accounted once)."""
+        return columns_epsilons(self.columns, delta, self.n).tolist()
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "rounds": self.rounds,
             "segments": [dict(s) for s in self.segments],
-            "clients": [
-                [[k, r, s, c] for (k, r, s), c in sorted(events.items())] for events in self.clients
+            "columns": [
+                {
+                    "kind": c["kind"],
+                    "sigma": c["sigma"],
+                    "rates": c["rates"].tolist(),
+                    "counts": c["counts"].tolist(),
+                }
+                for c in self.columns
             ],
         }
 
