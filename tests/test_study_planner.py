@@ -421,3 +421,18 @@ def test_analysed_runs_are_not_stopped_by_the_pilots_round_cap(tmp_path):
 
     run_stage(spec, tmp_path, run_fn=fake, log=lambda m: None, seeds=[0], arms_only=["fslora"])
     assert seen == [(ANALYSED_ROUND_CAP, 2.0)] and ANALYSED_ROUND_CAP > spec.round_cap()
+
+
+def test_report_refuses_a_run_whose_config_was_edited(tiny_study):
+    # issue 39 item 15: a run's config.toml edited by hand (an lr no arm sets) is refused
+    _, out, _, _ = tiny_study
+    path = out / "fslora-seed1" / "config.toml"
+    text = path.read_text()
+    assert "\nlr = 0.05\n" in text
+    path.write_text(text.replace("\nlr = 0.05\n", "\nlr = 5.0\n"))
+    try:
+        with pytest.raises(Exception, match=r"differs from .* at training.lr \(5.0 vs 0.05\)"):
+            write_study_report(out)
+    finally:
+        path.write_text(text)
+    write_study_report(out)  # as written by the runner: accepted

@@ -100,7 +100,54 @@ def load_cells(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, lis
                 raise DataError(f"{run_dir}: missing (run `bench/study_planner.py run` first)")
             row.append(cell(load_run(run_dir), metric, rule))
         cells[arm] = row
+    check_same_protocol(cells, rule)
     return cells
+
+
+# the sections every analysed run shares, apart from its arm's own overrides and its seed
+SHARED_SECTIONS = ("model", "lora", "data", "network", "training", "evaluation")
+STEP_KEYS = ("training.lr", "method.server_lr")
+
+
+def check_same_protocol(cells: dict[str, list[Cell]], rule: dict[str, Any]) -> None:
+    """Refuse a run whose config differs from the others' beyond its arm's overrides (a
+    config.toml edited by hand: an lr of 5.0): the shared sections must be equal once the
+    keys any arm overrides and training.seed are set aside; under protocol v2 each run's step
+    must be its arm's step in rule.json."""
+    own = {o.split("=", 1)[0].strip() for ovs in rule.get("overrides", {}).values() for o in ovs}
+    own.add("training.seed")
+    steps = rule.get("step_values")
+    if steps:
+        own.update(STEP_KEYS)
+    first: tuple[str, dict] | None = None
+    for arm, row in cells.items():
+        label = rule["fixed_best"] if arm == "fixed-best" else arm
+        for c in row:
+            conf = c.run.config
+            flat = {
+                f"{sec}.{key}": value
+                for sec in SHARED_SECTIONS
+                for key, value in (conf.get(sec) or {}).items()
+                if f"{sec}.{key}" not in own
+            }
+            if first is None:
+                first = (c.run.path.name, flat)
+            diff = sorted(k for k in set(flat) | set(first[1]) if flat.get(k) != first[1].get(k))
+            if conf and first[1] and diff:
+                raise DataError(
+                    f"{c.run.path}: its config differs from {first[0]}'s at {diff[0]} "
+                    f"({flat.get(diff[0])!r} vs {first[1].get(diff[0])!r}), which no arm "
+                    "overrides: not a run of this study"
+                )
+            if steps and conf and label in steps:
+                key = rule["step_keys"][label]
+                sec, name = key.split(".")
+                value = (conf.get(sec) or {}).get(name)
+                if value is None or abs(float(value) - steps[label]) > 1e-12 * steps[label]:
+                    raise DataError(
+                        f"{c.run.path}: {key} = {value!r}, but rule.json gives {arm} the step "
+                        f"{steps[label]!r}: not a run of this study"
+                    )
 
 
 def cell(run: RunRecord, metric: Metric, rule: dict[str, Any]) -> Cell:
