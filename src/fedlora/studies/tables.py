@@ -286,7 +286,8 @@ def _infinite(p: dict) -> str:
 # what fedlora writes in summary.json's `privacy`: (lowest, highest, whether the bounds are
 # excluded); a value outside (a NaN, a negative ε: a summary altered or damaged) is refused
 _PRIVACY_RANGES = {
-    "max_epsilon": (0.0, math.inf, False, "a finite ε >= 0 (null: ∞)"),
+    "largest_epsilon": (0.0, math.inf, False, "a finite ε >= 0 (null: ∞)"),
+    "max_epsilon": (0.0, math.inf, False, "a finite ε >= 0 (null: ∞)"),  # before the ledger
     "noise_multiplier": (0.0, math.inf, False, "a finite σ >= 0"),
     "clip_norm": (0.0, math.inf, True, "a finite C > 0"),
     "delta": (0.0, 1.0, True, "a δ in (0, 1)"),
