@@ -155,7 +155,7 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
   is refused without reading) of at most 64 MiB (`fedlora.config.toml_io.MAX_FILE_BYTES`);
   data files (`data.mc_files`, `mc_eval_files`, `instruct_files`, `instruct_eval_files`),
   task files (`data.task_files`, a data directory's splits, `fedlora eval --task-file`) by
-  the same rule of at most 1 GiB (`fedlora.files.MAX_DATA_BYTES`), and `data.chat_template`
+  the same rule of at most 1 GiB (`fedlora.files.data.MAX_DATA_BYTES`), and `data.chat_template`
   of at most 1 MiB.
 - **Every parse names the file and the line.** A CSV field over csv's limit (131,072
   characters), a JSON number of more than 4,300 digits and JSON nested past the parser's

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from fedlora.errors import DataError, cut, shown
-from fedlora.files import read_data_text
+from fedlora.files.data import read_data_text
 
 MAX_TEMPLATE_BYTES = 2**20  # a chat template is a few KiB; 1 MiB is far above any model's
 RENDER_SECONDS = 5.0  # one rendering of one conversation (milliseconds for a real template)

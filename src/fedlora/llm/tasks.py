@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import DataError, cut
-from fedlora.files import json_list_records, read_data_text
+from fedlora.files.data import json_list_records, read_data_text
 from fedlora.llm.task_registry import BUILTIN_TASKS, TASKS, get_task
 from fedlora.llm.task_types import TaskSpec
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fedlora.errors import DataError, shown
-from fedlora.files import read_data_records
+from fedlora.files.data import read_data_records
 from fedlora.llm.harness import harness_request
 from fedlora.llm.task_registry import QUESTION_LEAD_IN, TASKS, question_answer, register_task
 from fedlora.llm.task_types import TaskSpec
@@ -133,7 +133,7 @@ def hub_records(spec: str) -> list[tuple[str, Any]]:
 
 def read_records(path: str) -> list[tuple[str, Any]]:
     """(where, record) for every record of a .json (a list), .jsonl or .csv file (`where`
-    names the file and the line the record starts on; `fedlora.files.read_data_records`: a
+    names the file and the line the record starts on; `fedlora.files.data.read_data_records`: a
     regular file, bounded), or of a hub dataset ``hf:owner/name[:config]@split``
     (`hub_records`: the record's index)."""
     if path.startswith(HUB_PREFIX):

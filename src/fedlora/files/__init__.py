@@ -10,30 +10,24 @@ writers: the one way fedlora writes a whole file (`atomic_write`), appends to on
 (`append_file`), opens one (`open_for_write`) or deletes one (`remove_own_file`), never through
 a link, shared by the run directory, the reports, the adapter export and the caches.
 
-The user's data files (`read_data_records`: .json lists, .jsonl and .csv records with the
-line each starts on; `read_data_text` for a task or template file) are read the same way,
-bounded by `MAX_DATA_BYTES`, and every way a parse can fail (a CSV field over csv's limit,
-a number of thousands of digits, nesting past the parser's depth) is a `DataError` naming
-the file and the line.
+The user's data files are read by `fedlora.files.data`, the same way.
 """
 
 from __future__ import annotations
 
-import csv
 import errno
-import io
 import json
 import os
 import shutil
 import stat
-import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from fedlora.config.toml_io import read_user_file
-from fedlora.errors import ConfigError, DataError, bad_value, cut, shown
+from fedlora.errors import ConfigError, bad_value, cut, shown
+from fedlora.files.data import csv_records
 from fedlora.system.client_profiles import ClientProfiles, profiles_from_rows
 from fedlora.system.planner.problem import PlanOptions, PlanProblem
 from fedlora.system.planner.schema import problem_from_dict
@@ -332,121 +326,3 @@ def load_problem(
     p = Path(path)
     raw = _parse_json(p, _read_text(p))
     return problem_from_dict(raw, source=str(p), overrides=overrides)
-
-
-# ----------------------------------------------------------------------------- data files
-
-MAX_DATA_BYTES = 2**30  # the largest data or task file fedlora reads (1 GiB)
-DATA_SUFFIXES = (".json", ".jsonl", ".csv")
-
-
-def read_data_text(path: str | Path, what: str, max_bytes: int = MAX_DATA_BYTES) -> str:
-    """The UTF-8 text (a BOM dropped) of the data, task or template file `path`: a regular
-    file of at most `max_bytes` (`read_user_file`: a link to /dev/zero or a FIFO is refused
-    unread). `DataError` naming `what` and the file when it is missing, unreadable or not
-    UTF-8 (the line of the first bad byte)."""
-    p = Path(path)
-    try:
-        data = read_user_file(p, what, max_bytes)
-    except FileNotFoundError:
-        raise DataError(f"{what}: {shown(str(p))} does not exist") from None
-    except OSError as e:
-        raise DataError(f"{what}: cannot read {shown(str(p))}: {e.strerror or e}") from None
-    try:
-        return data.decode("utf-8-sig")  # -sig: spreadsheets prepend a BOM
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{cut(str(p))}: line {line}: not UTF-8 text (byte {e.start})") from None
-
-
-def json_failure(e: Exception) -> str:
-    """Why a JSON value could not be read, without its text: the parser's message, or the
-    limits of Python's parser (nesting, digits) that raise something else."""
-    if isinstance(e, json.JSONDecodeError):
-        return e.msg
-    if isinstance(e, RecursionError):
-        return "nested too deeply (JSON lists and objects inside each other, hundreds deep)"
-    limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 4300
-    return f"a number of more than {limit:,} digits"
-
-
-def json_list_records(text: str, source: str) -> Iterator[tuple[int, Any]]:
-    """The values of a JSON list with the line each starts on (one parse per record, so an
-    error names its record's line; lines counted as the parse goes, never from the start)."""
-    decoder = json.JSONDecoder()
-    pos = len(text) - len(text.lstrip())
-    line, counted = 1 + text.count("\n", 0, pos), pos
-    if not text.startswith("[", pos):
-        raise DataError(f"{source}: line {line}: expected a JSON list of records (or use .jsonl)")
-    pos += 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text):
-            raise DataError(f"{source}: the JSON list is not closed with ']'")
-        line, counted = line + text.count("\n", counted, pos), pos
-        if text[pos] == "]":
-            return
-        try:
-            rec, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{source}: line {e.lineno}: {e.msg}") from None
-        except (RecursionError, ValueError) as e:
-            raise DataError(f"{source}: line {line}: {json_failure(e)}") from None
-        yield line, rec
-        pos = end
-
-
-def jsonl_records(text: str, source: str) -> Iterator[tuple[int, Any]]:
-    """The values of a JSON Lines text with their line numbers (blank lines skipped; lines
-    end at \\n only: a JSON string may hold U+2028)."""
-    for n, line in enumerate(text.split("\n"), start=1):
-        if line.strip():
-            try:
-                yield n, json.loads(line)
-            except (RecursionError, ValueError) as e:  # JSONDecodeError is a ValueError
-                raise DataError(
-                    f"{source}: line {n}: not a JSON value: {json_failure(e)}"
-                ) from None
-
-
-def csv_records(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
-    """The rows of a CSV text with a header row, each with the line it starts on (a quoted
-    field may span lines). A field longer than csv's limit, a NUL byte or a broken quote is a
-    `DataError` naming the line."""
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    out, start = [], 2
-    try:
-        for row in reader:
-            out.append((start, row))
-            start = reader.line_num + 1
-    except csv.Error as e:
-        why = str(e)
-        if "field limit" in why:
-            why = f"a field is longer than {csv.field_size_limit():,} characters (csv's limit)"
-        line = reader.reader.line_num  # DictReader's own count stops at the last good row
-        raise DataError(f"{source}: line {line}: not CSV: {why}") from None
-    return out
-
-
-def read_data_records(path: str, what: str = "data file") -> list[tuple[str, Any]]:
-    """(where, record) for every record of a .json (a list), .jsonl or .csv file, `where`
-    naming the file and the line the record starts on; `DataError` for a file that is none
-    of these, holds no record, or does not parse (`read_data_text` bounds the read)."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in DATA_SUFFIXES:
-        raise DataError(
-            f"{shown(path)}: unknown file type {suffix!r}: allowed: {', '.join(DATA_SUFFIXES)}"
-        )
-    text = read_data_text(path, what)
-    source = cut(path)
-    if suffix == ".json":
-        lines = json_list_records(text, source)
-    elif suffix == ".jsonl":
-        lines = jsonl_records(text, source)
-    else:
-        lines = iter(csv_records(text, source))
-    out = [(f"{source}: line {n}", rec) for n, rec in lines]
-    if not out:
-        raise DataError(f"{shown(path)} holds no records")
-    return out
