@@ -309,6 +309,8 @@ def test_a_render_off_the_main_thread_is_bounded_too():
     t.start()
     t.join(10)
     assert out == {"stopped": True, "value": 7}
+    # the abandoned rendering is stopped too, not left spinning for the rest of the process
+    assert not [th for th in threading.enumerate() if th.name == "fedlora-chat-render"]
 
 
 def test_a_good_template_trains_as_before(chat, tmp_path):

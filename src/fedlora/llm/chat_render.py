@@ -46,7 +46,8 @@ def _alarm_free() -> bool:
 def within(seconds: float, fn: Callable[[], T]) -> T:
     """`fn()`, or `RenderTimeout` once `seconds` have passed. On the main thread a SIGALRM
     interrupts it (a Jinja loop is Python code, so it stops there); elsewhere it runs in a
-    daemon thread that is abandoned on timeout (it ends with the process)."""
+    daemon thread that is stopped on timeout by an asynchronous `RenderTimeout` raised in it
+    (`_stop`: the same stop, at the thread's next bytecode), never left spinning."""
     if _alarm_free():
 
         def on_alarm(signum: int, frame: Any) -> None:
@@ -71,10 +72,27 @@ def within(seconds: float, fn: Callable[[], T]) -> T:
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
+        _stop(worker)
         raise RenderTimeout
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def _stop(worker: threading.Thread, wait_s: float = 1.0) -> None:
+    """Raise `RenderTimeout` inside `worker` (CPython's PyThreadState_SetAsyncExc: delivered
+    at its next bytecode, so a Python loop stops; a call into C finishes first) and wait up to
+    `wait_s` for it to end. A thread left spinning holds the GIL's share of every later
+    computation of the process (a test suite ran several times slower beside one)."""
+    import ctypes
+
+    ident = worker.ident
+    if ident is None:
+        return
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(RenderTimeout)
+    )
+    worker.join(wait_s)
 
 
 def template_failure(e: BaseException) -> str:
