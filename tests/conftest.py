@@ -30,3 +30,23 @@ def _no_disk_cache() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fedlora.llm.disk_cache, "ENABLED", False)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_render_thread_left_running() -> Iterator[None]:
+    """No test leaves a chat-template rendering running: a thread left spinning holds a share
+    of the GIL and of a core for the rest of the session (one such thread once made the whole
+    suite several times slower, and Flower's niced Ray workers starved beside it)."""
+    yield
+    import threading
+    import time
+
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        left = [
+            t for t in threading.enumerate() if t.name == "fedlora-chat-render" and t.is_alive()
+        ]
+        if not left:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"{len(left)} chat-template rendering thread(s) left running after the test")
