@@ -1,6 +1,7 @@
 """The package's shape (issue 11, docs/architecture.md): the layers import only downwards,
 the system layer is numpy only, no import cycles between fedlora modules, no import of
-another module's `_private` name, no module over MAX_LINES lines.
+another module's `_private` name, no module over MAX_LINES lines, no function over
+MAX_FUNCTION_LINES lines (issue 38: a function does one thing; split it by concept).
 
 An ast walk over src/fedlora: every `import`/`from ... import` counts, including those inside
 functions (a lazy import hides a cycle from Python, not from the reader). The known size
@@ -17,6 +18,9 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_LINES = 400
+# A function's or method's lines from its `def` line to its last (docstring and comments
+# included, decorators not); no list of known violators: every function passes.
+MAX_FUNCTION_LINES = 80
 
 # Who may import whom (docs/architecture.md): a module imports only from its own layer or a
 # lower one. The system layer imports only fedlora.errors and itself (no config, no I/O).
@@ -340,3 +344,34 @@ def test_module_size(name: str) -> None:
         assert lines > MAX_LINES, f"{name} has {lines} lines now: delete it from KNOWN_OVERSIZE"
     else:
         assert lines <= MAX_LINES, f"{name} has {lines} lines (at most {MAX_LINES})"
+
+
+def _long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Each function or method in `path` (nested ones too) longer than `limit` lines, counted
+    from its `def` line to its last line, as "line N: name (n lines)"."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append(f"line {node.lineno}: {node.name} ({lines} lines)")
+    return found
+
+
+def test_the_function_check_sees_a_long_function(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    path = tmp_path / "m.py"
+    path.write_text(  # short: exactly the limit; C.long: one line over
+        f"@staticmethod\ndef short():\n{body}\n\nclass C:\n"
+        f"    async def long(self):\n        y = 0\n{body.replace('    ', '        ')}"
+    )
+    assert _long_functions(path) == [f"line 85: long ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_function_size(name: str) -> None:
+    path = _modules()[name][0]
+    long = _long_functions(path)
+    assert long == [], (
+        f"{path.relative_to(SRC)}: over {MAX_FUNCTION_LINES} lines, split by concept: {long}"
+    )

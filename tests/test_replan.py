@@ -217,7 +217,8 @@ def test_round_loop_names_no_method():
 
     from fedlora.federation.methods.registry import method_names
 
-    for fn in (engine.run_rounds, engine._one_round, engine.close_round, engine.apply_aggregate):
+    loop = (engine.run_rounds, engine._round_loop, engine._one_round)
+    for fn in (*loop, engine.close_round, engine.apply_aggregate):
         text = inspect.getsource(fn)
         assert "replan" not in text
         assert not [name for name in method_names() if f"{name!r}" in text or f'"{name}"' in text]

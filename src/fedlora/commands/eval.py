@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from fedlora.config.sections import EVAL_FORMATS, SCORINGS
 from fedlora.errors import ConfigError, DataError, bad_value
@@ -26,6 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(acc, acc_norm, mc_loss) for models below 3B parameters, the LLM-Adapters prompt "
         "otherwise (--format). --harness runs lm-eval's own evaluator instead.",
     )
+    _add_what_arguments(p)
+    _add_how_arguments(p)
+    p.set_defaults(func=run_eval)
+
+
+def _add_what_arguments(p: argparse.ArgumentParser) -> None:
+    """What is evaluated: the model, its adapter, the task and which of its questions."""
     p.add_argument(
         "--model",
         required=True,
@@ -63,6 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="leave out the questions the seed-S subset of the same --limit draws (repeatable; "
         'as data.eval_exclude = ["TASK:S"] in a run)',
     )
+
+
+def _add_how_arguments(p: argparse.ArgumentParser) -> None:
+    """How it is evaluated: scoring, prompt format, precision, device, batching, output."""
     p.add_argument(
         "--scoring",
         default="label",
@@ -114,7 +126,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "needs pip install 'fedlora[harness]' (docs/data.md)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run_eval)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -170,9 +181,6 @@ def _apply_adapter(model, adapter: str):
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from fedlora.llm.data import eval_questions
-    from fedlora.llm.tasks import load_task, load_task_file, resolve_data_dir
-
     _check_args(args)
     from fedlora.llm.device import resolve_device_dtype
 
@@ -181,18 +189,7 @@ def run_eval(args: argparse.Namespace) -> int:
         args.device, args.dtype, threads=args.threads or 0, device_field="--device"
     )
     # data first: bad data fails before the (slow) model load
-    if args.task is not None:
-        examples = load_task(args.task, resolve_data_dir(args.data_dir), "test")
-        task = args.task
-    else:
-        examples = load_task_file(args.task_file)
-        task = examples[0].task
-    examples = eval_questions(
-        examples, task, args.limit, args.seed, args.exclude_seed, ("--exclude-seed", "--limit")
-    )
-
-    import torch
-
+    examples, task = _questions(args)
     from fedlora.llm.evaluation import evaluate
     from fedlora.llm.models import load_model
 
@@ -226,51 +223,77 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     _refuse_non_finite(result, args)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "accuracy": result.accuracy,
-                    "n": result.n,
-                    "ci95": list(result.ci95),
-                    "eval_loss": result.loss,
-                    "eval_loss_ci95": list(result.loss_ci95),
-                    "majority": result.majority,
-                    "chance": result.chance,
-                    "task": result.task,
-                    "model": args.model,
-                    "adapter": args.adapter,
-                    "scoring": result.scoring,
-                    "format": fmt,
-                    "acc_norm": result.acc_norm if fmt == "harness" else None,
-                    "acc_norm_ci95": list(result.acc_norm_ci95) if fmt == "harness" else None,
-                    "mc_loss": result.mc_loss,
-                    "mc_loss_ci95": list(result.mc_loss_ci95),
-                    "mc_chance": result.mc_chance,
-                    "dtype": args.dtype,
-                    "device": args.device,
-                    "seed": args.seed,
-                    "exclude_seeds": args.exclude_seed,
-                    "seconds": round(result.seconds, 3),
-                }
-            )
-        )
+        print(json.dumps(_result_json(result, args, fmt)))
     else:
-        lo, hi = result.ci95
-        adapter = f" + {args.adapter}" if args.adapter else ""
-        norm = ""
-        if fmt == "harness":
-            nlo, nhi = result.acc_norm_ci95
-            norm = f"acc_norm {result.acc_norm:.4f} (95% CI {nlo:.4f}-{nhi:.4f}), "
-        mlo, mhi = result.mc_loss_ci95
-        print(
-            f"{result.task}: accuracy {result.accuracy:.4f} (95% CI {lo:.4f}-{hi:.4f}), {norm}"
-            f"n = {result.n}, {result.seconds:.1f} s; most-frequent label "
-            f"{result.majority:.4f}, chance {result.chance:.4f}; mc_loss {result.mc_loss:.4f} "
-            f"(95% CI {mlo:.4f}-{mhi:.4f}, chance {result.mc_chance:.4f}); eval_loss "
-            f"{result.loss:.4f} [{args.model}{adapter}, {args.dtype} on {args.device}, format "
-            f"{fmt}, scoring {result.scoring}, threads {torch.get_num_threads()}]"
-        )
+        print(_result_text(result, args, fmt))
     return 0
+
+
+def _questions(args: argparse.Namespace) -> tuple[list, str]:
+    """The task's test questions (--task) or a task file's (--task-file), and the task's
+    name; the --limit subset drawn, the --exclude-seed subsets left out."""
+    from fedlora.llm.data import eval_questions
+    from fedlora.llm.tasks import load_task, load_task_file, resolve_data_dir
+
+    if args.task is not None:
+        examples = load_task(args.task, resolve_data_dir(args.data_dir), "test")
+        task = args.task
+    else:
+        examples = load_task_file(args.task_file)
+        task = examples[0].task
+    examples = eval_questions(
+        examples, task, args.limit, args.seed, args.exclude_seed, ("--exclude-seed", "--limit")
+    )
+    return examples, task
+
+
+def _result_json(result: Any, args: argparse.Namespace, fmt: str) -> dict[str, Any]:
+    """`--json`'s object: the scores with their intervals and what produced them."""
+    return {
+        "accuracy": result.accuracy,
+        "n": result.n,
+        "ci95": list(result.ci95),
+        "eval_loss": result.loss,
+        "eval_loss_ci95": list(result.loss_ci95),
+        "majority": result.majority,
+        "chance": result.chance,
+        "task": result.task,
+        "model": args.model,
+        "adapter": args.adapter,
+        "scoring": result.scoring,
+        "format": fmt,
+        "acc_norm": result.acc_norm if fmt == "harness" else None,
+        "acc_norm_ci95": list(result.acc_norm_ci95) if fmt == "harness" else None,
+        "mc_loss": result.mc_loss,
+        "mc_loss_ci95": list(result.mc_loss_ci95),
+        "mc_chance": result.mc_chance,
+        "dtype": args.dtype,
+        "device": args.device,
+        "seed": args.seed,
+        "exclude_seeds": args.exclude_seed,
+        "seconds": round(result.seconds, 3),
+    }
+
+
+def _result_text(result: Any, args: argparse.Namespace, fmt: str) -> str:
+    """The one line printed without --json."""
+    import torch
+
+    lo, hi = result.ci95
+    adapter = f" + {args.adapter}" if args.adapter else ""
+    norm = ""
+    if fmt == "harness":
+        nlo, nhi = result.acc_norm_ci95
+        norm = f"acc_norm {result.acc_norm:.4f} (95% CI {nlo:.4f}-{nhi:.4f}), "
+    mlo, mhi = result.mc_loss_ci95
+    return (
+        f"{result.task}: accuracy {result.accuracy:.4f} (95% CI {lo:.4f}-{hi:.4f}), {norm}"
+        f"n = {result.n}, {result.seconds:.1f} s; most-frequent label "
+        f"{result.majority:.4f}, chance {result.chance:.4f}; mc_loss {result.mc_loss:.4f} "
+        f"(95% CI {mlo:.4f}-{mhi:.4f}, chance {result.mc_chance:.4f}); eval_loss "
+        f"{result.loss:.4f} [{args.model}{adapter}, {args.dtype} on {args.device}, format "
+        f"{fmt}, scoring {result.scoring}, threads {torch.get_num_threads()}]"
+    )
 
 
 def _refuse_non_finite(result, args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
-"""The planner section of an experiment config (Algorithm 2's options), apart from
-`fedlora.config.sections` to keep both files short."""
+"""The planner section of an experiment config: Algorithm 2's options (solver, search,
+bounds), `proposed`'s calibration (separate runs or in-run probes, the fit) and re-planning,
+and its privacy budget."""
 
 from __future__ import annotations
 

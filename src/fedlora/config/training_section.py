@@ -1,5 +1,7 @@
-"""The training section of an experiment config (the round loop and the clients' local
-optimizer), apart from `fedlora.config.sections` to keep both files short."""
+"""The training section of an experiment config: the round loop (rounds, evaluation,
+stopping, checkpoints) and the clients' local training (H steps of SGD or AdamW, their step
+sizes across clients and rounds, the frozen-layer cache), with the checks that tie the
+optimizer's fields together."""
 
 from __future__ import annotations
 

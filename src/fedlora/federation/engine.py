@@ -57,7 +57,7 @@ from fedlora.federation.runstate import (
     to_numpy,
 )
 from fedlora.federation.scoring import check_predictions
-from fedlora.federation.tracked_run import open_trackers
+from fedlora.federation.tracked_run import Trackers, open_trackers
 from fedlora.federation.trainer import (
     SlotTrainer,
     Trained,
@@ -128,20 +128,7 @@ def run_rounds(
     """
     cfg, run_dir = run.cfg, run.run_dir
     metrics_path = run_dir / "metrics.jsonl"
-    progress = Progress(sim_time_s=calibration_s or 0.0)  # the calibration's clock counts
-    if resume:
-        check_predictions(run_dir)  # a damaged predictions.jsonl is refused before any work
-        state = load_checkpoint(run_dir, warn=log)
-        if state is not None:
-            progress = restore_state(run, state)
-            trainer.load_state_dict(state)
-            log(f"resuming {run_dir} after round {progress.round}")
-        else:
-            log(f"no checkpoint in {run_dir}: starting from round 0")
-        restore_metrics(metrics_path, state, warn=log)
-    else:
-        remove_own_file(metrics_path)
-    progress.clock_start_s = calibration_s or 0.0  # also on resume (older checkpoints lack it)
+    progress = _start_progress(run, trainer, resume=resume, log=log, calibration_s=calibration_s)
     write_clients_csv(run_dir, run.fed, run.profiles)
     next_step = 0 if progress.metrics_lines == 0 else progress.round + 1
     trackers = open_trackers(cfg, run_dir, resume=resume, next_step=next_step)
@@ -150,46 +137,13 @@ def run_rounds(
         trackers.log(line0)
         progress.metrics_lines = 1
 
-    hooks = RoundContext(cfg, run.fed.a, run.profiles, run_dir, log)  # the method's round hooks
-
     def checkpoint() -> None:
         save_checkpoint(run_dir, checkpoint_state(run, progress) | trainer.state_dict())
 
-    stop_reason = "max_rounds"
     if reporter is not None:
         reporter.start(cfg.training.rounds, progress.round)
     try:
-        while progress.round < cfg.training.rounds:
-            early = stop_before_round(cfg, progress)
-            if early:
-                stop_reason = early
-                break
-            run.method.before_round(hooks, progress.round)
-            prepare_round(run.method, progress)  # adaptive clipping's C after a resume
-            spent = budget_stop(run.method, progress)  # at the round's q (after before_round)
-            if spent:
-                log(spent)
-                stop_reason = "privacy_budget"
-                break
-            plan = plan_next_round(run, progress)
-            synchronize(run.device)  # on a GPU, compute_s counts the round's queued work too
-            t0 = time.perf_counter()
-            line = _one_round(run, trainer, plan, progress)
-            synchronize(run.device)
-            compute_s = time.perf_counter() - t0
-            run.method.after_round(hooks, progress.round, line)
-            record_round(metrics_path, progress, line, compute_s)
-            trainer.report(line)
-            trackers.log(line)
-            if reporter is not None:
-                reporter.update(line, progress)
-            if stop is not None and stop(line):
-                stop_reason = "stop_condition"
-                break
-            if progress.round % cfg.training.checkpoint_every == 0:
-                checkpoint()
-        else:
-            stop_reason = end_reason(cfg, progress)
+        stop_reason = _round_loop(run, trainer, progress, trackers, reporter, stop, log, checkpoint)
     except TrainingDiverged as e:
         raise TrainingDiverged(
             f"{e}{_noise_hint(run)}. The run stopped; its last good checkpoint is kept in "
@@ -211,6 +165,75 @@ def run_rounds(
     write_summary(run_dir, summary)
     trackers.finish(run_dir)
     return summary
+
+
+def _start_progress(
+    run: Run, trainer: Trainer, *, resume: bool, log: Log, calibration_s: float | None
+) -> Progress:
+    """Where the run starts: restored from its newest checkpoint (metrics.jsonl cut back to
+    it) on resume, else round 0 with metrics.jsonl removed; the clock starts after the
+    calibration either way."""
+    run_dir = run.run_dir
+    metrics_path = run_dir / "metrics.jsonl"
+    progress = Progress(sim_time_s=calibration_s or 0.0)  # the calibration's clock counts
+    if resume:
+        check_predictions(run_dir)  # a damaged predictions.jsonl is refused before any work
+        state = load_checkpoint(run_dir, warn=log)
+        if state is not None:
+            progress = restore_state(run, state)
+            trainer.load_state_dict(state)
+            log(f"resuming {run_dir} after round {progress.round}")
+        else:
+            log(f"no checkpoint in {run_dir}: starting from round 0")
+        restore_metrics(metrics_path, state, warn=log)
+    else:
+        remove_own_file(metrics_path)
+    progress.clock_start_s = calibration_s or 0.0  # also on resume (older checkpoints lack it)
+    return progress
+
+
+def _round_loop(
+    run: Run,
+    trainer: Trainer,
+    progress: Progress,
+    trackers: Trackers,
+    reporter: Reporter | None,
+    stop: Callable[[dict[str, Any]], bool] | None,
+    log: Log,
+    checkpoint: Callable[[], None],
+) -> str:
+    """The rounds until a stop rule, the privacy budget, `stop` or training.rounds ends them:
+    hooks, plan, train, record, report, checkpoint. Returns the stop reason."""
+    cfg = run.cfg
+    metrics_path = run.run_dir / "metrics.jsonl"
+    hooks = RoundContext(cfg, run.fed.a, run.profiles, run.run_dir, log)  # the method's hooks
+    while progress.round < cfg.training.rounds:
+        early = stop_before_round(cfg, progress)
+        if early:
+            return early
+        run.method.before_round(hooks, progress.round)
+        prepare_round(run.method, progress)  # adaptive clipping's C after a resume
+        spent = budget_stop(run.method, progress)  # at the round's q (after before_round)
+        if spent:
+            log(spent)
+            return "privacy_budget"
+        plan = plan_next_round(run, progress)
+        synchronize(run.device)  # on a GPU, compute_s counts the round's queued work too
+        t0 = time.perf_counter()
+        line = _one_round(run, trainer, plan, progress)
+        synchronize(run.device)
+        compute_s = time.perf_counter() - t0
+        run.method.after_round(hooks, progress.round, line)
+        record_round(metrics_path, progress, line, compute_s)
+        trainer.report(line)
+        trackers.log(line)
+        if reporter is not None:
+            reporter.update(line, progress)
+        if stop is not None and stop(line):
+            return "stop_condition"
+        if progress.round % cfg.training.checkpoint_every == 0:
+            checkpoint()
+    return end_reason(cfg, progress)
 
 
 def _noise_hint(run: Run) -> str:

@@ -155,8 +155,6 @@ def train_clients(
     client's data (`centralized`)."""
     import torch
 
-    from fedlora.llm.client_optim import SlotAdamW
-    from fedlora.llm.data import client_batches
     from fedlora.llm.step_sizes import round_lr, step_sizes_for
     from fedlora.llm.train import local_train
 
@@ -168,29 +166,8 @@ def train_clients(
     for i, values in enumerate(overlays or []):
         if values:
             holder.lora.set_slot(i, {k: torch.from_numpy(np.asarray(v)) for k, v in values.items()})
-    pooled = pooled or [False] * len(clients)
-    batches = [
-        client_batches(
-            holder.fed,
-            client,
-            steps or cfg.training.local_steps,
-            cfg.training.batch_size,
-            derive_rng(seed, "data", round_index, client),
-            holder.tokenizer.pad_token_id,
-            pooled=pool,
-        )
-        for client, pool in zip(clients, pooled)
-    ]
-    adamw = None
-    if t.optimizer == "adamw":
-        kept = optim_states if optim_states is not None else {}
-        adamw = SlotAdamW(
-            holder.lora,
-            betas=t.adam_betas,
-            eps=t.adam_eps,
-            weight_decay=t.weight_decay,
-            states=[_to_torch(kept.get(int(client))) for client in clients],
-        )
+    batches = _batches(holder, round_index, clients, steps, pooled)
+    adamw = _slot_adamw(holder, clients, optim_states) if t.optimizer == "adamw" else None
     torch.manual_seed(derive_seed(seed, "torch", round_index, torch_id))
     lr = round_lr(t.lr, t.lr_min, t.lr_schedule, round_index, t.rounds)
     losses = local_train(
@@ -207,6 +184,50 @@ def train_clients(
         for i, client in enumerate(clients):
             optim_states[int(client)] = {k: v.numpy() for k, v in adamw.slot_state(i).items()}
     return losses
+
+
+def _batches(
+    holder: Trainable,
+    round_index: int,
+    clients: list[int],
+    steps: int,
+    pooled: list[bool] | None,
+) -> list[list[dict[str, Any]]]:
+    """Each client's H batches of this round, drawn from ``derive_rng(seed, "data", r,
+    client)`` (from every client's data where `pooled`)."""
+    from fedlora.llm.data import client_batches
+
+    cfg, seed = holder.cfg, holder.cfg.training.seed
+    pooled = pooled or [False] * len(clients)
+    return [
+        client_batches(
+            holder.fed,
+            client,
+            steps or cfg.training.local_steps,
+            cfg.training.batch_size,
+            derive_rng(seed, "data", round_index, client),
+            holder.tokenizer.pad_token_id,
+            pooled=pool,
+        )
+        for client, pool in zip(clients, pooled)
+    ]
+
+
+def _slot_adamw(
+    holder: Trainable, clients: list[int], optim_states: dict[int, dict[str, np.ndarray]] | None
+) -> Any:
+    """A `SlotAdamW` on the c slots, each starting from its client's kept state, if any."""
+    from fedlora.llm.client_optim import SlotAdamW
+
+    t = holder.cfg.training
+    kept = optim_states if optim_states is not None else {}
+    return SlotAdamW(
+        holder.lora,
+        betas=t.adam_betas,
+        eps=t.adam_eps,
+        weight_decay=t.weight_decay,
+        states=[_to_torch(kept.get(int(client))) for client in clients],
+    )
 
 
 def _to_torch(state: dict[str, np.ndarray] | None) -> dict[str, Any] | None:

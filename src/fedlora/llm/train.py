@@ -164,6 +164,52 @@ def local_train(
     of SGD (`SlotAdamW`, built on these c slots; its state stays in it), stepping slot c with
     η_c; `momentum` must then be 0.
     """
+    c, steps, lrs = _checked_arguments(model, lora, batches, lr, momentum, optimizer, cache)
+    params = lora.parameters()
+    velocity: dict[int, torch.Tensor] = {}  # momentum buffers v, per parameter
+    losses = np.zeros((c, steps))
+    device = params[0].device  # batches follow the slots (which follow the base model)
+    # (c, 1, 1) per-slot step sizes, broadcast over each slot's (r, in) / (out, r) block
+    lr_t = (
+        None if lrs is None else torch.tensor(lrs, dtype=torch.float32, device=device).view(c, 1, 1)
+    )
+    adam_lrs = None  # AdamW's (c,) step sizes
+    if optimizer is not None:
+        adam_lrs = torch.tensor(lrs if lrs is not None else [float(lr)] * c, dtype=torch.float32)
+    autocast = autocast_context(device.type, autocast_bf16)
+    lora.train(True)
+    try:
+        for h in range(steps):
+            batch, _ = collate_clients([batches[k][h] for k in range(c)])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast:
+                per_client, counts = target_token_loss(model, batch, c, cache)
+            losses[:, h] = _checked_losses(per_client, counts, h, lr)
+            for p in params:
+                p.grad = None
+            per_client.sum().backward()
+            if optimizer is not None:
+                optimizer.step(adam_lrs)
+                for p in params:
+                    p.grad = None
+                continue
+            _sgd_step(params, c, lr, lr_t, momentum, velocity)
+    finally:
+        lora.train(False)
+    return losses
+
+
+def _checked_arguments(
+    model: torch.nn.Module,
+    lora: SlotLora,
+    batches: list[list[dict[str, torch.Tensor]]],
+    lr: float | np.ndarray,
+    momentum: float,
+    optimizer: SlotAdamW | None,
+    cache: LayerCache | None,
+) -> tuple[int, int, np.ndarray | None]:
+    """`local_train`'s arguments checked against each other before any step: returns the
+    number c of clients, H of steps, and the per-client step sizes (None for one η)."""
     c = len(batches)
     if c == 0:
         raise ConfigError("local_train needs at least one client")
@@ -194,61 +240,49 @@ def local_train(
         raise ConfigError(
             "cache belongs to another model/adapter: use layer_cache_for(model, lora)"
         )
-    params = lora.parameters()
-    velocity: dict[int, torch.Tensor] = {}  # momentum buffers v, per parameter
-    losses = np.zeros((c, steps))
-    device = params[0].device  # batches follow the slots (which follow the base model)
-    # (c, 1, 1) per-slot step sizes, broadcast over each slot's (r, in) / (out, r) block
-    lr_t = (
-        None if lrs is None else torch.tensor(lrs, dtype=torch.float32, device=device).view(c, 1, 1)
-    )
-    adam_lrs = None  # AdamW's (c,) step sizes
-    if optimizer is not None:
-        adam_lrs = torch.tensor(lrs if lrs is not None else [float(lr)] * c, dtype=torch.float32)
-    autocast = autocast_context(device.type, autocast_bf16)
-    lora.train(True)
-    try:
-        for h in range(steps):
-            batch, _ = collate_clients([batches[k][h] for k in range(c)])
-            batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast:
-                per_client, counts = target_token_loss(model, batch, c, cache)
-            empty = [i for i, n in enumerate(counts.tolist()) if n == 0]  # on the host
-            if empty:
-                raise DataError(
-                    f"local step {h}: the batch of client slot(s) {empty} has no target "
-                    "tokens (labels are all -100; is the response truncated by max_seq_len?)"
-                )
-            values = per_client.detach().double().cpu().numpy()
-            if not np.all(np.isfinite(values)):
-                bad = np.flatnonzero(~np.isfinite(values)).tolist()
-                raise TrainingError(
-                    f"non-finite training loss at local step {h} for client slot(s) {bad}: "
-                    f"lower training.lr (now {lr})"
-                )
-            losses[:, h] = values
-            for p in params:
-                p.grad = None
-            per_client.sum().backward()
-            if optimizer is not None:
-                optimizer.step(adam_lrs)
-                for p in params:
-                    p.grad = None
-                continue
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    if p.grad is not None:
-                        step = p.grad[:c]
-                        if momentum > 0:  # v ← μ·v + g (v = g at the first step)
-                            v = velocity.get(i)
-                            step = velocity[i] = (
-                                step.clone() if v is None else v.mul_(momentum).add_(step)
-                            )
-                        if lr_t is None:
-                            p[:c].sub_(step, alpha=lr)  # X_c ← X_c − η ∇X_c, per slot
-                        else:
-                            p[:c].sub_(step * lr_t)  # X_c ← X_c − η_c ∇X_c
-                    p.grad = None
-    finally:
-        lora.train(False)
-    return losses
+    return c, steps, lrs
+
+
+def _checked_losses(
+    per_client: torch.Tensor, counts: torch.Tensor, h: int, lr: float | np.ndarray
+) -> np.ndarray:
+    """Step h's per-client losses as float64 on the host, after checking that every client
+    had target tokens (`DataError`) and a finite loss (`TrainingError`)."""
+    empty = [i for i, n in enumerate(counts.tolist()) if n == 0]  # on the host
+    if empty:
+        raise DataError(
+            f"local step {h}: the batch of client slot(s) {empty} has no target "
+            "tokens (labels are all -100; is the response truncated by max_seq_len?)"
+        )
+    values = per_client.detach().double().cpu().numpy()
+    if not np.all(np.isfinite(values)):
+        bad = np.flatnonzero(~np.isfinite(values)).tolist()
+        raise TrainingError(
+            f"non-finite training loss at local step {h} for client slot(s) {bad}: "
+            f"lower training.lr (now {lr})"
+        )
+    return values
+
+
+def _sgd_step(
+    params: list[torch.Tensor],
+    c: int,
+    lr: float | np.ndarray,
+    lr_t: torch.Tensor | None,
+    momentum: float,
+    velocity: dict[int, torch.Tensor],
+) -> None:
+    """One SGD step on the c active slots of every parameter (heavy-ball when `momentum` > 0,
+    its buffers in `velocity`), with one η (`lr`) or per-slot η_c (`lr_t`); clears the grads."""
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                step = p.grad[:c]
+                if momentum > 0:  # v ← μ·v + g (v = g at the first step)
+                    v = velocity.get(i)
+                    step = velocity[i] = step.clone() if v is None else v.mul_(momentum).add_(step)
+                if lr_t is None:
+                    p[:c].sub_(step, alpha=lr)  # X_c ← X_c − η ∇X_c, per slot
+                else:
+                    p[:c].sub_(step * lr_t)  # X_c ← X_c − η_c ∇X_c
+            p.grad = None

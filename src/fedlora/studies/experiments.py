@@ -107,36 +107,12 @@ def load_suite(
     (a subset of the suite's labels, e.g. to split a suite over two processes)."""
     if name not in SUITES:
         raise bad_value("--suite", name, f"allowed: {', '.join(SUITES)}")
-    raw: dict[str, Any] = read_toml(config_path) if config_path else {}
-    suite = raw.pop("suite", {})
     source = config_path or "suite"
-    if not isinstance(suite, dict):
-        raise ConfigError(f"{source}: [suite] must be a table")
-    for key in suite:
-        if key not in SUITE_KEYS:
-            raise ConfigError(f"{source}: unknown key suite.{key} (valid: {', '.join(SUITE_KEYS)})")
-    for text in overrides:
-        section, key, value = parse_override(text)
-        raw.setdefault(section, {})[key] = value
+    raw, suite = _read_suite_file(config_path, source, overrides)
     n_seeds = seeds if seeds is not None else suite.get("seeds", 1)
-    seed_list = _seed_list(n_seeds) if isinstance(n_seeds, list) else None
-    if seed_list is None and (
-        isinstance(n_seeds, bool) or not isinstance(n_seeds, int) or n_seeds < 1
-    ):
-        raise bad_value(
-            "--seeds (suite.seeds)", n_seeds, "an integer >= 1 or a list of distinct seeds >= 0"
-        )
-    all_targets = dict(suite.get("targets", {}))
-    all_targets.update(targets or {})
-    for task, value in all_targets.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise bad_value(f"suite.targets.{task}", value, "an accuracy in (0, 1]")
-    target_losses = suite.get("target_losses", {})
-    if not isinstance(target_losses, dict):
-        raise bad_value("suite.target_losses", target_losses, "a table {task = loss}")
-    for task, value in target_losses.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise bad_value(f"suite.target_losses.{task}", value, "an eval_loss > 0")
+    seed_list = _checked_seeds(n_seeds)
+    all_targets = _accuracy_targets(suite, targets)
+    target_losses = _loss_targets(suite)
     rule = None
     if "target_rule" in suite:
         from fedlora.studies.target_rule import check_rule
@@ -147,26 +123,19 @@ def load_suite(
         raise bad_value("suite.similar_margin", margin, "an accuracy difference in (0, 1)")
     base = config_from_dict(raw, source=source)  # validates the shared sections once
     eval_tasks = list(tasks) if tasks else list(base.data.eval_tasks)
-    missing = [t for t in eval_tasks if t not in all_targets]
-    if rule is not None:
-        missing = []  # fixed later from the pilot (run_suite reads targets.toml)
-        if not base.training.time_budget_s > 0:
-            raise bad_value(
-                "training.time_budget_s",
-                base.training.time_budget_s,
-                "> 0 with suite.target_rule (the rule is stated at a fraction of the budget)",
-            )
+    if rule is not None and not base.training.time_budget_s > 0:
+        raise bad_value(
+            "training.time_budget_s",
+            base.training.time_budget_s,
+            "> 0 with suite.target_rule (the rule is stated at a fraction of the budget)",
+        )
     pilot_seed = suite.get("pilot_seed")
     if pilot_seed is not None and (
         isinstance(pilot_seed, bool) or not isinstance(pilot_seed, int) or pilot_seed < 0
     ):
         raise bad_value("suite.pilot_seed", pilot_seed, "an integer >= 0")
-    if missing:
-        raise ConfigError(
-            f"no target accuracy for task(s) {', '.join(missing)}: set [suite] targets in the "
-            f"config (e.g. targets = {{{missing[0]} = 0.5}}) or pass --target "
-            f"{missing[0]}=0.5; it must be fixed before running"
-        )
+    if rule is None:  # with a rule: fixed later from the pilot (run_suite reads targets.toml)
+        _check_targets_fixed(eval_tasks, all_targets)
     raw.setdefault("data", {})["eval_tasks"] = eval_tasks
     raw.setdefault("training", {})["target_accuracy"] = 0.0  # runs go on; targets are per task
     labels = tuple(methods or suite.get("methods", SUITES[name]))
@@ -196,6 +165,67 @@ def load_suite(
     for label in labels:  # every label's config must be valid before anything runs
         spec.config_for(label, first)
     return spec
+
+
+def _read_suite_file(
+    config_path: str | None, source: str, overrides: Sequence[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The experiment sections (the overrides applied) and the [suite] table, its keys checked."""
+    raw: dict[str, Any] = read_toml(config_path) if config_path else {}
+    suite = raw.pop("suite", {})
+    if not isinstance(suite, dict):
+        raise ConfigError(f"{source}: [suite] must be a table")
+    for key in suite:
+        if key not in SUITE_KEYS:
+            raise ConfigError(f"{source}: unknown key suite.{key} (valid: {', '.join(SUITE_KEYS)})")
+    for text in overrides:
+        section, key, value = parse_override(text)
+        raw.setdefault(section, {})[key] = value
+    return raw, suite
+
+
+def _checked_seeds(n_seeds: Any) -> list[int] | None:
+    """suite.seeds (or --seeds): a count >= 1 (None returned) or a list of distinct seeds."""
+    seed_list = _seed_list(n_seeds) if isinstance(n_seeds, list) else None
+    if seed_list is None and (
+        isinstance(n_seeds, bool) or not isinstance(n_seeds, int) or n_seeds < 1
+    ):
+        raise bad_value(
+            "--seeds (suite.seeds)", n_seeds, "an integer >= 1 or a list of distinct seeds >= 0"
+        )
+    return seed_list
+
+
+def _accuracy_targets(suite: dict[str, Any], targets: dict[str, float] | None) -> dict[str, Any]:
+    """suite.targets updated by --target: an accuracy in (0, 1] per task."""
+    all_targets = dict(suite.get("targets", {}))
+    all_targets.update(targets or {})
+    for task, value in all_targets.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise bad_value(f"suite.targets.{task}", value, "an accuracy in (0, 1]")
+    return all_targets
+
+
+def _loss_targets(suite: dict[str, Any]) -> dict[str, Any]:
+    """suite.target_losses: an eval_loss > 0 per task."""
+    target_losses = suite.get("target_losses", {})
+    if not isinstance(target_losses, dict):
+        raise bad_value("suite.target_losses", target_losses, "a table {task = loss}")
+    for task, value in target_losses.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise bad_value(f"suite.target_losses.{task}", value, "an eval_loss > 0")
+    return target_losses
+
+
+def _check_targets_fixed(eval_tasks: list[str], all_targets: dict[str, Any]) -> None:
+    """Every evaluated task has its target accuracy before anything runs."""
+    missing = [t for t in eval_tasks if t not in all_targets]
+    if missing:
+        raise ConfigError(
+            f"no target accuracy for task(s) {', '.join(missing)}: set [suite] targets in the "
+            f"config (e.g. targets = {{{missing[0]} = 0.5}}) or pass --target "
+            f"{missing[0]}=0.5; it must be fixed before running"
+        )
 
 
 def _seed_list(values: list) -> list[int] | None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from fedlora.studies.claims import groups
+from fedlora.studies.claims import Group, groups
 from fedlora.studies.figures import (
     DIVERGED_FACTOR,
     clock_unit,
@@ -196,92 +198,22 @@ def plot_bands(
         return None
     fig, axes = panels(plt, len(tasks), 6.4, 4.4)
     colors = {g.label: plt.cm.tab10(i % 10) for i, g in enumerate(gs)}
-    scale = 100.0 if metric == "accuracy" else 1.0
     everything = [r for g in gs for r in g.runs]
     unit, per = clock_unit(everything)
-    grid = time_grid(everything)
+    frame = _BandFrame(metric, 100.0 if metric == "accuracy" else 1.0, per, time_grid(everything))
     for ax, task in zip(axes.flat, tasks):
-        shown: list[float] = []
         target = (targets if metric == "accuracy" else target_losses or {}).get(task)
+        shown: list[float] = []
         for g in gs:
-            c = colors[g.label]
-            kept = [r for r in g.runs if not diverged(r, task, metric)]
-            for r in g.runs:  # every seed thin, so no run disappears where the band cannot
-                pts = points(r, task, metric)  # be drawn (seeds that start or end apart)
-                if not pts:
-                    continue
-                xs, ys = [t / per for t, _ in pts], [scale * v for _, v in pts]
-                if r in kept:
-                    ax.step(
-                        xs, ys, where="post", color=c, alpha=0.3, linewidth=0.8, marker=".", ms=3
-                    )
-                    shown += ys
-                else:
-                    ax.step(
-                        xs,
-                        ys,
-                        where="post",
-                        color=c,
-                        linestyle="--",
-                        linewidth=1,
-                        label=f"{g.label} seed {r.seed} DIVERGED ({min(ys):.3g}…"
-                        f"{max(ys):.3g}), not in mean",
-                    )
-            cal = [r.calibration_time_s for r in g.runs]
-            if any(cal):
-                ax.axvspan(
-                    0,
-                    sum(cal) / len(cal) / per,
-                    color=c,
-                    alpha=0.08,
-                    hatch="//",
-                    label=f"{g.label} calibration (mean)",
-                )
-            xs, mean, lo, hi = band(kept, task, metric, grid)
-            if metric == "accuracy":  # an interval over few seeds can pass 0 or 100%
-                lo, hi = [max(0.0, v) for v in lo], [min(1.0, v) for v in hi]
-            minutes = [x / per for x in xs]
-            n = f"n={len(kept)}" + (f" of {len(g.runs)}" if len(kept) < len(g.runs) else "")
-            ax.plot(
-                minutes, [scale * v for v in mean], color=c, linewidth=2, label=f"{g.label} ({n})"
-            )
-            ax.fill_between(
-                minutes, [scale * v for v in lo], [scale * v for v in hi], color=c, alpha=0.12
-            )
-            shown += [scale * v for v in mean]
-            for r in kept:  # censored ends: the target never reached by this seed
-                if target is not None and not time_to(r, task, metric, target)[1]:
-                    end = final_value(r, task, metric)
-                    if end is not None:
-                        ax.plot(r.total_time_s / per, scale * end, marker="x", color=c, ms=8)
-        shown += draw_references(ax, refs, lambda r, t=task: final_value(r, t, metric), scale)
+            shown += _draw_group(ax, g, task, target, colors[g.label], frame)
+        shown += draw_references(ax, refs, lambda r, t=task: final_value(r, t, metric), frame.scale)
         if metric == "accuracy":
-            for key, style, name in (
-                ("eval_chance", "-.", "chance"),
-                ("eval_majority", ":", "most-frequent label"),
-            ):
-                value = pooled_constant(everything, task, key)
-                if value is not None:
-                    ax.axhline(
-                        100 * value,
-                        color="black",
-                        linestyle=style,
-                        linewidth=1,
-                        label=f"{name} ({100 * value:.1f}%, all seeds' questions)",
-                    )
-                    shown.append(100 * value)
+            shown += _draw_pooled_constants(ax, everything, task)
             ax.set_ylabel("accuracy (%)")
         else:
             ax.set_ylabel("eval_loss (nats per answer token)")
         if target is not None:
-            ax.axhline(
-                scale * target,
-                color="gray",
-                linestyle="--",
-                linewidth=1.2,
-                label=f"target ({scale * target:.3g})",
-            )
-            shown.append(scale * target)
+            shown.append(_draw_target(ax, frame.scale * target))
         fit_ylim(ax, shown)
         n = pooled_n(everything, task)
         seeds = max(len(g.runs) for g in gs)
@@ -291,3 +223,126 @@ def plot_bands(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5, loc="best")
     return save_figure(fig, path, axes=list(axes.flat)[len(tasks) :], title=title)
+
+
+@dataclass(frozen=True)
+class _BandFrame:
+    """What every panel of `plot_bands` shares: the metric and the axes' scales."""
+
+    metric: str
+    scale: float  # y: 100 for accuracy (%), 1 for eval_loss
+    per: float  # x: seconds per unit of the time axis
+    grid: list[float]  # the common simulated times of the bands
+
+
+def _draw_group(
+    ax: Any, g: Group, task: str, target: float | None, color: Any, frame: _BandFrame
+) -> list[float]:
+    """One label on one panel: its seeds, calibration period, mean with its band and
+    censored ends. Returns the y-values the limits must show (kept seeds, then the mean)."""
+    kept = [r for r in g.runs if not diverged(r, task, frame.metric)]
+    shown = _draw_seeds(ax, g, kept, task, color, frame)
+    _shade_calibration(ax, g, color, frame.per)
+    shown += _draw_band(ax, g, kept, task, color, frame)
+    if target is not None:
+        _mark_censored(ax, kept, task, target, color, frame)
+    return shown
+
+
+def _draw_seeds(
+    ax: Any, g: Group, kept: list[RunRecord], task: str, color: Any, frame: _BandFrame
+) -> list[float]:
+    """Every seed thin, so no run disappears where the band cannot be drawn (seeds that
+    start or end apart); a diverged one dashed and named. Returns the kept seeds' values."""
+    shown: list[float] = []
+    for r in g.runs:
+        pts = points(r, task, frame.metric)
+        if not pts:
+            continue
+        xs, ys = [t / frame.per for t, _ in pts], [frame.scale * v for _, v in pts]
+        if r in kept:
+            ax.step(xs, ys, where="post", color=color, alpha=0.3, linewidth=0.8, marker=".", ms=3)
+            shown += ys
+        else:
+            ax.step(
+                xs,
+                ys,
+                where="post",
+                color=color,
+                linestyle="--",
+                linewidth=1,
+                label=f"{g.label} seed {r.seed} DIVERGED ({min(ys):.3g}…"
+                f"{max(ys):.3g}), not in mean",
+            )
+    return shown
+
+
+def _shade_calibration(ax: Any, g: Group, color: Any, per: float) -> None:
+    """The label's mean calibration period, hatched from 0 (none when it calibrated none)."""
+    cal = [r.calibration_time_s for r in g.runs]
+    if any(cal):
+        ax.axvspan(
+            0,
+            sum(cal) / len(cal) / per,
+            color=color,
+            alpha=0.08,
+            hatch="//",
+            label=f"{g.label} calibration (mean)",
+        )
+
+
+def _draw_band(
+    ax: Any, g: Group, kept: list[RunRecord], task: str, color: Any, frame: _BandFrame
+) -> list[float]:
+    """The mean over the kept seeds with its 95% t band. Returns the mean's values."""
+    xs, mean, lo, hi = band(kept, task, frame.metric, frame.grid)
+    if frame.metric == "accuracy":  # an interval over few seeds can pass 0 or 100%
+        lo, hi = [max(0.0, v) for v in lo], [min(1.0, v) for v in hi]
+    minutes = [x / frame.per for x in xs]
+    n = f"n={len(kept)}" + (f" of {len(g.runs)}" if len(kept) < len(g.runs) else "")
+    scale = frame.scale
+    ax.plot(minutes, [scale * v for v in mean], color=color, linewidth=2, label=f"{g.label} ({n})")
+    ax.fill_between(
+        minutes, [scale * v for v in lo], [scale * v for v in hi], color=color, alpha=0.12
+    )
+    return [scale * v for v in mean]
+
+
+def _mark_censored(
+    ax: Any, kept: list[RunRecord], task: str, target: float, color: Any, frame: _BandFrame
+) -> None:
+    """An x at the end of each seed that never reached the target."""
+    for r in kept:
+        if not time_to(r, task, frame.metric, target)[1]:
+            end = final_value(r, task, frame.metric)
+            if end is not None:
+                ax.plot(
+                    r.total_time_s / frame.per, frame.scale * end, marker="x", color=color, ms=8
+                )
+
+
+def _draw_pooled_constants(ax: Any, everything: list[RunRecord], task: str) -> list[float]:
+    """Chance and most-frequent-label accuracy over all seeds' questions (%), as lines.
+    Returns the values drawn."""
+    shown = []
+    for key, style, name in (
+        ("eval_chance", "-.", "chance"),
+        ("eval_majority", ":", "most-frequent label"),
+    ):
+        value = pooled_constant(everything, task, key)
+        if value is not None:
+            ax.axhline(
+                100 * value,
+                color="black",
+                linestyle=style,
+                linewidth=1,
+                label=f"{name} ({100 * value:.1f}%, all seeds' questions)",
+            )
+            shown.append(100 * value)
+    return shown
+
+
+def _draw_target(ax: Any, y: float) -> float:
+    """The target as a dashed line at `y` (already scaled). Returns it."""
+    ax.axhline(y, color="gray", linestyle="--", linewidth=1.2, label=f"target ({y:.3g})")
+    return y

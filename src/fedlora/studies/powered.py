@@ -15,6 +15,8 @@ questions, pooled over seeds (the discordant counts summed over the seeds' run p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from fedlora.studies.claims import (
     SIMILAR_MARGIN,
@@ -66,84 +68,14 @@ def render(
         out += [f"Targets fixed before the main runs by the rule: {rule}", ""]
     ref = reference_group(gs)
     for task, target in targets.items():
+        ends = _Targets(target, target_losses.get(task), target_drops.get(task))
         out += [f"### {task}", ""]
-        loss_t = target_losses.get(task)
-        head = f"| method | seeds | time to {100 * target:.1f}% (s) | without calibration (s) |"
-        head += f" speed-up over {ref.label} |" if ref else ""
-        head += f" time to loss <= {loss_t:.4g} (s) |" if loss_t is not None else ""
-        drop = target_drops.get(task)
-        head += f" time to a loss drop >= {drop:.4g} (s) |" if drop is not None else ""
-        head += " accuracy at budget (%) | eval_loss at budget |"
-        out += [head, "|" + "---|" * (head.count("|") - 1)]
-        for g in gs:
-            t, ok = times_to(g.runs, task, "accuracy", target, False)
-            tb, okb = times_to(g.runs, task, "accuracy", target, True)
-            cells = [g.label, str(len(g.runs)), summarize(t, ok.count(False)).text()]
-            calibrated = any(r.calibration_time_s > 0 for r in g.runs)
-            cells.append(summarize(tb, okb.count(False)).text() if calibrated else "-")
-            if ref:
-                a, b = paired_runs(g, ref)
-                ta, ra = times_to(a, task, "accuracy", target, False)
-                tr, rr = times_to(b, task, "accuracy", target, False)
-                cells.append(paired_ratio(tr, rr, ta, ra).text() if a else "-")
-            if loss_t is not None:
-                tl, okl = times_to(g.runs, task, "loss", loss_t, False)
-                cells.append(summarize(tl, okl.count(False)).text())
-            if drop is not None:
-                td, okd = times_to(g.runs, task, "loss_drop", drop, False)
-                cells.append(summarize(td, okd.count(False)).text())
-            accs = [v for v in (final_value(r, task, "accuracy") for r in g.runs) if v is not None]
-            losses = [v for v in (final_value(r, task, "loss") for r in g.runs) if v is not None]
-            cells.append(summarize(accs).text(100) if accs else "-")
-            cells.append(summarize(losses).text(1, 4) if losses else "-")
-            out.append("| " + " | ".join(cells) + " |")
+        out += _times_table(gs, ref, task, ends)
         prop = proposed_group(gs)
         if prop is not None:
-            out += [
-                "",
-                f"Paired at the budget, {prop.label} − baseline (mean ± 95% interval, "
-                "paired t test p):",
-                "",
-            ]
-            out += [
-                "| baseline | seeds | accuracy (pts) | p | eval_loss | p | McNemar, pooled "
-                "over seeds: questions, only proposed right / only baseline right, p |",
-                "|---|---|---|---|---|---|---|",
-            ]
-            for g in gs:
-                if g is prop:
-                    continue
-                a, b = paired_runs(prop, g)
-                row = [g.label, str(len(a))]
-                for metric, scale, digits in (("accuracy", 100, 1), ("loss", 1, 4)):
-                    d = final_diff(a, b, task, metric)
-                    if d is None:
-                        row += ["-", "-"]
-                        continue
-                    ci = f" ± {d.ci * scale:.{digits}f}" if d.ci is not None else ""
-                    row += [
-                        f"{d.mean * scale:+.{digits}f}{ci}",
-                        "-" if d.p is None else f"{d.p:.3g}",
-                    ]
-                mc = pooled_mcnemar(a, b, task)
-                row.append("-" if mc is None else f"{mc[0]}: {mc[1]} / {mc[2]}, p = {mc[3]:.3g}")
-                out.append("| " + " | ".join(row) + " |")
+            out += _paired_at_budget(gs, prop, task)
         out.append("")
-    rows = claims(suite, gs, targets, margin, target_losses, target_drops)
-    if rows:
-        out += ["## Claims of the paper", ""]
-        out += [
-            "held: the 95% interval over seeds lies on the claimed side; not held: on the "
-            "other side; inconclusive: otherwise (one seed, an interval across the line, or "
-            "censoring both ways).",
-            "",
-            "| claim | task | verdict | numbers |",
-            "|---|---|---|---|",
-        ]
-        out += [
-            f"| {r['claim']} | {r['task']} | **{r['verdict']}** | {r['numbers']} |" for r in rows
-        ]
-        out.append("")
+    out += _claims_section(claims(suite, gs, targets, margin, target_losses, target_drops))
     out += _plan_section(gs)
     wall = sum((r.summary.wall_s or 0.0) for g in gs for r in g.runs)
     compute = sum((r.summary.compute_s or 0.0) for g in gs for r in g.runs)
@@ -154,6 +86,100 @@ def render(
         "",
     ]
     return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """One task's targets: accuracy, and the optional loss level and loss drop."""
+
+    accuracy: float
+    loss: float | None
+    drop: float | None
+
+
+def _times_table(gs: Sequence[Group], ref: Group | None, task: str, ends: _Targets) -> list[str]:
+    """Per method: times to each target over seeds, the speed-up over the reference, and
+    accuracy and eval_loss at the budget."""
+    head = f"| method | seeds | time to {100 * ends.accuracy:.1f}% (s) | without calibration (s) |"
+    head += f" speed-up over {ref.label} |" if ref else ""
+    head += f" time to loss <= {ends.loss:.4g} (s) |" if ends.loss is not None else ""
+    head += f" time to a loss drop >= {ends.drop:.4g} (s) |" if ends.drop is not None else ""
+    head += " accuracy at budget (%) | eval_loss at budget |"
+    return [head, "|" + "---|" * (head.count("|") - 1)] + [
+        "| " + " | ".join(_times_row(g, ref, task, ends)) + " |" for g in gs
+    ]
+
+
+def _times_row(g: Group, ref: Group | None, task: str, ends: _Targets) -> list[str]:
+    """One method's cells of `_times_table`."""
+    t, ok = times_to(g.runs, task, "accuracy", ends.accuracy, False)
+    tb, okb = times_to(g.runs, task, "accuracy", ends.accuracy, True)
+    cells = [g.label, str(len(g.runs)), summarize(t, ok.count(False)).text()]
+    calibrated = any(r.calibration_time_s > 0 for r in g.runs)
+    cells.append(summarize(tb, okb.count(False)).text() if calibrated else "-")
+    if ref:
+        a, b = paired_runs(g, ref)
+        ta, ra = times_to(a, task, "accuracy", ends.accuracy, False)
+        tr, rr = times_to(b, task, "accuracy", ends.accuracy, False)
+        cells.append(paired_ratio(tr, rr, ta, ra).text() if a else "-")
+    if ends.loss is not None:
+        tl, okl = times_to(g.runs, task, "loss", ends.loss, False)
+        cells.append(summarize(tl, okl.count(False)).text())
+    if ends.drop is not None:
+        td, okd = times_to(g.runs, task, "loss_drop", ends.drop, False)
+        cells.append(summarize(td, okd.count(False)).text())
+    accs = [v for v in (final_value(r, task, "accuracy") for r in g.runs) if v is not None]
+    losses = [v for v in (final_value(r, task, "loss") for r in g.runs) if v is not None]
+    cells.append(summarize(accs).text(100) if accs else "-")
+    cells.append(summarize(losses).text(1, 4) if losses else "-")
+    return cells
+
+
+def _paired_at_budget(gs: Sequence[Group], prop: Group, task: str) -> list[str]:
+    """The proposed method minus each baseline at the budget, paired by seed: accuracy and
+    eval_loss (t test), and McNemar on the questions pooled over seeds."""
+    out = [
+        "",
+        f"Paired at the budget, {prop.label} − baseline (mean ± 95% interval, paired t test p):",
+        "",
+        "| baseline | seeds | accuracy (pts) | p | eval_loss | p | McNemar, pooled "
+        "over seeds: questions, only proposed right / only baseline right, p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for g in gs:
+        if g is prop:
+            continue
+        a, b = paired_runs(prop, g)
+        row = [g.label, str(len(a))]
+        for metric, scale, digits in (("accuracy", 100, 1), ("loss", 1, 4)):
+            d = final_diff(a, b, task, metric)
+            if d is None:
+                row += ["-", "-"]
+                continue
+            ci = f" ± {d.ci * scale:.{digits}f}" if d.ci is not None else ""
+            row += [f"{d.mean * scale:+.{digits}f}{ci}", "-" if d.p is None else f"{d.p:.3g}"]
+        mc = pooled_mcnemar(a, b, task)
+        row.append("-" if mc is None else f"{mc[0]}: {mc[1]} / {mc[2]}, p = {mc[3]:.3g}")
+        out.append("| " + " | ".join(row) + " |")
+    return out
+
+
+def _claims_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Each claim of the paper with its verdict over seeds (nothing when there are none)."""
+    if not rows:
+        return []
+    return [
+        "## Claims of the paper",
+        "",
+        "held: the 95% interval over seeds lies on the claimed side; not held: on the "
+        "other side; inconclusive: otherwise (one seed, an interval across the line, or "
+        "censoring both ways).",
+        "",
+        "| claim | task | verdict | numbers |",
+        "|---|---|---|---|",
+        *(f"| {r['claim']} | {r['task']} | **{r['verdict']}** | {r['numbers']} |" for r in rows),
+        "",
+    ]
 
 
 def _plan_section(gs: Sequence[Group]) -> list[str]:

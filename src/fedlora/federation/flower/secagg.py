@@ -146,26 +146,18 @@ def secure_sum(
 ) -> SecureSum:
     """Run SecAgg+ with the nodes of `contents` (node id -> the ``train`` content of its
     task); see the module docstring."""
-    t, c = settings.threshold, settings.clipping_range
-    T, M = settings.quantization_range, settings.modulus_range
+    t, M = settings.threshold, settings.modulus_range
     nodes = list(contents)
+
+    def ask(stage: Mapping[int, RecordDict]) -> dict[int, Message]:
+        return _ask(grid, stage, group, timeout_s, poll_s)
 
     def stop(reason: str, summed: Sequence[int] = (), replies: Any = None) -> SecureSum:
         return SecureSum(None, list(summed), dict(replies or {}), reason)
 
     if len(nodes) < t:
         return SecureSum(None, [], {}, f"{len(nodes)} participant(s), the threshold is {t}", False)
-    setup = {
-        Key.STAGE: Stage.SETUP,
-        Key.SAMPLE_NUMBER: len(nodes),
-        Key.SHARE_NUMBER: len(nodes),
-        Key.THRESHOLD: t,
-        Key.CLIPPING_RANGE: float(c),
-        Key.TARGET_RANGE: T,
-        Key.MOD_RANGE: M,
-        Key.MAX_WEIGHT: 1.0,
-    }
-    replies = _ask(grid, {n: _record(setup) for n in nodes}, group, timeout_s, poll_s)
+    replies = ask({n: _record(_setup(settings, len(nodes))) for n in nodes})
     keys = {
         n: [_configs(r)[Key.PUBLIC_KEY_1], _configs(r)[Key.PUBLIC_KEY_2]]
         for n, r in replies.items()
@@ -174,37 +166,12 @@ def secure_sum(
         return stop(f"{len(keys)} node(s) answered the setup, the threshold is {t}")
 
     shared = {str(n): keys[n] for n in keys}
-    replies = _ask(
-        grid,
-        {n: _record({**shared, Key.STAGE: Stage.SHARE_KEYS}) for n in keys},
-        group,
-        timeout_s,
-        poll_s,
-    )
+    replies = ask({n: _record({**shared, Key.STAGE: Stage.SHARE_KEYS}) for n in keys})
     u1 = sorted(replies)
     if len(u1) < t:
         return stop(f"{len(u1)} node(s) shared their keys, the threshold is {t}")
-    fwd: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in u1}
-    for src, reply in replies.items():
-        for dst, ctxt in zip(
-            _configs(reply)[Key.DESTINATION_LIST], _configs(reply)[Key.CIPHERTEXT_LIST]
-        ):
-            if dst in fwd:
-                fwd[dst][0].append(src)
-                fwd[dst][1].append(ctxt)
 
-    masked_stage: dict[int, RecordDict] = {}
-    for n in u1:
-        content = contents[n]
-        content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord(
-            {
-                Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
-                Key.SOURCE_LIST: fwd[n][0],
-                Key.CIPHERTEXT_LIST: fwd[n][1],
-            }
-        )
-        masked_stage[n] = content
-    collected = _ask(grid, masked_stage, group, timeout_s, poll_s)
+    collected = ask(_masked_stage(contents, _forwarded_shares(replies, u1)))
     u2 = sorted(collected)
     if len(u2) < t:
         return stop(f"{len(u2)} node(s) sent a masked update, the threshold is {t}", u2, collected)
@@ -217,7 +184,7 @@ def secure_sum(
 
     dead = sorted(set(u1) - set(u2))
     unmask = {Key.STAGE: Stage.UNMASK, Key.ACTIVE_NODE_ID_LIST: u2, Key.DEAD_NODE_ID_LIST: dead}
-    replies = _ask(grid, {n: _record(unmask) for n in u2}, group, timeout_s, poll_s)
+    replies = ask({n: _record(unmask) for n in u2})
     shares: dict[int, list[bytes]] = {n: [] for n in u1}
     for reply in replies.values():
         for owner, share in zip(_configs(reply)[Key.NODE_ID_LIST], _configs(reply)[Key.SHARE_LIST]):
@@ -225,10 +192,73 @@ def secure_sum(
     short = [n for n, s in shares.items() if len(s) < t]
     if short:
         return stop(f"too few shares to unmask node(s) {short}", u2, collected)
+    total = _unmasked(total, shares, set(collected), u2, keys, M)
+    return SecureSum(_dequantized(total, len(u2), settings), u2, collected)
+
+
+def _setup(settings: SecAggSettings, n: int) -> dict[str, Any]:
+    """The setup stage's content: the protocol's parameters for `n` participants, each the
+    neighbour of every other (the complete graph)."""
+    return {
+        Key.STAGE: Stage.SETUP,
+        Key.SAMPLE_NUMBER: n,
+        Key.SHARE_NUMBER: n,
+        Key.THRESHOLD: settings.threshold,
+        Key.CLIPPING_RANGE: float(settings.clipping_range),
+        Key.TARGET_RANGE: settings.quantization_range,
+        Key.MOD_RANGE: settings.modulus_range,
+        Key.MAX_WEIGHT: 1.0,
+    }
+
+
+def _forwarded_shares(
+    replies: Mapping[int, Message], u1: Sequence[int]
+) -> dict[int, tuple[list[int], list[bytes]]]:
+    """The encrypted shares of the share-keys stage regrouped by their destination in `u1`:
+    node -> (the source of each, the ciphertexts)."""
+    fwd: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in u1}
+    for src, reply in replies.items():
+        for dst, ctxt in zip(
+            _configs(reply)[Key.DESTINATION_LIST], _configs(reply)[Key.CIPHERTEXT_LIST]
+        ):
+            if dst in fwd:
+                fwd[dst][0].append(src)
+                fwd[dst][1].append(ctxt)
+    return fwd
+
+
+def _masked_stage(
+    contents: Mapping[int, RecordDict], fwd: Mapping[int, tuple[list[int], list[bytes]]]
+) -> dict[int, RecordDict]:
+    """Each node's ``train`` content with the shares meant for it, for the masked stage."""
+    masked_stage: dict[int, RecordDict] = {}
+    for n in sorted(fwd):
+        content = contents[n]
+        content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord(
+            {
+                Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+                Key.SOURCE_LIST: fwd[n][0],
+                Key.CIPHERTEXT_LIST: fwd[n][1],
+            }
+        )
+        masked_stage[n] = content
+    return masked_stage
+
+
+def _unmasked(
+    total: list[np.ndarray],
+    shares: Mapping[int, list[bytes]],
+    sent: set[int],
+    u2: Sequence[int],
+    keys: Mapping[int, list[bytes]],
+    M: int,
+) -> list[np.ndarray]:
+    """The masked sum without its masks, each owner's secret rebuilt from its shares: a
+    sender's own mask (from its seed), a dropped node's pairwise masks with every sender."""
     shapes = get_parameters_shape(total)
     for n, node_shares in shares.items():
         secret = combine_shares(node_shares)
-        if n in collected:  # its own mask, from its seed
+        if n in sent:  # its own mask, from its seed
             total = parameters_subtraction(total, pseudo_rand_gen(secret, M, shapes))
             continue
         for other in u2:  # a node that dropped after sharing: its pairwise masks
@@ -241,12 +271,18 @@ def secure_sum(
                 if n > other
                 else parameters_subtraction(total, mask)
             )
+    return total
+
+
+def _dequantized(total: list[np.ndarray], n: int, settings: SecAggSettings) -> list[np.ndarray]:
+    """Σ_n Q(u_n) in float64 from the unmasked sum of `n` quantized vectors, checking that
+    the weight factor SecAgg+ carries is n times the quantization range."""
+    c, T, M = settings.clipping_range, settings.quantization_range, settings.modulus_range
     factor, vector = factor_extract(parameters_mod(total, M))
-    if int(factor) != len(u2) * T:
-        raise RuntimeError(f"SecAgg+: the unmasked weight is {factor}, expected {len(u2) * T}")
-    offset = -(len(u2) - 1) * c  # each dequantized entry carries one -c of its own
-    summed = [np.asarray(x, dtype=np.float64) + offset for x in dequantize(vector, c, T)]
-    return SecureSum(summed, u2, collected)
+    if int(factor) != n * T:
+        raise RuntimeError(f"SecAgg+: the unmasked weight is {factor}, expected {n * T}")
+    offset = -(n - 1) * c  # each dequantized entry carries one -c of its own
+    return [np.asarray(x, dtype=np.float64) + offset for x in dequantize(vector, c, T)]
 
 
 def _record(values: Mapping[str, Any]) -> RecordDict:

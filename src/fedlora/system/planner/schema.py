@@ -49,7 +49,30 @@ def problem_from_dict(
     for key in ("gamma", "f_tot", "clients"):
         if key not in raw:
             raise ConfigError(f"{source}: missing key {key!r}")
-    clients = raw["clients"]
+    cols = _client_columns(raw["clients"], source)
+    a = np.asarray(cols["a"])
+    if options.normalize_a:
+        a = PlanProblem.normalized_weights(a)
+    constants = _constants(raw["constants"], source) if raw.get("constants") is not None else None
+    calibration = _calibration(raw)
+    gamma = raw["gamma"]
+    if isinstance(gamma, float) and gamma.is_integer():
+        raise bad_value("gamma", gamma, "an integer (write it without a decimal point)")
+    problem = PlanProblem(
+        gamma=gamma,
+        f_tot=raw["f_tot"],
+        a=a,
+        tau_full_s=np.asarray(cols["tau_full_s"]),
+        t_full=np.asarray(cols["t_full"]),
+        constants=constants,
+        calibration=tuple(calibration),
+    )
+    return problem, options
+
+
+def _client_columns(clients: Any, source: str) -> dict[str, list[float]]:
+    """The `clients` list as columns a, tau_full_s, t_full: each row an object with exactly
+    those keys, each value finite and > 0."""
     if not isinstance(clients, list):
         raise bad_value("clients", clients, "a list of objects with a, tau_full_s, t_full")
     if not clients:
@@ -65,21 +88,24 @@ def problem_from_dict(
             if c not in row:
                 raise ConfigError(f"{source}: clients[{i}] has no {c!r}")
             cols[c].append(positive_number(f"clients[{i}].{c}", row[c], "must be finite and > 0"))
-    a = np.asarray(cols["a"])
-    if options.normalize_a:
-        a = PlanProblem.normalized_weights(a)
-    constants = None
-    if "constants" in raw and raw["constants"] is not None:
-        cr = raw["constants"]
-        if not isinstance(cr, dict):
-            raise bad_value("constants", cr, "an object with A, B, C, D")
-        for key in cr:
-            if key not in ("A", "B", "C", "D"):
-                raise _unknown(f"{source}: constants", key, ("A", "B", "C", "D"))
-        missing = [x for x in "ABCD" if x not in cr]
-        if missing:
-            raise ConfigError(f"{source}: constants lacks {', '.join(missing)}")
-        constants = Constants(cr["A"], cr["B"], cr["C"], cr["D"])
+    return cols
+
+
+def _constants(cr: Any, source: str) -> Constants:
+    """The `constants` object: exactly the keys A, B, C, D."""
+    if not isinstance(cr, dict):
+        raise bad_value("constants", cr, "an object with A, B, C, D")
+    for key in cr:
+        if key not in ("A", "B", "C", "D"):
+            raise _unknown(f"{source}: constants", key, ("A", "B", "C", "D"))
+    missing = [x for x in "ABCD" if x not in cr]
+    if missing:
+        raise ConfigError(f"{source}: constants lacks {', '.join(missing)}")
+    return Constants(cr["A"], cr["B"], cr["C"], cr["D"])
+
+
+def _calibration(raw: dict[str, Any]) -> list[Observation]:
+    """The `calibration` list (optional): runs {"q": [...], "k": [...], "rounds": R}."""
     calibration: list[Observation] = []
     if not isinstance(raw.get("calibration") or [], list):
         raise bad_value("calibration", raw["calibration"], "a list of calibration runs")
@@ -98,16 +124,4 @@ def problem_from_dict(
         calibration.append(
             Observation(np.asarray(ob["q"], dtype=float), np.asarray(ob["k"]), ob["rounds"])
         )
-    gamma = raw["gamma"]
-    if isinstance(gamma, float) and gamma.is_integer():
-        raise bad_value("gamma", gamma, "an integer (write it without a decimal point)")
-    problem = PlanProblem(
-        gamma=gamma,
-        f_tot=raw["f_tot"],
-        a=a,
-        tau_full_s=np.asarray(cols["tau_full_s"]),
-        t_full=np.asarray(cols["t_full"]),
-        constants=constants,
-        calibration=tuple(calibration),
-    )
-    return problem, options
+    return calibration
