@@ -36,8 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_protocol import git_commit, measured  # noqa: E402
 from fedlora.config import load_config  # noqa: E402
-from fedlora.config.privacy_section import PRIVATE_SAMPLING  # noqa: E402
 from fedlora.errors import ConfigError, DataError  # noqa: E402
+from fedlora.federation.methods.registry import method_class  # noqa: E402
 from fedlora.system.privacy import epsilon, noise_multiplier_for_epsilon  # noqa: E402
 
 BASE = "configs/demo.toml"
@@ -160,7 +160,7 @@ def accounting(base: str, arm: str) -> tuple[str, float, int, int]:
     """(event kind, rate, rounds, N) of `arm`'s runs, as fedlora accounts them."""
     cfg = load_config(base, [*COMMON, *ARMS[arm]])
     n, m = cfg.data.n_clients, cfg.method.clients_per_round
-    if PRIVATE_SAMPLING[cfg.method.name] == "uniform":
+    if method_class(cfg.method.name).dp_sampling == "uniform":
         return "uniform", (m if m else n) / n, cfg.training.rounds, n
     if cfg.method.q != "fixed":
         raise ConfigError(f"method.q = {cfg.method.q!r}: this runner needs one rate ('fixed')")

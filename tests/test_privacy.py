@@ -17,6 +17,7 @@ from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import ClientTask, RoundPlan
+from fedlora.federation.methods.registry import check_method_config, method_class
 from fedlora.federation.privacy import ClientPrivacy
 from fedlora.system.privacy import epsilon, max_poisson_rate, poisson_epsilon
 from fedlora.system.privacy_ledger import PrivacyLedger, RoundSetting
@@ -104,7 +105,7 @@ def _privacy(mode: str, sigma: float, clip: float, method: str = "sketched") -> 
             f"privacy.clip_norm={clip}",
         ],
     )
-    return ClientPrivacy(cfg)
+    return ClientPrivacy(cfg, method_class(cfg.method.name))
 
 
 def _plan(weights, trains="AB", gamma=2, round_=3) -> RoundPlan:
@@ -186,8 +187,8 @@ def test_a_method_whose_aggregate_is_not_a_sum_refuses_privacy(tmp_path, capsys,
 
 def test_heterolora_self_pruning_and_budgets_without_central_privacy_are_refused():
     with pytest.raises(ConfigError, match="heterolora_pruning"):
-        load_config(None, ['privacy.mode="local"', 'method.name="heterolora"',
-                           "method.heterolora_pruning=0.5"])  # fmt: skip
+        check_method_config(load_config(None, ['privacy.mode="local"', 'method.name="heterolora"',
+                                               "method.heterolora_pruning=0.5"]))  # fmt: skip
     with pytest.raises(ConfigError, match="planner.max_epsilon"):
         load_config(None, ['privacy.mode="local"', "planner.max_epsilon=8"])
     with pytest.raises(ConfigError, match="planner.max_epsilon"):

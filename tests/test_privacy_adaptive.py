@@ -18,6 +18,7 @@ import rdp_reference as ref
 from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.federation.methods.base import ClientTask, RoundPlan
+from fedlora.federation.methods.registry import method_class
 from fedlora.federation.privacy import ClientPrivacy
 from fedlora.system.privacy import next_clip, sum_noise_multiplier
 from fedlora.system.seeding import derive_rng
@@ -73,7 +74,7 @@ def test_the_geometric_step_by_hand():
 
 def _privacy(*extra: str) -> ClientPrivacy:
     cfg = load_config(None, ["data.n_clients=4", f"method.q={Q}", *ADAPTIVE, *extra])
-    return ClientPrivacy(cfg)
+    return ClientPrivacy(cfg, method_class(cfg.method.name))
 
 
 class _Method:

@@ -11,6 +11,7 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.federation.methods.base import ClientTask, RoundPlan
+from fedlora.federation.methods.registry import method_class
 from fedlora.federation.privacy import ClientPrivacy, account_round, clip_fields
 from fedlora.federation.progress import Progress
 
@@ -23,7 +24,7 @@ def _privacy(clip: float, method: str = "sketched") -> ClientPrivacy:
     cfg = load_config(
         None, [*overrides, "privacy.noise_multiplier=1.0", f"privacy.clip_norm={clip}"]
     )
-    return ClientPrivacy(cfg)
+    return ClientPrivacy(cfg, method_class(cfg.method.name))
 
 
 def _round(weights: list[float]) -> tuple[dict, RoundPlan, list[dict]]:

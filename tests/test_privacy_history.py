@@ -225,10 +225,13 @@ def test_a_divergence_under_privacy_names_the_noises_fields():
 
     from fedlora.config import load_config
     from fedlora.federation.engine import _noise_hint
+    from fedlora.federation.methods.registry import method_class
     from fedlora.federation.privacy import ClientPrivacy
 
     cfg = load_config(None, [*CENTRAL, "privacy.noise_multiplier=2", "privacy.clip_norm=300"])
-    run = SimpleNamespace(method=SimpleNamespace(privacy=ClientPrivacy(cfg)))
+    run = SimpleNamespace(
+        method=SimpleNamespace(privacy=ClientPrivacy(cfg, method_class(cfg.method.name)))
+    )
     hint = _noise_hint(run)
     assert "600" in hint and "privacy.noise_multiplier" in hint and "privacy.clip_norm" in hint
     assert _noise_hint(SimpleNamespace(method=SimpleNamespace(privacy=None))) == ""

@@ -12,7 +12,6 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.config import load_config
-from fedlora.config.privacy_section import PRIVATE_SAMPLING
 from fedlora.errors import ConfigError
 from fedlora.federation.flower.common import train_content
 from fedlora.federation.flower.secagg import (
@@ -32,6 +31,7 @@ from fedlora.federation.flower.secagg_node import (
 from fedlora.federation.flower.secure_round import aggregate_sum
 from fedlora.federation.methods import make_method
 from fedlora.federation.methods.base import RoundPlan
+from fedlora.federation.methods.registry import check_method_config, method_class, method_names
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict  # isort: skip
 from flwr.common import bytes_to_ndarray  # isort: skip
@@ -204,7 +204,7 @@ def test_the_weighted_update_is_zero_outside_the_trained_components() -> None:
     assert r.tolist() == [[2, 0, 2], [0, 0, 0], [2, 0, 2]]
 
 
-@pytest.mark.parametrize("name", sorted(PRIVATE_SAMPLING))
+@pytest.mark.parametrize("name", [n for n in method_names() if method_class(n).dp_sampling])
 def test_every_sum_method_aggregates_the_sum_as_its_own_aggregate(name: str) -> None:
     # Prepare: the method, a round's plan, clients that moved the factors they train
     overrides = [
@@ -240,8 +240,8 @@ def test_every_sum_method_aggregates_the_sum_as_its_own_aggregate(name: str) -> 
     plain = method.server_step(glob, plan, states).global_state
     factors = "".join(sorted({f for t in plan.tasks for f in t.trains}))
     keys = update_keys(glob, factors)
-    weights = secure_weights(name, [t.weight for t in plan.tasks])
-    masked = name == "heterolora"
+    weights = secure_weights(method, [t.weight for t in plan.tasks])
+    masked = method.secagg_masked
     total = [
         sum(
             weighted_update(glob, s, [k], w, t.scale if masked else None)[0]
@@ -280,13 +280,15 @@ def test_a_method_whose_aggregate_is_not_a_sum_refuses_secure_aggregation(capsys
     err = capsys.readouterr().err
     assert "privacy.secure_aggregation" in err and name in err and "a sum" in err
     with pytest.raises(ConfigError, match="heterolora_pruning"):
-        load_config(
-            None,
-            [
-                "privacy.secure_aggregation=true",
-                'method.name="heterolora"',
-                "method.heterolora_pruning=0.5",
-            ],
+        check_method_config(
+            load_config(
+                None,
+                [
+                    "privacy.secure_aggregation=true",
+                    'method.name="heterolora"',
+                    "method.heterolora_pruning=0.5",
+                ],
+            )
         )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from fedlora.config.planner_section import PlannerConfig
-from fedlora.config.privacy_section import PrivacyConfig, check_private_method
+from fedlora.config.privacy_section import PrivacyConfig
 from fedlora.config.sections import (
     DataConfig,
     EvaluationConfig,
@@ -39,7 +39,6 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         n = self.data.n_clients
-        check_private_method(self.privacy, self.method.name, self.method.heterolora_pruning)
         _check_budget(self.planner.max_epsilon, self.privacy, n)
         _check_delta(self.privacy, n)
         for name in ("q", "k", "ranks"):

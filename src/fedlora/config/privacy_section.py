@@ -1,8 +1,10 @@
 """The privacy section of an experiment config: client-level differential privacy (clipping,
-Gaussian noise, the δ of the reported ε), secure aggregation on Flower (SecAgg+), and which
-methods they apply to.
+Gaussian noise, the δ of the reported ε) and secure aggregation on Flower (SecAgg+).
 
-docs/privacy.md derives the sensitivity of each method's aggregate and states the threat model.
+Which methods they apply to is each method's own fact (`Method.dp_sampling`, `dp_refusal`,
+`check_privacy` in fedlora.federation.methods), checked by the methods' registry
+(`check_method_config`), which this layer cannot see. docs/privacy.md derives the sensitivity
+of each method's aggregate and states the threat model.
 """
 
 from __future__ import annotations
@@ -28,37 +30,6 @@ MAX_NOISE_STD = 1e3
 MAX_CLIP_NORM = 1e12
 MAX_SECAGG_CLIPPING_RANGE = 500.0
 MAX_CLIP_LEARNING_RATE = 10.0
-
-# methods whose aggregate is the global adapter plus a weighted sum of client updates, and
-# how each samples its participants: "independent" (client n joins with its own q_n,
-# Poisson sampling) or "uniform" (m of N without replacement; m = 0: all N)
-PRIVATE_SAMPLING = {
-    "sketched": "independent",
-    "proposed": "independent",
-    "fedavg": "uniform",
-    "fslora": "uniform",
-    "ffalora": "uniform",
-    "heterolora": "uniform",
-    "rolora": "uniform",
-    "fedsb": "uniform",
-}
-
-# why the other built-in methods refuse differential privacy
-NOT_A_SUM = {
-    "flexlora": "its aggregate is a truncated SVD of the clients' products, not a sum of "
-    "their adapter updates",
-    "fedstacklora": "its aggregate stacks the clients' factors side by side and merges them "
-    "into the base weights, not a sum of updates",
-    "fedexlora": "its aggregate adds a dense residual of the clients' products to the base "
-    "weights, which clipping the adapter updates does not bound",
-    "fedsalora": "its clients keep B on the device and the evaluated adapter uses their "
-    "mean, released without noise",
-    "centralized": "it is the non-private reference: one learner on every client's data "
-    "pooled, nothing aggregated",
-    "local": "it is the reference without federation: every client trains alone and nothing "
-    "is aggregated or released",
-}
-
 
 # SecAgg+'s fixed quantization: every entry becomes an integer in [0, 2^22]; the masked sum is
 # taken modulo 2^32, so up to 2^32 / 2^22 - 1 = 1023 participants sum without wrapping around
@@ -123,6 +94,12 @@ class PrivacyConfig:
             hi=MAX_SECAGG_CLIPPING_RANGE,
             lo_open=True,
         )
+        if self.secure_aggregation and self.enabled:
+            raise ConfigError(
+                f"privacy.secure_aggregation = true is invalid with privacy.mode = "
+                f"{self.mode!r}: clipping each update needs the server to see it, and the "
+                "nodes do not clip on their own yet; use one of the two"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -170,52 +147,6 @@ def _check_adaptive(p: PrivacyConfig) -> None:
                 f"must be > privacy.noise_multiplier / 2 = {z / 2:g}: the count's noise spends "
                 "(2σ_b)^-2 of the round's budget z^-2 and would leave none for the sum",
             )
-
-
-def check_private_method(privacy: PrivacyConfig, method_name: str, pruning: float) -> None:
-    """ConfigError unless privacy is off or `method_name`'s aggregate is a weighted sum of
-    client updates (`PRIVATE_SAMPLING`); HeteroLoRA's self-pruning (a data-dependent rank
-    schedule) is refused too. The same for secure aggregation, which the server can only
-    apply to a sum, and which does not combine with differential privacy (yet)."""
-    if privacy.secure_aggregation:
-        _check_secure_method(privacy, method_name, pruning)
-    if not privacy.enabled:
-        return
-    if method_name not in PRIVATE_SAMPLING:
-        why = NOT_A_SUM.get(method_name, "it is not known to aggregate a weighted sum of updates")
-        raise ConfigError(
-            f"privacy.mode = {privacy.mode!r} is invalid with method.name = {method_name!r}: "
-            f"{why}; differential privacy needs one of {', '.join(PRIVATE_SAMPLING)} "
-            "(or privacy.mode = 'none')"
-        )
-    if method_name == "heterolora" and pruning:
-        raise ConfigError(
-            f"privacy.mode = {privacy.mode!r} is invalid with method.heterolora_pruning = "
-            f"{pruning!r}: the self-pruning schedule is decided from the clients' un-noised "
-            "updates; set method.heterolora_pruning = 0"
-        )
-
-
-def _check_secure_method(privacy: PrivacyConfig, method_name: str, pruning: float) -> None:
-    if method_name not in PRIVATE_SAMPLING:
-        why = NOT_A_SUM.get(method_name, "it is not known to aggregate a weighted sum of updates")
-        raise ConfigError(
-            f"privacy.secure_aggregation = true is invalid with method.name = {method_name!r}: "
-            f"{why}; secure aggregation reveals only a sum, so it needs one of "
-            f"{', '.join(PRIVATE_SAMPLING)} (or privacy.secure_aggregation = false)"
-        )
-    if method_name == "heterolora" and pruning:
-        raise ConfigError(
-            f"privacy.secure_aggregation = true is invalid with method.heterolora_pruning = "
-            f"{pruning!r}: the self-pruning schedule needs each client's own update, which "
-            "the server no longer sees; set method.heterolora_pruning = 0"
-        )
-    if privacy.enabled:
-        raise ConfigError(
-            f"privacy.secure_aggregation = true is invalid with privacy.mode = "
-            f"{privacy.mode!r}: clipping each update needs the server to see it, and the "
-            "nodes do not clip on their own yet; use one of the two"
-        )
 
 
 def check_in_process_privacy(cfg: Any) -> None:

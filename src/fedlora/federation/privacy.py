@@ -42,15 +42,12 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.config.privacy_section import PRIVATE_SAMPLING
 from fedlora.system.privacy import next_clip, sum_noise_multiplier
 from fedlora.system.privacy_ledger import PrivacyLedger, RoundSetting
 from fedlora.system.seeding import derive_rng
 
 Adapter = dict[str, np.ndarray]
 
-# methods whose aggregate divides the data weights by their sum over the round's participants
-NORMALISED = ("fedavg", "ffalora", "heterolora", "rolora", "fedsb")
 DEFAULT_FACTORS = "AB"  # what a round without participants noises (independent sampling)
 
 
@@ -72,9 +69,11 @@ def _component_mask(name: str, shape: tuple[int, ...], active: np.ndarray) -> np
 
 
 class ClientPrivacy:
-    """Clipping and Gaussian noise of one run (see the module docstring)."""
+    """Clipping and Gaussian noise of one run (see the module docstring). `method_cls`: the
+    class of ``method.name`` (`registry.method_class`), whose `dp_sampling` and
+    `normalised_weights` say how its participants are sampled and weighted."""
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
+    def __init__(self, cfg: ExperimentConfig, method_cls: Any) -> None:
         p = cfg.privacy
         self.mode = p.mode
         self.clip_norm = float(p.clip_norm)  # C of the round (adaptive: moves every round)
@@ -92,8 +91,8 @@ class ClientPrivacy:
         self.count: float | None = None  # the round's noised Σ(b_n − 1/2); None: not released
         self.seed = cfg.training.seed
         self.n_clients = cfg.data.n_clients
-        self.method = cfg.method.name
-        self.sampling = PRIVATE_SAMPLING[cfg.method.name]
+        self.sampling = method_cls.dp_sampling
+        self.normalised = bool(method_cls.normalised_weights)
         m = cfg.method.clients_per_round
         self.uniform_rate = 1.0 if m == 0 else m / self.n_clients
         self.norms: list[float] = []  # ‖w_n Δ_n‖ before clipping, of the round's last `clip`
@@ -120,7 +119,7 @@ class ClientPrivacy:
     def weights(self, plan: Any) -> np.ndarray:
         """w_n of the round's participants as the method's aggregate applies them."""
         w = np.array([t.weight for t in plan.tasks], dtype=float)
-        return w / w.sum() if self.method in NORMALISED and w.size else w
+        return w / w.sum() if self.normalised and w.size else w
 
     def clip(self, global_state: Adapter, plan: Any, states: list[Adapter]) -> list[Adapter]:
         """Each state with its weighted update clipped to C (and, local, noised); the norms
@@ -216,9 +215,10 @@ class ClientPrivacy:
         return {"dp_clip": used, "dp_unclipped_fraction": fraction}
 
 
-def make_privacy(cfg: ExperimentConfig) -> ClientPrivacy | None:
-    """The run's `ClientPrivacy`, or None with ``privacy.mode = "none"``."""
-    return ClientPrivacy(cfg) if cfg.privacy.enabled else None
+def make_privacy(cfg: ExperimentConfig, method_cls: Any) -> ClientPrivacy | None:
+    """The run's `ClientPrivacy` (`method_cls`: the class of ``method.name``), or None with
+    ``privacy.mode = "none"``."""
+    return ClientPrivacy(cfg, method_cls) if cfg.privacy.enabled else None
 
 
 def restore_ledger(n_clients: int, sigma: float, progress: Any) -> PrivacyLedger:

@@ -129,17 +129,18 @@ def config_from_run_config(
 
 
 def check_flower_method(cfg: ExperimentConfig) -> None:
-    """ConfigError for what the Flower runtime cannot run like the engine does: `fedstacklora`
-    (its merged base update stays on the server, so the nodes would train on a stale base),
-    `fedsalora` (its evaluation view needs every client's B) and `proposed` without a plan
-    file (the calibration runs of Algorithm 2 are engine runs), a method with a
-    `flower_refusal` (the references `centralized` and `local`), and a client AdamW state kept
-    across rounds (``training.optimizer_state = "keep"``). FedEx-LoRA's base merges
-    travel to the nodes with every train message (the ``base`` ArrayRecord)."""
+    """ConfigError for what the Flower runtime cannot run like the engine does: a method with
+    a `flower_refusal` (the references `centralized` and `local`; `fedstacklora`, whose merged
+    base update stays on the server, so the nodes would train on a stale base; `fedsalora`,
+    whose evaluation view needs every client's B), a method whose `check_flower` refuses the
+    config (`proposed` without a plan file: the calibration runs of Algorithm 2 are engine
+    runs), and a client AdamW state kept across rounds (``training.optimizer_state =
+    "keep"``). FedEx-LoRA's base merges travel to the nodes with every train message (the
+    ``base`` ArrayRecord)."""
     from fedlora.federation.methods.registry import check_method_config
 
     cls = check_method_config(cfg)
-    if cls.flower_refusal:  # a method that says why it does not run on Flower (references)
+    if cls.flower_refusal:  # a method that says why it does not run on Flower
         raise ConfigError(
             f"method.name = {cfg.method.name!r} is not supported on Flower: {cls.flower_refusal}"
         )
@@ -151,26 +152,7 @@ def check_flower_method(cfg: ExperimentConfig) -> None:
             "the nodes' AdamW states, so a resumed run would not continue them; use 'reset' "
             "(a new AdamW per client per round) or `fedlora run`"
         )
-    m = cfg.method
-    if m.name == "fedstacklora":
-        raise ConfigError(
-            f"method.name = {m.name!r} is not supported on Flower: its merged base update "
-            "is not sent to the nodes; use `fedlora run`"
-        )
-    if m.name == "fedsalora":
-        raise ConfigError(
-            "method.name = 'fedsalora' is not supported on Flower: each client's own B is kept "
-            "by the engine's client memory, and evaluating one global adapter needs every "
-            "client's B, which FedSA-LoRA never sends; use `fedlora run`"
-        )
-    if m.name == "proposed" and not (
-        isinstance(m.q, str) and m.q == m.k and m.q.endswith(".json") and Path(m.q).exists()
-    ):
-        raise ConfigError(
-            f"method.name = 'proposed' with method.q = {m.q!r}, method.k = {m.k!r}: on Flower "
-            "it needs a plan: set method.q and method.k to one plan JSON file (`fedlora plan "
-            "-o`, or the plan.json of a `fedlora run` with method proposed)"
-        )
+    cls.check_flower(cfg)
 
 
 def check_secure_clients(cfg: ExperimentConfig) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from fedlora.config.privacy_section import SECAGG_MODULUS_RANGE, SECAGG_QUANTIZATION_RANGE
 from fedlora.federation.flower.common import TRAIN, apply_safe_env, exchange
-from fedlora.federation.privacy import NORMALISED, factor_keys
+from fedlora.federation.privacy import factor_keys
 
 apply_safe_env()
 
@@ -64,7 +64,6 @@ from flwr.supercore.primitives.asymmetric import (  # noqa: E402
 )
 
 Log = Callable[[str], None]
-MASKED_METHODS = ("heterolora",)  # the aggregate zero-pads each update to the trained ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +105,12 @@ def update_keys(global_state: Mapping[str, np.ndarray], factors: str) -> list[st
     return sorted(factor_keys(dict(global_state), factors))
 
 
-def secure_weights(method: str, weights: Sequence[float]) -> np.ndarray:
-    """w_n as the method's aggregate applies it: the task weight (a_n/q_n, 1/m), or divided
-    by the sum over the round's participants for the normalised means."""
+def secure_weights(method: Any, weights: Sequence[float]) -> np.ndarray:
+    """w_n as `method` (a `Method` or its class) aggregates it: the task weight (a_n/q_n,
+    1/m), or divided by the sum over the round's participants for the normalised means
+    (`Method.normalised_weights`)."""
     w = np.asarray(weights, dtype=float)
-    return w / w.sum() if method in NORMALISED and w.size else w
+    return w / w.sum() if method.normalised_weights and w.size else w
 
 
 def padding_params(vector_params: int, uplink_params: Sequence[int]) -> int:

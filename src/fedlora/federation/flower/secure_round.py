@@ -36,7 +36,6 @@ from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.flower.common import FlowerOptions, train_content
 from fedlora.federation.flower.measured import measured_row
 from fedlora.federation.flower.secagg import (
-    MASKED_METHODS,
     SecAggSettings,
     padding_params,
     secure_sum,
@@ -45,7 +44,6 @@ from fedlora.federation.flower.secagg import (
 )
 from fedlora.federation.flower.secagg_node import CLIP, KEYS, MASK, WEIGHT
 from fedlora.federation.methods.base import ClientTask, RoundPlan
-from fedlora.federation.privacy import NORMALISED
 from fedlora.federation.round_steps import apply_aggregate
 from fedlora.federation.trainer import Trained
 
@@ -110,7 +108,7 @@ class SecureRounds:
             plan = RoundPlan(
                 r, tuple(replace(t, weight=t.weight / rate[t.client]) for t in plan.tasks)
             )
-        weights = secure_weights(method.name, [t.weight for t in plan.tasks])
+        weights = secure_weights(method, [t.weight for t in plan.tasks])
         factors = "".join(sorted({f for t in plan.tasks for f in t.trains})) or "AB"
         keys = update_keys(global_state, factors)
         contents, task_of = {}, {}
@@ -120,7 +118,7 @@ class SecureRounds:
             content = train_content(record, plan, i, global_state, base_delta)
             task = content.config_records["task"]
             task[WEIGHT], task[KEYS] = float(weights[i]), keys
-            task[MASK] = method.name in MASKED_METHODS
+            task[MASK] = bool(method.secagg_masked)  # zero-padded to its ranks
             task[CLIP] = self.settings.clipping_range
             contents[clients[t.client]], task_of[clients[t.client]] = content, i
         out = secure_sum(
@@ -157,7 +155,7 @@ class SecureRounds:
             self.log(f"round {r + 1}: secure aggregation skipped ({out.reason}); adapter unchanged")
             return Trained(sent, [], losses, dropouts)
         total = out.total
-        if method.name in NORMALISED:  # the weights of the updates that arrived sum to 1
+        if method.normalised_weights:  # the weights of the updates that arrived sum to 1
             total = [s / float(np.sum(weights[got])) for s in total]
         sum_p, state = aggregate_sum(method, global_state, sent, keys, total, cfg.lora.rank)
         apply_aggregate(self.run, sum_p, global_state, [state])

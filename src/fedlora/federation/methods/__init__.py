@@ -49,5 +49,5 @@ def make_method(
     method = cls.from_config(ctx)
     server_opt = ServerOptimizer.from_config(cfg.method)
     method.server_opt = None if server_opt.is_identity else server_opt
-    method.privacy = make_privacy(cfg)  # None unless privacy.mode is set
+    method.privacy = make_privacy(cfg, cls)  # None unless privacy.mode is set
     return method

@@ -136,7 +136,10 @@ class Method:
     `from_config` (how it is built from the run's config) and, if it has ``method.*`` fields
     of its own, `check_config`. `delta_aggregate` says whether its aggregate is the global
     adapter plus an update (X + Δ, with the clients starting from X): only then can a server
-    optimizer (``method.server_optimizer``) take Δ as its pseudo-gradient.
+    optimizer (``method.server_optimizer``) take Δ as its pseudo-gradient. The class
+    attributes below `delta_aggregate` are the method's other facts, which the privacy and
+    Flower layers ask the class for (`dp_sampling`, `dp_refusal`, `normalised_weights`,
+    `secagg_masked`, `flower_refusal`; the hooks `check_privacy` and `check_flower`).
     """
 
     name = "base"
@@ -147,7 +150,30 @@ class Method:
     # True: evaluation scores every client's own adapter (kept in the run's client memory) and
     # reports their mean and spread (`local`); False: the global adapter
     evaluates_clients = False
-    # why the method does not run on Flower ("" = it does; checked by the Flower runtime)
+    # What the privacy and Flower layers ask of a method (they hold no list of method names;
+    # `registry.check_method_config` and the Flower runtime read these). The defaults are the
+    # safe ones: a method that declares nothing refuses differential privacy and secure
+    # aggregation (saying that `dp_sampling` is not declared) and runs on Flower unmasked.
+    #
+    # How the method samples a round's participants when its aggregate is the global adapter
+    # plus a weighted sum of the clients' updates, X + Σ w_n (X_n − X) — the only aggregate
+    # whose sensitivity clipping bounds (docs/privacy.md), so the only one that
+    # ``privacy.mode`` and ``privacy.secure_aggregation`` accept: "independent" (client n
+    # joins with its own q_n: Poisson sampling), "uniform" (m of N without replacement,
+    # m = 0: all N), or None (not such a sum: both are refused, giving `dp_refusal`)
+    dp_sampling: str | None = None
+    # why the method refuses differential privacy and secure aggregation (dp_sampling None);
+    # "" = it does not say (the refusal names the undeclared `dp_sampling`)
+    dp_refusal = ""
+    # True: the aggregate divides the participants' weights by their sum over the round's
+    # participants (a weighted mean: FedAvg's a_n / Σ_K a_j), so clipping and SecAgg+ apply
+    # w_n / Σ w; False: the task weights as they are (a_n / q_n, 1/m)
+    normalised_weights = False
+    # True: under secure aggregation each node zero-pads its update to the rank components it
+    # trained (`ClientTask.scale`, HeteroLoRA's truncated ranks) before masking it
+    secagg_masked = False
+    # why the method does not run on Flower ("" = it does; checked by the Flower runtime, with
+    # `check_flower` for a refusal that depends on the config)
     flower_refusal = ""
     server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
     privacy: Any = None  # federation.privacy.ClientPrivacy, set by make_method (None: no DP)
@@ -164,6 +190,21 @@ class Method:
         """Raise ConfigError for a config this method cannot run (a rule across sections,
         e.g. `proposed`'s lora.rank >= 2). Called at preflight, for the method that runs,
         before anything is created or replaced."""
+        del cfg
+
+    @classmethod
+    def check_privacy(cls, cfg: ExperimentConfig) -> None:
+        """Raise ConfigError for a privacy setting (``privacy.mode``,
+        ``privacy.secure_aggregation``) this method cannot honour although its aggregate is a
+        sum (`dp_sampling` set), e.g. HeteroLoRA's self-pruning. Called by
+        `registry.check_method_config` for the method that runs, with privacy on."""
+        del cfg
+
+    @classmethod
+    def check_flower(cls, cfg: ExperimentConfig) -> None:
+        """Raise ConfigError for a config this method cannot run on Flower although it has no
+        `flower_refusal` (e.g. `proposed` without a plan file). Called by the Flower runtime
+        (`fedlora.federation.flower.common.check_flower_method`)."""
         del cfg
 
     @classmethod

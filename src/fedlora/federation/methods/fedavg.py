@@ -89,6 +89,8 @@ class RankTruncationMethod(Method):
 @register_method("fedavg")
 class FedAvg(RankTruncationMethod):
     name = "fedavg"
+    dp_sampling = "uniform"  # m of N uniformly (m = 0: all N); X + Σ w_n (X_n − X)
+    normalised_weights = True  # a_n / Σ_K a_j
     delta_aggregate = True  # Σ p_n X_n = X + Σ p_n (X_n − X): every client starts from X
 
     @classmethod

@@ -33,6 +33,10 @@ from fedlora.federation.methods.registry import register_method
 @register_method("fedexlora")
 class FedExLoRA(PartialMethod):
     name = "fedexlora"
+    dp_refusal = (
+        "its aggregate adds a dense residual of the clients' products to the base "
+        "weights, which clipping the adapter updates does not bound"
+    )
     trains = averages = uplink = "AB"
     downlink = "ABW"  # (B̄, Ā) and the dense residual
     delta_aggregate = False  # its residual is exact only for the plain means B̄, Ā

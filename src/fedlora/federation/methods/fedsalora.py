@@ -30,6 +30,15 @@ from fedlora.federation.methods.registry import register_method
 @register_method("fedsalora")
 class FedSALoRA(PartialMethod):
     name = "fedsalora"
+    dp_refusal = (
+        "its clients keep B on the device and the evaluated adapter uses their "
+        "mean, released without noise"
+    )
+    flower_refusal = (
+        "each client's own B is kept by the engine's client memory, and evaluating one "
+        "global adapter needs every client's B, which FedSA-LoRA never sends; use "
+        "`fedlora run`"
+    )
     trains = "AB"
     averages = uplink = downlink = "A"
     delta_aggregate = True  # A ← A + Σ p_n (A_n − A)

@@ -43,6 +43,8 @@ def orthonormal(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
 @register_method("fedsb")
 class FedSB(PartialMethod):
     name = "fedsb"
+    dp_sampling = "uniform"  # m of N uniformly; R ← R + Σ w_n (R_n − R)
+    normalised_weights = True  # a_n / Σ_K a_j
     trains = averages = uplink = downlink = "R"
     delta_aggregate = True  # R ← R + Σ p_n (R_n − R); B R A is linear in R: exact for any step
 

@@ -59,6 +59,11 @@ def fresh_adapter(template: Adapter, seed: int, round_index: int) -> Adapter:
 @register_method("fedstacklora")
 class FedStackLoRA(RankTruncationMethod):
     name = "fedstacklora"
+    dp_refusal = (
+        "its aggregate stacks the clients' factors side by side and merges them "
+        "into the base weights, not a sum of updates"
+    )
+    flower_refusal = "its merged base update is not sent to the nodes; use `fedlora run`"
 
     @classmethod
     def from_config(cls, ctx: MethodContext) -> FedStackLoRA:

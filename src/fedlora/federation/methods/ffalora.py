@@ -24,6 +24,8 @@ from fedlora.federation.methods.registry import register_method
 @register_method("ffalora")
 class FFALoRA(PartialMethod):
     name = "ffalora"
+    dp_sampling = "uniform"  # m of N uniformly; B ← B + Σ w_n (B_n − B)
+    normalised_weights = True  # a_n / Σ_K a_j
     trains = averages = uplink = downlink = "B"
     # B ← B + Σ p_n (B_n − B): a server optimizer keeps it exact (linear in B)
     delta_aggregate = True

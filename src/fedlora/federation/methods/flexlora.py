@@ -74,6 +74,10 @@ def truncated_svd_factors(
 @register_method("flexlora")
 class FlexLoRA(RankTruncationMethod):
     name = "flexlora"
+    dp_refusal = (
+        "its aggregate is a truncated SVD of the clients' products, not a sum of "
+        "their adapter updates"
+    )
 
     @classmethod
     def from_config(cls, ctx: MethodContext) -> FlexLoRA:

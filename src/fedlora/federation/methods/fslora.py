@@ -40,6 +40,7 @@ FSLORA_K = ("reference", "ranks")  # method.fslora_k
 @register_method("fslora")
 class FSLoRA(Method):
     name = "fslora"
+    dp_sampling = "uniform"  # m of N uniformly; X + (1/m) Σ (X_n − X)
     delta_aggregate = True  # X + (1/m) Σ (X_n − X)
 
     @classmethod

@@ -43,7 +43,7 @@ import math
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.errors import bad_value
+from fedlora.errors import ConfigError, bad_value
 from fedlora.federation.methods.base import (
     Adapter,
     Aggregation,
@@ -87,11 +87,32 @@ def _weighting(cfg: ExperimentConfig) -> str:
 @register_method("heterolora")
 class HeteroLoRA(RankTruncationMethod):
     name = "heterolora"
+    dp_sampling = "uniform"  # m of N uniformly; X + Σ w_n pad(X_n − X) (data weights)
+    normalised_weights = True  # a_n / Σ_K a_j
+    secagg_masked = True  # the aggregate zero-pads each update to the trained ranks
     delta_aggregate = True  # padding = "updates": X + Σ p_n pad(X_n − X)
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
         check_pruning(cfg.method.heterolora_pruning)
+
+    @classmethod
+    def check_privacy(cls, cfg: ExperimentConfig) -> None:
+        """Self-pruning (a rank schedule decided from the clients' own updates) is refused
+        with differential privacy and with secure aggregation."""
+        p, pruning = cfg.privacy, cfg.method.heterolora_pruning
+        if pruning and p.secure_aggregation:
+            raise ConfigError(
+                f"privacy.secure_aggregation = true is invalid with method.heterolora_pruning = "
+                f"{pruning!r}: the self-pruning schedule needs each client's own update, which "
+                "the server no longer sees; set method.heterolora_pruning = 0"
+            )
+        if pruning and p.enabled:
+            raise ConfigError(
+                f"privacy.mode = {p.mode!r} is invalid with method.heterolora_pruning = "
+                f"{pruning!r}: the self-pruning schedule is decided from the clients' un-noised "
+                "updates; set method.heterolora_pruning = 0"
+            )
 
     @classmethod
     def from_config(cls, ctx: MethodContext) -> HeteroLoRA:

@@ -36,6 +36,7 @@ class Proposed(Sketched):
     plans) is what the checkpoint carries for that."""
 
     name = "proposed"
+    dp_sampling = "independent"  # Sketched with the planned q*: Poisson sampling
     in_run = False  # set from the Plan: the InRunPlanner drives q and k
 
     def __init__(self, *, a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> None:
@@ -47,6 +48,17 @@ class Proposed(Sketched):
         """Algorithm 2's calibration (every run without a plan file) needs lora.rank >= 2."""
         if not plan_file(cfg.method) and cfg.lora.rank < 2:
             raise ConfigError(rank_message(cfg.lora.rank))
+
+    @classmethod
+    def check_flower(cls, cfg: ExperimentConfig) -> None:
+        """On Flower it needs a plan file: Algorithm 2's calibration runs are engine runs."""
+        m = cfg.method
+        if not plan_file(m):
+            raise ConfigError(
+                f"method.name = 'proposed' with method.q = {m.q!r}, method.k = {m.k!r}: on "
+                "Flower it needs a plan: set method.q and method.k to one plan JSON file "
+                "(`fedlora plan -o`, or the plan.json of a `fedlora run` with method proposed)"
+            )
 
     def before_round(self, ctx: RoundContext, round_index: int) -> None:
         if self.in_run:

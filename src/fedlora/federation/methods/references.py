@@ -137,6 +137,10 @@ class Centralized(ReferenceMethod):
     device of client `device` (see the module)."""
 
     name = "centralized"
+    dp_refusal = (
+        "it is the non-private reference: one learner on every client's data "
+        "pooled, nothing aggregated"
+    )
     flower_refusal = ON_FLOWER["centralized"]
 
     def __init__(self, *, steps: int, rounds: int, device: int, gamma: int) -> None:
@@ -182,6 +186,10 @@ class Local(ReferenceMethod):
     evenly over the run, on its own data and its own adapter (see the module)."""
 
     name = "local"
+    dp_refusal = (
+        "it is the reference without federation: every client trains alone and nothing "
+        "is aggregated or released"
+    )
     evaluates_clients = True
     flower_refusal = ON_FLOWER["local"]
 

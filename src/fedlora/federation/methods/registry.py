@@ -90,8 +90,10 @@ def method_class(name: str) -> type[Method]:
 
 def check_method_config(cfg: ExperimentConfig) -> type[Method]:
     """``method.name`` names a method, and every loaded method accepts its own ``method.*``
-    fields (`Method.check_config`); the class of ``method.name``. Raises ConfigError."""
+    fields (`Method.check_config`), and accepts the run's privacy settings (`check_privacy`);
+    the class of ``method.name``. Raises ConfigError."""
     cls = method_class(cfg.method.name)
+    check_privacy(cfg, cls)
     cls.check_config(cfg)  # the chosen method first, then the others in name order
     for name in sorted(_REGISTRY):
         if _REGISTRY[name] is not cls:
@@ -108,3 +110,40 @@ def check_method_config(cfg: ExperimentConfig) -> type[Method]:
             f"server_weight_decay = 0, or one of the methods {', '.join(delta)}"
         )
     return cls
+
+
+DP_SAMPLINGS = ("independent", "uniform")
+
+
+def check_privacy(cfg: ExperimentConfig, cls: type[Method]) -> None:
+    """ConfigError unless privacy is off or `cls`'s aggregate is a weighted sum of client
+    updates (`Method.dp_sampling`; else its `dp_refusal`), and the method accepts the rest
+    (`Method.check_privacy`: HeteroLoRA's self-pruning). The same for secure aggregation,
+    which the server can only apply to a sum (that it does not combine with differential
+    privacy yet is the config layer's own check)."""
+    p, name = cfg.privacy, cfg.method.name
+    if not (p.enabled or p.secure_aggregation):
+        return
+    if cls.dp_sampling is not None and cls.dp_sampling not in DP_SAMPLINGS:
+        raise ConfigError(
+            f"method.name = {name!r}: {cls.__qualname__}.dp_sampling = {cls.dp_sampling!r} "
+            f"is invalid: allowed: {', '.join(DP_SAMPLINGS)}, or None (not a sum of updates)"
+        )
+    if cls.dp_sampling is None:
+        why = cls.dp_refusal or (
+            f"it does not declare its aggregate a weighted sum of updates "
+            f"({cls.__qualname__}.dp_sampling is None; a method whose aggregate is one sets "
+            "it to 'independent' or 'uniform', docs/methods.md)"
+        )
+        sums = ", ".join(sorted(n for n, c in _REGISTRY.items() if c.dp_sampling))
+        if p.secure_aggregation:
+            raise ConfigError(
+                f"privacy.secure_aggregation = true is invalid with method.name = {name!r}: "
+                f"{why}; secure aggregation reveals only a sum, so it needs one of "
+                f"{sums} (or privacy.secure_aggregation = false)"
+            )
+        raise ConfigError(
+            f"privacy.mode = {p.mode!r} is invalid with method.name = {name!r}: "
+            f"{why}; differential privacy needs one of {sums} (or privacy.mode = 'none')"
+        )
+    cls.check_privacy(cfg)

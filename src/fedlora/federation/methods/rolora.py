@@ -49,6 +49,8 @@ class RoLoRA(PartialMethod):
     factor alternating by round (`rolora_factor`)."""
 
     name = "rolora"
+    dp_sampling = "uniform"  # m of N uniformly; the moving factor + Σ w_n (X_n − X)
+    normalised_weights = True  # a_n / Σ_K a_j
     delta_aggregate = True  # the moving factor ← it + Σ p_n (X_n − X); exact for any step
 
     def plan_round(

@@ -34,6 +34,7 @@ from fedlora.system.sketch import (
 @register_method("sketched")
 class Sketched(Method):
     name = "sketched"
+    dp_sampling = "independent"  # client n joins with its own q_n (Poisson sampling)
     delta_aggregate = True  # X + Σ (a_n/q_n)(X_n − X)
 
     @classmethod
