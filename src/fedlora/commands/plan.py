@@ -118,15 +118,29 @@ def _finite_flag(key: str, value: float) -> float:
 
 
 def budget_lines(privacy: dict, q) -> list[str]:
-    """With a privacy budget: one line per client, its q, bound, ε and budget."""
+    """With a privacy budget: the cohort's z/m, then one line per client, its q, bound, ε and
+    budget."""
     if not privacy:
         return []
     lines = [
         f"privacy budget: σ = {privacy['noise_multiplier']:g}, δ = {privacy['delta']:g}, "
-        f"ε after R = {privacy['rounds']} rounds (bounds set for {privacy['bound_rounds']})"
+        f"ε after R = {privacy['rounds']} rounds (bounds set for {privacy['bound_rounds']})",
+        cohort_noise_line(privacy["noise_multiplier"], q),
     ]
     for n, (qn, u, e, b) in enumerate(
         zip(q, privacy["q_max"], privacy["epsilon"], privacy["max_epsilon"])
     ):
         lines.append(f"  client {n}: q = {qn:.4g} <= {u:.4g}, ε = {e:.3g} <= {b:g}")
     return lines
+
+
+def cohort_noise_line(noise_multiplier: float, q) -> str:
+    """z/m: the noise on the averaged update relative to the clip, with z the noise
+    multiplier and m = Σ q_n the expected participants a round (docs/privacy.md, "Which
+    cohort": the smaller z/m, the less the noise costs the model)."""
+    m = float(sum(float(x) for x in q))
+    ratio = f"{noise_multiplier / m:.3g}" if m > 0 else "inf"
+    return (
+        f"cohort: m = Σ q_n = {m:.4g} expected participants a round; "
+        f"z/m = {noise_multiplier:g} / {m:.4g} = {ratio} of the clip on the averaged update"
+    )

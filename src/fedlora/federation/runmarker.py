@@ -57,6 +57,7 @@ MANIFEST: dict[str, Any] = {
         "eval_loss_bands.png",
         "accuracy_paired.png",
         "eval_loss_paired.png",
+        "privacy_trace.png",
     ],
     "dirs": {
         "checkpoints": ["round-*.safetensors", "round-*.pt"],

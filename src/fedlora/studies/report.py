@@ -18,6 +18,7 @@ from pathlib import Path
 from fedlora.errors import ConfigError, DataError, bad_value
 from fedlora.files import atomic_write, refuse_link
 from fedlora.studies.plots import plot_losses, plot_runs
+from fedlora.studies.privacy_trace import TRACE_FILE, plot_privacy, privacy_trace
 from fedlora.studies.runs import REFERENCE, RunRecord
 from fedlora.studies.tables import (
     baseline_section,
@@ -97,6 +98,8 @@ def render_markdown(
             )
     out += baseline_section(runs, labels)
     out += privacy_section(runs, labels)
+    if any(privacy_trace(r) is not None for r in runs):
+        out += ["", f"![ε spent and the clip bound, per round]({TRACE_FILE})"]
     if target_loss:
         out += loss_section(runs, labels, target_loss)
     if mcnemar:
@@ -165,6 +168,7 @@ REPORT_FILES = (
     "eval_loss_bands.png",
     "accuracy_paired.png",
     "eval_loss_paired.png",
+    TRACE_FILE,
 )
 
 
@@ -189,7 +193,7 @@ def write_report(
     mcnemar: bool = False,
 ) -> Path:
     """Write report.md, accuracy_vs_time.png (and eval_loss_vs_time.png when the runs logged
-    eval_loss) into `out_dir`; returns the report's path. `target_loss`: add the time to a
+    eval_loss, privacy_trace.png when a run used client-level DP) into `out_dir`; returns the report's path. `target_loss`: add the time to a
     mean eval_loss; `mcnemar`: add the paired test of every two runs of the same seed."""
     if not runs:
         raise DataError("no runs to report")
@@ -219,6 +223,7 @@ def write_report(
         out.mkdir(parents=True, exist_ok=True)
         plot_runs([r for r in runs if r.lines], targets, out / "accuracy_vs_time.png", title)
         plot_losses([r for r in runs if r.lines], out / "eval_loss_vs_time.png", target_loss, title)
+        plot_privacy([r for r in runs if r.lines], out / TRACE_FILE, title)
         atomic_write(out / "report.md", text.encode("utf-8"))  # never through a link
     except OSError as e:
         where = f" {e.filename!r}" if e.filename else ""
