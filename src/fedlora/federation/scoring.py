@@ -40,7 +40,7 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
             scoring=ecfg.scoring,
             task=task,
             cache=cache,
-            fmt=run.fed.fmt,  # the format the run trains in (evaluation.format, resolved)
+            fmt=ecfg.format,  # the format the run trains in (resolved by load_trainable)
         )
         for task, examples in run.fed.eval_sets.items()
     }
@@ -175,7 +175,7 @@ def eval_fields(
         "eval_majority": {t: r.majority for t, r in results.items()},
         "eval_chance": {t: r.chance for t, r in results.items()},
         "eval_scoring": next(iter(results.values())).scoring,  # acc with harness
-        "eval_format": run.fed.fmt,
+        "eval_format": run.cfg.evaluation.format,
         "eval_acc_norm": {t: _or_none(r.acc_norm) for t, r in results.items()},
         "eval_mc_loss": mc,
         "eval_mc_losses": {t: r.mc_loss for t, r in results.items()},

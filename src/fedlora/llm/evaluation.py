@@ -42,11 +42,11 @@ from typing import Any
 
 import numpy as np
 
+from fedlora.config.eval_format import EvalFormat
 from fedlora.config.sections import SCORINGS
 from fedlora.errors import DataError
 from fedlora.llm.eval_stats import chance_score, majority_score, mean_interval, wilson_interval
 from fedlora.llm.harness import (
-    EvalFormat,
     acc_norm_pred,
     acc_pred,
     encode_pair,
@@ -75,7 +75,7 @@ class EvalResult:
     predictions: list[int] = field(default_factory=list)  # index of the predicted label
     correct: list[bool] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)  # per question, mean over its tokens
-    fmt: str = "llm-adapters"  # evaluation.format: harness | llm-adapters
+    fmt: str = EvalFormat.LLM_ADAPTERS  # the concrete `EvalFormat` it was scored in
     acc_norm: float = math.nan  # harness: lm-eval's acc_norm (accuracy is its acc)
     acc_norm_ci95: tuple[float, float] = (math.nan, math.nan)
     mc_loss: float = math.nan  # mean −log softmax(option scores)[correct]
@@ -236,7 +236,7 @@ def evaluate(
     scoring: str = "label",
     task: str = "",
     cache: Any = None,
-    fmt: str | EvalFormat = "llm-adapters",
+    fmt: str | EvalFormat = EvalFormat.LLM_ADAPTERS,
 ) -> EvalResult:
     """Accuracy of the arg-max option (ties -> first) with its 95% Wilson interval, eval_loss,
     mc_loss, the majority-label and chance scores, and the per-question predictions. `fmt`:
@@ -246,7 +246,7 @@ def evaluate(
     if not examples:
         raise DataError(f"task {task!r}: no examples to evaluate")
     _check_args(scoring, batch_size)
-    fmt = EvalFormat(fmt)
+    fmt = EvalFormat(fmt).concrete()
     t0 = time.perf_counter()
     requests = [harness_request(ex) for ex in examples] if fmt.harness else []
     if fmt.harness:
