@@ -22,15 +22,13 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
     """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
     import torch
 
-    from fedlora.llm.disk_cache import disk_store_for
     from fedlora.llm.evaluation import eval_cache_for, evaluate
 
     ecfg = run.cfg.evaluation
     run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
-    # lora.layers = K: the eval set's frozen lower layers once per run (same results)
-    cache = eval_cache_for(run.model, run.lora, ecfg.cache_mb)
-    if cache is not None:  # and on disk, shared with other runs of the same model
-        cache.disk = disk_store_for(run.cfg.model)
+    # lora.layers = K: the eval set's frozen lower layers once per run (same results), and on
+    # disk (run.disk), shared with other runs of the same model
+    cache = eval_cache_for(run.model, run.lora, ecfg.cache_mb, disk=run.disk)
     return {
         task: evaluate(
             run.model,

@@ -78,16 +78,18 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
 
     Returns each participant's final adapter (in plan order) and its mean loss over H steps.
     """
-    from fedlora.llm.disk_cache import disk_store_for
     from fedlora.llm.train import TrainingError, layer_cache_for
 
     cfg, r = run.cfg, plan.round
-    # lora.layers = K: frozen lower layers once per example, kept across rounds (exact)
+    # lora.layers = K: frozen lower layers once per example, kept across rounds (exact), and
+    # on disk (run.disk), shared with other runs of the same model
     cache = layer_cache_for(
-        run.model, run.lora, cfg.training.layer_cache_mb, cfg.training.layer_cache_dtype
+        run.model,
+        run.lora,
+        cfg.training.layer_cache_mb,
+        cfg.training.layer_cache_dtype,
+        disk=run.disk,
     )
-    if cache is not None:  # and on disk, shared with other runs of the same model
-        cache.disk = disk_store_for(cfg.model)
     states: list[dict[str, np.ndarray]] = []
     losses: list[float] = []
     tasks = list(plan.tasks)

@@ -117,20 +117,22 @@ def discriminative_start(tails: Sequence[Sequence[int]]) -> int:
 _EVAL_CACHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def eval_cache_for(model: Any, lora: Any, max_mb: float) -> Any:
+def eval_cache_for(model: Any, lora: Any, max_mb: float, disk: Any = None) -> Any:
     """The evaluation `LayerCache` of (model, lora): the frozen layers below the first LoRA
     layer, per packed eval question, kept across evaluations (the eval set is fixed for a
     run); it keeps what fits in `max_mb` and stops adding when full (no LRU thrashing on a
     set read in the same order every time). None when `max_mb` is 0 or nothing can be
-    cached (LoRA on every layer, an unsupported decoder, sliding-window attention)."""
+    cached (LoRA on every layer, an unsupported decoder, sliding-window attention). `disk`:
+    its `fedlora.llm.disk_cache.DiskStore` (entries shared across runs), None = memory only."""
     from fedlora.llm.layer_cache import LayerCache, cacheable_layers
 
     cache = _EVAL_CACHES.get(lora)
-    if cache is not None and cache.model is model and cache.max_bytes == int(max_mb * 2**20):
+    same = cache is not None and cache.model is model and cache.disk is disk
+    if same and cache.max_bytes == int(max_mb * 2**20):
         return cache
     if max_mb == 0 or cacheable_layers(model, lora)[0] == 0:
         return None
-    cache = LayerCache(model, lora, max_mb=max_mb, dtype="fp32", evict=False)
+    cache = LayerCache(model, lora, max_mb=max_mb, dtype="fp32", evict=False, disk=disk)
     if not cache.packable():
         return None
     _EVAL_CACHES[lora] = cache
