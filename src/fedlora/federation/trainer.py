@@ -169,6 +169,7 @@ def train_clients(
         if values:
             holder.lora.set_slot(i, {k: torch.from_numpy(np.asarray(v)) for k, v in values.items()})
     batches = _batches(holder, round_index, clients, steps, pooled)
+    # training.optimizer read once, here: the object (None = SGD) is what travels on
     adamw = _slot_adamw(holder, clients, optim_states) if t.optimizer == "adamw" else None
     torch.manual_seed(derive_seed(seed, "torch", round_index, torch_id))
     lr = round_lr(t.lr, t.lr_min, t.lr_schedule, round_index, t.rounds)
@@ -176,7 +177,7 @@ def train_clients(
         holder.model,
         holder.lora,
         batches,
-        step_sizes_for(lr, t.sketch_step, scales, t.optimizer),
+        step_sizes_for(lr, t.sketch_step, scales, adamw),
         autocast_bf16=cfg.model.dtype == "bf16",
         cache=cache,
         momentum=t.momentum,
