@@ -207,9 +207,8 @@ def bench_lmeval(examples, args) -> None:
             evaluate, model, tok, examples, batch_size=args.batch_size, fmt="harness"
         )
         lora = inject_lora(model, LoraConfig(rank=16, layers=args.k), slots=1, seed=0)
-        cache = eval_cache_for(model, lora, 4096.0)
-        disk_cache.ENABLED = True
-        cache.disk = disk_cache.disk_store(work / f"disk-{prec}", 4096.0)
+        disk = disk_cache.disk_store(work / f"disk-{prec}", 4096.0)
+        cache = eval_cache_for(model, lora, 4096.0, disk=disk)
         gen = torch.Generator().manual_seed(0)
         warm_wall = warm_cpu = 0.0
         for e in range(max(2, args.evals)):

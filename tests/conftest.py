@@ -26,9 +26,16 @@ def _bf16_probe_says_fp32() -> Iterator[None]:
 @pytest.fixture(autouse=True, scope="session")
 def _no_disk_cache() -> Iterator[None]:
     """The frozen-layer disk store stays off in tests (no files under ~/.cache, no entry one
-    test leaves for another); tests of the store turn it on in a temporary directory."""
+    test leaves for another): a run gets no store (`Run.disk` None) unless its config names
+    its own model.cache_dir, as the tests of the store do (a temporary directory). Tests that
+    build a cache themselves pass the store they want (`disk=`)."""
+    real = fedlora.llm.disk_cache.disk_store_for
+
+    def only_in_a_named_dir(model_cfg):
+        return real(model_cfg) if model_cfg.cache_dir else None
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fedlora.llm.disk_cache, "ENABLED", False)
+        mp.setattr(fedlora.llm.disk_cache, "disk_store_for", only_in_a_named_dir)
         yield
 
 

@@ -192,15 +192,23 @@ def test_scaled_sketch_step_under_adamw_equalises_the_first_step(base):
     # power 3/2 would over-correct to 1/γ; AdamW's power 1/2 equalises them.
     paper = _first_step_size_ratio(base, lambda s: client_step_sizes(1e-3, s, "paper"))
     sgd_power = _first_step_size_ratio(base, lambda s: client_step_sizes(1e-3, s, "scaled"))
-    adamw = _first_step_size_ratio(
-        base, lambda s: step_sizes_for(1e-3, "scaled", s, optimizer="adamw")
-    )
+    adamw = _first_step_size_ratio(base, lambda s: client_step_sizes(1e-3, s, "scaled", "adamw"))
     assert 1.6 < paper < 2.5
     assert 0.2 < sgd_power < 0.32
     assert 0.8 < adamw < 1.25
     scales = np.array([[4.0, 0, 0, 0], [2.0, 2.0, 0, 0], [1.0, 1, 1, 1]])
     np.testing.assert_allclose(
         client_step_sizes(0.2, scales, "scaled", "adamw"), [0.1, 0.2 / np.sqrt(2), 0.2]
+    )
+    # the run's path: the optimizer object built from training.optimizer (None = SGD)
+    _, lora = fresh(base, slots=len(scales))
+    lora.set_clients(torch.from_numpy(scales).float())
+    np.testing.assert_array_equal(
+        step_sizes_for(0.2, "scaled", scales, SlotAdamW(lora)),
+        client_step_sizes(0.2, scales, "scaled", "adamw"),
+    )
+    np.testing.assert_array_equal(
+        step_sizes_for(0.2, "scaled", scales, None), client_step_sizes(0.2, scales, "scaled")
     )
 
 

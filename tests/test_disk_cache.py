@@ -144,7 +144,6 @@ def test_bf16_values_round_trip_and_the_store_is_one_per_folder(tmp_path, monkey
     assert got.dtype == torch.bfloat16 and torch.equal(got, value) and hidden == torch.bfloat16
     head = json.loads(store.path("ab" + "1" * 38).read_bytes()[8:].split(b"}")[0] + b"}")
     assert head["shape"] == [3, 8] and head["dtype"] == "bfloat16"
-    monkeypatch.setattr(disk_cache, "ENABLED", True)
     assert disk_store(tmp_path, 8) is disk_store(tmp_path, 8)
     assert disk_store(tmp_path, 0) is None
 
@@ -155,8 +154,7 @@ def test_runs_with_the_disk_cache_cold_and_warm_equal_a_run_without(tmp_path, mo
     from fedlora.config import load_config
     from fedlora.federation.run import prepare_run_dir, run_experiment
 
-    monkeypatch.setattr(disk_cache, "ENABLED", True)
-    cache_dir = tmp_path / "cache"
+    cache_dir = tmp_path / "cache"  # named: the store is on (tests/conftest.py)
 
     def run(name: str, mb: float) -> tuple[list[dict], bytes]:
         extra = [f'model.cache_dir="{cache_dir}"', f"model.disk_cache_mb={mb}"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedlora.config import load_config
-from fedlora.errors import ConfigError, DataError
+from fedlora.errors import ConfigError
 from fedlora.llm.evaluation import evaluate
 from fedlora.llm.harness import (
     HARNESS_MAX_PARAMS,
@@ -140,7 +140,7 @@ def test_harness_cached_evaluation_equals_uncached() -> None:
 
 
 def test_evaluate_rejects_an_unknown_format(llama) -> None:
-    with pytest.raises(DataError, match="evaluation.format = 'cloze' is invalid"):
+    with pytest.raises(ConfigError, match="evaluation.format = 'cloze' is invalid"):
         evaluate(*llama, EXAMPLES, fmt="cloze")
 
 
@@ -191,7 +191,7 @@ def test_federated_data_in_harness_format_keeps_examples_aligned() -> None:
         ],
     ).data
     fed = build_federated_data(cfg, CharTok(), seed=0, fmt="harness")
-    assert fed.fmt == "harness" and fed.lengths.n == 60
+    assert fed.lengths.n == 60
     assert len(fed.examples) == len(fed.train) == 60 - fed.lengths.dropped
     assert sum(len(c) for c in fed.client_indices) == len(fed.examples)
     for ex, ids in zip(fed.examples, fed.train.input_ids):

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from data_cases import DATA, mc_record, needs_data, small_layout
-from fedlora.errors import DataError
-from fedlora.llm.harness import HARNESS_TASKS, EvalFormat, harness_request, resolve_eval_format
+from fedlora.config import EvalFormat, load_config
+from fedlora.errors import ConfigError, DataError
+from fedlora.llm.harness import HARNESS_TASKS, harness_request, resolve_eval_format
 from fedlora.llm.prompts import format_prompt, response_text
 from fedlora.llm.task_registry import BUILTIN_TASKS, TASKS, get_task, register_task
 from fedlora.llm.tasks import (
@@ -339,5 +340,10 @@ def test_the_eval_format_is_checked_once_and_reads_as_its_name() -> None:
     assert EvalFormat(fmt) is fmt and not EvalFormat("llm-adapters").harness
     assert resolve_eval_format("auto", 10**6, ["my-own"]) == "llm-adapters"
     assert pickle.loads(pickle.dumps(fmt)).harness
-    with pytest.raises(DataError, match=r"evaluation.format = 'cloze' is invalid"):
+    with pytest.raises(ConfigError, match=r"evaluation.format = 'cloze' is invalid"):
         EvalFormat("cloze")
+    # one home: the config holds the parsed value; scoring and training refuse an unresolved one
+    assert isinstance(load_config(None, []).evaluation.format, EvalFormat)
+    assert EvalFormat("auto").auto and EvalFormat(fmt).concrete() is fmt
+    with pytest.raises(ConfigError, match=r"evaluation.format = 'auto' is invalid"):
+        EvalFormat("auto").concrete()

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedlora.config.sections import EVAL_FORMATS, SCORINGS
+from fedlora.config.eval_format import EvalFormat
+from fedlora.config.sections import SCORINGS
 from fedlora.errors import ConfigError, DataError, bad_value
 
 
@@ -84,8 +85,8 @@ def _add_how_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--format",
-        default="auto",
-        metavar="auto|harness|llm-adapters",
+        default=EvalFormat.AUTO,
+        metavar="|".join(EvalFormat.NAMES),
         help="harness: lm-evaluation-harness's zero-shot format (acc, acc_norm); llm-adapters: "
         "the LLM-Adapters prompt scored by --scoring; auto (default): harness below 3B "
         "parameters for the tasks lm-eval defines (evaluation.format, docs/data.md)",
@@ -149,8 +150,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise bad_value("--threads", args.threads, "must be >= 0 (0 = torch's default)")
     if args.scoring not in SCORINGS:
         raise bad_value("--scoring", args.scoring, f"allowed: {', '.join(SCORINGS)}")
-    if args.format not in EVAL_FORMATS:
-        raise bad_value("--format", args.format, f"allowed: {', '.join(EVAL_FORMATS)}")
+    args.format = EvalFormat(args.format, field="--format")
     if args.dtype not in ("fp32", "bf16", "auto"):
         raise bad_value("--dtype", args.dtype, "allowed: fp32, bf16, auto")
     if args.adapter is not None:
@@ -158,7 +158,7 @@ def _check_args(args: argparse.Namespace) -> None:
         if not (path / "adapter_config.json").is_file():
             what = "has no adapter_config.json" if path.is_dir() else "does not exist"
             raise bad_value("--adapter", args.adapter, f"a PEFT adapter directory; this one {what}")
-    if args.harness and args.format == "llm-adapters":
+    if args.harness and args.format == EvalFormat.LLM_ADAPTERS:
         raise bad_value("--format", args.format, "--harness runs lm-eval's format: auto or harness")
     if args.harness:
         from fedlora.llm.lm_eval_bridge import lm_eval_available
@@ -200,8 +200,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     n_params = sum(p.numel() for p in model.parameters())
     fmt = resolve_eval_format(args.format, n_params, [task])
-    if args.harness:
-        fmt = "harness"
+    if args.harness:  # lm-eval scores it (`_run_lm_eval`): `fmt` is not used
         from fedlora.llm.harness import harness_task
 
         harness_task(task)  # a task lm-eval does not define: a clear error before the run
@@ -247,7 +246,7 @@ def _questions(args: argparse.Namespace) -> tuple[list, str]:
     return examples, task
 
 
-def _result_json(result: Any, args: argparse.Namespace, fmt: str) -> dict[str, Any]:
+def _result_json(result: Any, args: argparse.Namespace, fmt: EvalFormat) -> dict[str, Any]:
     """`--json`'s object: the scores with their intervals and what produced them."""
     return {
         "accuracy": result.accuracy,
@@ -262,8 +261,8 @@ def _result_json(result: Any, args: argparse.Namespace, fmt: str) -> dict[str, A
         "adapter": args.adapter,
         "scoring": result.scoring,
         "format": fmt,
-        "acc_norm": result.acc_norm if fmt == "harness" else None,
-        "acc_norm_ci95": list(result.acc_norm_ci95) if fmt == "harness" else None,
+        "acc_norm": result.acc_norm if fmt.harness else None,
+        "acc_norm_ci95": list(result.acc_norm_ci95) if fmt.harness else None,
         "mc_loss": result.mc_loss,
         "mc_loss_ci95": list(result.mc_loss_ci95),
         "mc_chance": result.mc_chance,
@@ -275,14 +274,14 @@ def _result_json(result: Any, args: argparse.Namespace, fmt: str) -> dict[str, A
     }
 
 
-def _result_text(result: Any, args: argparse.Namespace, fmt: str) -> str:
+def _result_text(result: Any, args: argparse.Namespace, fmt: EvalFormat) -> str:
     """The one line printed without --json."""
     import torch
 
     lo, hi = result.ci95
     adapter = f" + {args.adapter}" if args.adapter else ""
     norm = ""
-    if fmt == "harness":
+    if fmt.harness:
         nlo, nhi = result.acc_norm_ci95
         norm = f"acc_norm {result.acc_norm:.4f} (95% CI {nlo:.4f}-{nhi:.4f}), "
     mlo, mhi = result.mc_loss_ci95
@@ -350,7 +349,7 @@ def _run_lm_eval(args: argparse.Namespace, model, tokenizer, examples, task: str
         "lm_eval_task": qs[0].task,
         "model": args.model,
         "adapter": args.adapter,
-        "format": "harness",
+        "format": EvalFormat.HARNESS,
         "evaluator": "lm-eval",
         "dtype": args.dtype,
         "device": args.device,

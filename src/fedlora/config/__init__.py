@@ -8,7 +8,8 @@ what is allowed. Unknown keys are errors with a suggestion of the closest valid 
     cfg = load_config("configs/demo.toml", ["training.rounds=5", "method.q=[0.5, 0.5]"])
     print(dump_toml(cfg))
 
-The modules: `checks` (the field checks, the ``model.device`` syntax), `sections` (one
+The modules: `checks` (the field checks, the ``model.device`` syntax), `eval_format`
+(`EvalFormat`, the values of ``evaluation.format``), `sections` (one
 dataclass per section; the planner and training sections in `planner_section` and
 `training_section`), `experiment` (`ExperimentConfig`, built from nested dicts),
 `toml_io` (files, overrides, TOML out). Every public name is importable from
@@ -23,6 +24,7 @@ from fedlora.config.checks import (
     check_number,
     check_vector_or_strategy,
 )
+from fedlora.config.eval_format import EvalFormat
 from fedlora.config.experiment import (
     SECTIONS,
     ExperimentConfig,
@@ -67,6 +69,7 @@ from fedlora.config.training_section import (
 
 __all__ = [
     "EVAL_FORMATS",
+    "EvalFormat",
     "DEVICE_FORMS",
     "K_STRATEGIES",
     "LR_SCHEDULES",

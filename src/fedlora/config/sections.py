@@ -15,6 +15,7 @@ from fedlora.config.checks import (
     check_snr_range,
     check_vector_or_strategy,
 )
+from fedlora.config.eval_format import EvalFormat
 from fedlora.errors import bad_value
 
 
@@ -347,7 +348,7 @@ class OutputConfig:
 
 SCORINGS = ("label", "option", "option_norm")
 # evaluation.format: auto = harness below HARNESS_MAX_PARAMS parameters, else llm-adapters
-EVAL_FORMATS = ("auto", "harness", "llm-adapters")
+EVAL_FORMATS = EvalFormat.NAMES
 
 
 @dataclass(frozen=True)
@@ -360,7 +361,7 @@ class EvaluationConfig:
     # harness: lm-evaluation-harness's zero-shot contexts and continuations (acc primary,
     # acc_norm beside it), and training in the same format; llm-adapters: the paper's
     # LLM-Adapters prompt with `scoring`; auto: harness for models below 3B parameters
-    format: str = "auto"
+    format: str = EvalFormat.AUTO  # an `EvalFormat` once built
     batch_size: int = 16  # questions (with all their candidates) per forward pass
     predictions: bool = True  # write every question's prediction to predictions.jsonl
     # with lora.layers = K: memory bound (MB) of the eval set's frozen-layer cache; 0 = off
@@ -368,7 +369,8 @@ class EvaluationConfig:
 
     def __post_init__(self) -> None:
         check_choice("evaluation.scoring", self.scoring, SCORINGS)
-        check_choice("evaluation.format", self.format, EVAL_FORMATS)
+        # parsed here, once: every later reader gets an `EvalFormat` (frozen: set directly)
+        object.__setattr__(self, "format", EvalFormat(self.format))
         check_int("evaluation.batch_size", self.batch_size, lo=1)
         check_number("evaluation.cache_mb", self.cache_mb, lo=0)
         if not isinstance(self.predictions, bool):

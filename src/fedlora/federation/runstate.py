@@ -37,6 +37,9 @@ class Run(Trainable):
     memory: ClientMemory = field(default_factory=lambda: ClientMemory(lambda k: False, {}))
     # training.optimizer_state = "keep": client -> its AdamW state (`SlotAdamW.slot_state`)
     optim_states: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    # the frozen-layer `DiskStore` of model.cache_dir / model.disk_cache_mb (None = off),
+    # handed to the training and evaluation caches (`layer_cache_for`, `eval_cache_for`)
+    disk: Any = None
 
 
 def load_trainable(
@@ -107,6 +110,9 @@ def build_run(runtime: Resolution, run_dir: Path, log=print, plan: Plan | None =
         lora.load_global(to_torch(initial))
     run = Run(cfg, model, tokenizer, lora, fed, run_dir, profiles, method, shapes)
     run.memory = ClientMemory(method.is_local, initial)
+    from fedlora.llm.disk_cache import disk_store_for
+
+    run.disk = disk_store_for(cfg.model)
     run.device = cfg.model.device
     run.slots_per_pass = device_slots_per_pass(run, log)
     return run

@@ -22,15 +22,13 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
     """The current global adapter on every eval task's fixed subset: task -> EvalResult."""
     import torch
 
-    from fedlora.llm.disk_cache import disk_store_for
     from fedlora.llm.evaluation import eval_cache_for, evaluate
 
     ecfg = run.cfg.evaluation
     run.lora.set_clients(torch.ones(1, run.cfg.lora.rank))  # slot 0 = the global adapter
-    # lora.layers = K: the eval set's frozen lower layers once per run (same results)
-    cache = eval_cache_for(run.model, run.lora, ecfg.cache_mb)
-    if cache is not None:  # and on disk, shared with other runs of the same model
-        cache.disk = disk_store_for(run.cfg.model)
+    # lora.layers = K: the eval set's frozen lower layers once per run (same results), and on
+    # disk (run.disk), shared with other runs of the same model
+    cache = eval_cache_for(run.model, run.lora, ecfg.cache_mb, disk=run.disk)
     return {
         task: evaluate(
             run.model,
@@ -40,7 +38,7 @@ def evaluate_tasks(run: Run) -> dict[str, Any]:
             scoring=ecfg.scoring,
             task=task,
             cache=cache,
-            fmt=run.fed.fmt,  # the format the run trains in (evaluation.format, resolved)
+            fmt=ecfg.format,  # the format the run trains in (resolved by load_trainable)
         )
         for task, examples in run.fed.eval_sets.items()
     }
@@ -175,7 +173,7 @@ def eval_fields(
         "eval_majority": {t: r.majority for t, r in results.items()},
         "eval_chance": {t: r.chance for t, r in results.items()},
         "eval_scoring": next(iter(results.values())).scoring,  # acc with harness
-        "eval_format": run.fed.fmt,
+        "eval_format": run.cfg.evaluation.format,
         "eval_acc_norm": {t: _or_none(r.acc_norm) for t, r in results.items()},
         "eval_mc_loss": mc,
         "eval_mc_losses": {t: r.mc_loss for t, r in results.items()},

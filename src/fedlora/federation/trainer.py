@@ -78,16 +78,18 @@ def train_participants(run: Run, plan: RoundPlan) -> tuple[list[dict[str, np.nda
 
     Returns each participant's final adapter (in plan order) and its mean loss over H steps.
     """
-    from fedlora.llm.disk_cache import disk_store_for
     from fedlora.llm.train import TrainingError, layer_cache_for
 
     cfg, r = run.cfg, plan.round
-    # lora.layers = K: frozen lower layers once per example, kept across rounds (exact)
+    # lora.layers = K: frozen lower layers once per example, kept across rounds (exact), and
+    # on disk (run.disk), shared with other runs of the same model
     cache = layer_cache_for(
-        run.model, run.lora, cfg.training.layer_cache_mb, cfg.training.layer_cache_dtype
+        run.model,
+        run.lora,
+        cfg.training.layer_cache_mb,
+        cfg.training.layer_cache_dtype,
+        disk=run.disk,
     )
-    if cache is not None:  # and on disk, shared with other runs of the same model
-        cache.disk = disk_store_for(cfg.model)
     states: list[dict[str, np.ndarray]] = []
     losses: list[float] = []
     tasks = list(plan.tasks)
@@ -167,6 +169,7 @@ def train_clients(
         if values:
             holder.lora.set_slot(i, {k: torch.from_numpy(np.asarray(v)) for k, v in values.items()})
     batches = _batches(holder, round_index, clients, steps, pooled)
+    # training.optimizer read once, here: the object (None = SGD) is what travels on
     adamw = _slot_adamw(holder, clients, optim_states) if t.optimizer == "adamw" else None
     torch.manual_seed(derive_seed(seed, "torch", round_index, torch_id))
     lr = round_lr(t.lr, t.lr_min, t.lr_schedule, round_index, t.rounds)
@@ -174,7 +177,7 @@ def train_clients(
         holder.model,
         holder.lora,
         batches,
-        step_sizes_for(lr, t.sketch_step, scales, t.optimizer),
+        step_sizes_for(lr, t.sketch_step, scales, adamw),
         autocast_bf16=cfg.model.dtype == "bf16",
         cache=cache,
         momentum=t.momentum,

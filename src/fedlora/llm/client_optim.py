@@ -25,6 +25,7 @@ import torch
 from fedlora.config.checks import check_number
 from fedlora.errors import ConfigError, bad_value
 from fedlora.llm.lora import SlotLora
+from fedlora.llm.step_sizes import ADAMW_SKETCH_STEP_POWER
 
 __all__ = ["SlotAdamW", "check_adamw_options"]
 
@@ -49,6 +50,9 @@ class SlotAdamW:
     absent: a new AdamW, zero moments). `step(lrs)` updates every slot tensor that has a
     gradient, with slot i's step size ``lrs[i]``.
     """
+
+    # training.sketch_step = "scaled": the p of η·(k_n/γ)^p under AdamW (`step_sizes_for`)
+    sketch_step_power = ADAMW_SKETCH_STEP_POWER
 
     def __init__(
         self,

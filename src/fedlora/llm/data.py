@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedlora.config.eval_format import EvalFormat
 from fedlora.config.sections import parse_eval_exclude
 from fedlora.errors import ConfigError, DataError
-from fedlora.llm.harness import EvalFormat, tokenize_harness
+from fedlora.llm.harness import tokenize_harness
 from fedlora.llm.instruct import load_instructions, set_chat_template, tokenize_instructions
 from fedlora.llm.partition import (
     client_weights,
@@ -123,7 +124,6 @@ class FederatedData:
     client_indices: list[np.ndarray]
     a: np.ndarray  # a_n = |D_n| / |D|
     eval_sets: dict[str, list[Example]]
-    fmt: str = "llm-adapters"  # the training (and evaluation) `EvalFormat`
     lengths: Any = None  # harness: its `LengthReport` (p50/p99 tokens, examples dropped)
     # held-out instruction records per task (`fedlora.llm.instruct.response_loss` scores them)
     instruct_eval: dict[str, list[Any]] = field(default_factory=dict)
@@ -188,7 +188,7 @@ def load_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
 
 
 def build_federated_data(
-    cfg: DataConfig, tokenizer: Any, seed: int, fmt: str | EvalFormat = "llm-adapters"
+    cfg: DataConfig, tokenizer: Any, seed: int, fmt: str | EvalFormat = EvalFormat.LLM_ADAPTERS
 ) -> FederatedData:
     """Training mix -> tokens -> Dirichlet partition over `cfg.n_clients`; plus eval sets.
 
@@ -196,7 +196,7 @@ def build_federated_data(
     and `cfg.response` (prompts cut from the left to `cfg.max_seq_len`); ``harness`` on the
     task's lm-eval context and correct continuation, dropping (never cutting) examples
     longer than `cfg.max_seq_len` (`fedlora.llm.harness.tokenize_harness`)."""
-    fmt = EvalFormat(fmt)
+    fmt = EvalFormat(fmt).concrete()  # the run's own copy: cfg.evaluation.format
     examples: list[Any] = training_mix(cfg, seed)
     lengths = None
     if fmt.harness:
@@ -243,7 +243,6 @@ def build_federated_data(
         clients,
         client_weights(clients),
         {**load_eval_sets(cfg, seed), **own_eval_sets(cfg, seed)},
-        fmt=fmt,
         lengths=lengths,
         instruct_eval=instruct_eval,
     )

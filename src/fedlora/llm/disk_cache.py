@@ -45,11 +45,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["DiskStore", "disk_store", "disk_store_for", "weights_fingerprint", "ENABLED"]
+__all__ = ["DiskStore", "disk_store", "disk_store_for", "weights_fingerprint"]
 
 MAGIC = b"FLC1"
 FOLDER = "frozen_layers"
-ENABLED = True  # tests turn the store off unless they ask for it (tests/conftest.py)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 _ENTRY = re.compile(r"[0-9a-f]{40}\.bin")  # entry_name's blake2b (20 bytes), the only files
@@ -273,8 +272,8 @@ _STORES: dict[tuple[str, int], DiskStore] = {}
 
 def disk_store(root: Path, max_mb: float) -> DiskStore | None:
     """The process's `DiskStore` of `root` (one per folder and bound, so a run's training and
-    evaluation caches share its accounting); None when `max_mb` is 0 or the store is off."""
-    if not ENABLED or max_mb <= 0:
+    evaluation caches share its accounting); None when `max_mb` is 0 (off)."""
+    if max_mb <= 0:
         return None
     key = (str(Path(root).expanduser().resolve()), int(max_mb * 2**20))
     store = _STORES.get(key)

@@ -42,11 +42,11 @@ from typing import Any
 
 import numpy as np
 
+from fedlora.config.eval_format import EvalFormat
 from fedlora.config.sections import SCORINGS
 from fedlora.errors import DataError
 from fedlora.llm.eval_stats import chance_score, majority_score, mean_interval, wilson_interval
 from fedlora.llm.harness import (
-    EvalFormat,
     acc_norm_pred,
     acc_pred,
     encode_pair,
@@ -75,7 +75,7 @@ class EvalResult:
     predictions: list[int] = field(default_factory=list)  # index of the predicted label
     correct: list[bool] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)  # per question, mean over its tokens
-    fmt: str = "llm-adapters"  # evaluation.format: harness | llm-adapters
+    fmt: str = EvalFormat.LLM_ADAPTERS  # the concrete `EvalFormat` it was scored in
     acc_norm: float = math.nan  # harness: lm-eval's acc_norm (accuracy is its acc)
     acc_norm_ci95: tuple[float, float] = (math.nan, math.nan)
     mc_loss: float = math.nan  # mean −log softmax(option scores)[correct]
@@ -117,20 +117,22 @@ def discriminative_start(tails: Sequence[Sequence[int]]) -> int:
 _EVAL_CACHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def eval_cache_for(model: Any, lora: Any, max_mb: float) -> Any:
+def eval_cache_for(model: Any, lora: Any, max_mb: float, disk: Any = None) -> Any:
     """The evaluation `LayerCache` of (model, lora): the frozen layers below the first LoRA
     layer, per packed eval question, kept across evaluations (the eval set is fixed for a
     run); it keeps what fits in `max_mb` and stops adding when full (no LRU thrashing on a
     set read in the same order every time). None when `max_mb` is 0 or nothing can be
-    cached (LoRA on every layer, an unsupported decoder, sliding-window attention)."""
+    cached (LoRA on every layer, an unsupported decoder, sliding-window attention). `disk`:
+    its `fedlora.llm.disk_cache.DiskStore` (entries shared across runs), None = memory only."""
     from fedlora.llm.layer_cache import LayerCache, cacheable_layers
 
     cache = _EVAL_CACHES.get(lora)
-    if cache is not None and cache.model is model and cache.max_bytes == int(max_mb * 2**20):
+    same = cache is not None and cache.model is model and cache.disk is disk
+    if same and cache.max_bytes == int(max_mb * 2**20):
         return cache
     if max_mb == 0 or cacheable_layers(model, lora)[0] == 0:
         return None
-    cache = LayerCache(model, lora, max_mb=max_mb, dtype="fp32", evict=False)
+    cache = LayerCache(model, lora, max_mb=max_mb, dtype="fp32", evict=False, disk=disk)
     if not cache.packable():
         return None
     _EVAL_CACHES[lora] = cache
@@ -236,7 +238,7 @@ def evaluate(
     scoring: str = "label",
     task: str = "",
     cache: Any = None,
-    fmt: str | EvalFormat = "llm-adapters",
+    fmt: str | EvalFormat = EvalFormat.LLM_ADAPTERS,
 ) -> EvalResult:
     """Accuracy of the arg-max option (ties -> first) with its 95% Wilson interval, eval_loss,
     mc_loss, the majority-label and chance scores, and the per-question predictions. `fmt`:
@@ -246,7 +248,7 @@ def evaluate(
     if not examples:
         raise DataError(f"task {task!r}: no examples to evaluate")
     _check_args(scoring, batch_size)
-    fmt = EvalFormat(fmt)
+    fmt = EvalFormat(fmt).concrete()
     t0 = time.perf_counter()
     requests = [harness_request(ex) for ex in examples] if fmt.harness else []
     if fmt.harness:

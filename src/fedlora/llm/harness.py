@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from fedlora.config.eval_format import EvalFormat
 from fedlora.errors import DataError
 from fedlora.llm.prompts import IGNORE_INDEX, TokenizedSet, parse_options
 from fedlora.llm.task_registry import (  # noqa: F401 (hellaswag_preprocess: a public name here)
@@ -98,40 +99,16 @@ def harness_training_text(ex: Example) -> tuple[str, str]:
     return req.contexts[req.gold], req.continuations[req.gold]
 
 
-class EvalFormat(str):
-    """The evaluation (and training) format, checked once: ``harness`` (lm-eval's requests)
-    or ``llm-adapters`` (the paper's prompt). A `str`, so the config and the run's files
-    keep the name; `.harness` is the one test every consumer makes."""
-
-    NAMES = ("harness", "llm-adapters")
-
-    def __new__(cls, name: str) -> EvalFormat:
-        if isinstance(name, EvalFormat):
-            return name
-        if name not in cls.NAMES:
-            raise DataError(
-                f"evaluation.format = {name!r} is invalid: allowed: {', '.join(cls.NAMES)}"
-            )
-        return super().__new__(cls, name)
-
-    @property
-    def harness(self) -> bool:
-        """Whether questions are lm-eval's requests (else the LLM-Adapters prompt)."""
-        return str(self) == "harness"
-
-
 def resolve_eval_format(fmt: str, n_params: int, tasks: Sequence[str] = ()) -> EvalFormat:
     """evaluation.format made concrete: ``auto`` is ``harness`` for a model of fewer than
     `HARNESS_MAX_PARAMS` parameters whose `tasks` (training and eval) all have an lm-eval
-    definition, else ``llm-adapters`` (the paper's protocol)."""
-    if fmt == "auto":
+    definition, else ``llm-adapters`` (the paper's protocol); a concrete format is itself."""
+    fmt = EvalFormat(fmt)
+    if fmt.auto:
         known = all(find_task(t) is not None for t in tasks)
-        return EvalFormat("harness" if n_params < HARNESS_MAX_PARAMS and known else "llm-adapters")
-    if fmt not in EvalFormat.NAMES:
-        raise DataError(
-            f"evaluation.format = {fmt!r} is invalid: allowed: auto, harness, llm-adapters"
-        )
-    return EvalFormat(fmt)
+        small = n_params < HARNESS_MAX_PARAMS
+        return EvalFormat(EvalFormat.HARNESS if small and known else EvalFormat.LLM_ADAPTERS)
+    return fmt
 
 
 # ----------------------------------------------------------------------------- tokens

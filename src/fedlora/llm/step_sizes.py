@@ -80,20 +80,22 @@ def _scaled_step_sizes(lr: float, scales: np.ndarray, power: float) -> np.ndarra
 
 
 def step_sizes_for(
-    lr: float, sketch_step: str, scales: np.ndarray, optimizer: str = "sgd"
+    lr: float, sketch_step: str, scales: np.ndarray, optimizer: Any = None
 ) -> float | np.ndarray:
     """What `local_train` gets as `lr`: the scalar η for sketch_step = "paper" (the plain
     path, bit for bit), else η_n per client (c,) as `client_step_sizes` gives them.
 
-    Trusts `lr`, `sketch_step` and `optimizer` (``training.lr``, ``training.sketch_step``,
-    ``training.optimizer``: checked by `TrainingConfig`) and `scales` (the round plan's
-    (c, γ) scale vectors)."""
+    `optimizer`: the object `local_train` steps with (a `SlotAdamW`, built once from
+    ``training.optimizer``; None = SGD); its `sketch_step_power` is the p of η·(k_n/γ)^p.
+    Trusts `lr` and `sketch_step` (``training.lr``, ``training.sketch_step``: checked by
+    `TrainingConfig`) and `scales` (the round plan's (c, γ) scale vectors)."""
     if sketch_step == "paper":
         return lr
     assert sketch_step == "scaled", sketch_step
     scales = np.asarray(scales, dtype=np.float64)
     assert scales.ndim == 2 and scales.shape[0] > 0, scales.shape
-    return _scaled_step_sizes(lr, scales, sketch_step_power(optimizer))
+    power = SKETCH_STEP_POWER if optimizer is None else optimizer.sketch_step_power
+    return _scaled_step_sizes(lr, scales, power)
 
 
 def round_lr(lr: float, lr_min: float, schedule: str, round_index: int, rounds: int) -> float:

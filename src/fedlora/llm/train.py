@@ -20,6 +20,7 @@ step sizes η (one for all, or per client) follow `fedlora.llm.step_sizes`.
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from fedlora.llm.layer_cache import LayerCache, cacheable_layers, check_cache_op
 from fedlora.llm.lora import SlotLora
 from fedlora.llm.prompts import IGNORE_INDEX
 from fedlora.llm.step_sizes import check_step_sizes
+
+if TYPE_CHECKING:
+    from fedlora.llm.disk_cache import DiskStore
 
 __all__ = [
     "TrainingError",
@@ -86,22 +90,28 @@ _CACHES: weakref.WeakKeyDictionary[SlotLora, LayerCache] = weakref.WeakKeyDictio
 
 
 def layer_cache_for(
-    model: torch.nn.Module, lora: SlotLora, max_mb: float = 2048.0, dtype: str = "fp32"
+    model: torch.nn.Module,
+    lora: SlotLora,
+    max_mb: float = 2048.0,
+    dtype: str = "fp32",
+    disk: DiskStore | None = None,
 ) -> LayerCache | None:
     """The `LayerCache` of (model, lora), created on first use and kept as long as `lora`
     lives (a client's partition is reused every round it joins); None when `max_mb` is 0 or
-    nothing lies below the lowest LoRA layer (e.g. ``lora.layers = "all"``)."""
+    nothing lies below the lowest LoRA layer (e.g. ``lora.layers = "all"``). `disk`: its
+    `fedlora.llm.disk_cache.DiskStore` (entries shared across runs), None = memory only."""
     check_cache_options(max_mb, dtype)
     cache = _CACHES.get(lora)
     if (
         cache is not None
         and cache.model is model
+        and cache.disk is disk
         and (cache.max_bytes, cache.dtype) == (int(max_mb * 2**20), dtype)
     ):
         return cache
     if max_mb == 0 or cacheable_layers(model, lora)[0] == 0:
         return None
-    cache = LayerCache(model, lora, max_mb=max_mb, dtype=dtype)
+    cache = LayerCache(model, lora, max_mb=max_mb, dtype=dtype, disk=disk)
     _CACHES[lora] = cache
     return cache
 
