@@ -357,6 +357,26 @@ def test_references_suite_runs_the_suite_files_method_beside_both(tmp_path):
     assert (out / "accuracy_vs_time.png").exists()
 
 
+def test_a_run_another_compare_holds_is_skipped_not_marked_failed(tmp_path, capsys):
+    from fedlora.cli import main
+    from fedlora.federation.rundir import run_dir_lock
+
+    suite = tmp_path / "suite.toml"
+    suite.write_text('[method]\nname = "fedavg"\nclients_per_round = 2\n', encoding="utf-8")
+    out = tmp_path / "refs"
+    argv = ["compare", "--suite", "references", "-c", str(suite), "--out", str(out), "-q",
+            "--target", "arc-e=0.5", *TINY, "training.rounds=2", "training.eval_every=2"]  # fmt: skip
+    held = out / "centralized-seed0"
+    with run_dir_lock(held):  # as a second `compare --methods centralized` would hold it
+        assert main(argv) == 0
+    assert "centralized seed 0: skipped, another process runs it" in capsys.readouterr().err
+    assert not (held / "summary.json").exists()  # no error written into a run going on
+    for label in ("federated", "local"):
+        assert json.loads((out / f"{label}-seed0" / "summary.json").read_text())["rounds"] == 2
+    assert main(argv) == 0  # once free, the next compare runs it
+    assert json.loads((held / "summary.json").read_text())["method"] == "centralized"
+
+
 def _record(label: str, method: str, seed: int, accs: list[float]):
     from fedlora.studies.runs import RunRecord
 

@@ -87,6 +87,10 @@ def _lock_holder(path: Path) -> str:
     return f"process {pid}" if pid.isdigit() else "another process"
 
 
+class RunDirInUse(ConfigError):
+    """The run directory's lock is held by another process (a run going on there)."""
+
+
 @contextmanager
 def run_dir_lock(run_dir: Path) -> Iterator[None]:
     """Hold an exclusive lock on `run_dir` while a run writes there.
@@ -108,7 +112,7 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        raise ConfigError(
+        raise RunDirInUse(
             f"run directory {str(run_dir)!r} is in use by {_lock_holder(path)} (it holds "
             f"{str(path)!r}); wait for that run to finish or stop it, then try again"
         ) from None

@@ -352,7 +352,7 @@ def run_suite(
 def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], None]) -> None:
     """Every (label, seed) of the spec in `out`: finished runs skipped, partial ones resumed."""
     from fedlora.federation.run import run
-    from fedlora.federation.rundir import config_changes, load_run_config
+    from fedlora.federation.rundir import RunDirInUse, config_changes, load_run_config
     from fedlora.federation.runfiles import write_summary
 
     jobs = [(label, seed) for seed in spec.seeds for label in spec.labels]
@@ -378,6 +378,9 @@ def _run_jobs(spec: SuiteSpec, out: Path, *, quiet: bool, log: Callable[[str], N
         t0 = time.perf_counter()
         try:
             summary = run(cfg, run_dir, resume=resume, quiet=quiet, log=log)
+        except RunDirInUse as e:  # another compare runs it: neither its files nor an error
+            log(f"{head}: skipped, another process runs it ({e})")
+            continue
         except FedloraError as e:
             log(f"{head}: FAILED: {e}")
             error = {"error": str(e), "method": cfg.method.name, "seed": seed}
