@@ -30,7 +30,7 @@ from fedlora.system.seeding import derive_rng
 METHODS = {  # label -> overrides of the suite's config
     "fedavg": ("method.name=fedavg",),
     "fslora (k ~ U[4, γ])": ("method.name=fslora",),
-    "fslora (k = ranks)": ("method.name=fslora", "method.fslora_k=ranks"),
+    "fslora (k = ranks)": ("method.name=fslora", "method.fslora.k=ranks"),
     "heterolora": ("method.name=heterolora",),
     "flexlora": ("method.name=flexlora",),
     "fedstacklora": ("method.name=fedstacklora",),
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--layers", type=int, default=30, help="top layers with LoRA (SmolLM2: 30)")
     args = ap.parse_args()
-    from fedlora.config import config_from_dict, parse_override
+    from fedlora.config import config_from_dict, parse_override, set_override
 
     suite = load_suite("table1", args.config)
     shapes = smollm2_shapes(args.layers)
@@ -74,7 +74,7 @@ def main() -> None:
         raw = {s: dict(v) for s, v in suite.raw.items()}
         for text in (*overrides, "training.seed=0"):
             section, key, value = parse_override(text)
-            raw.setdefault(section, {})[key] = value
+            set_override(raw, section, key, value, source=label)
         cfg = config_from_dict(raw, source=label)
         free = cfg.replace(network=dataclasses.replace(cfg.network, downlink_rate_bps=0.0))
         full_bits = cfg.lora.rank * sum(o + i for o, i in shapes.values()) * net.bits_per_param

@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import tomllib
 
-from fedlora.config import dump_toml, load_config
+from fedlora.config import dump_toml
 from fedlora.errors import DataError
+from fedlora.federation.rundir import load_saved_config
 from fedlora.llm.eval_stats import mcnemar_p
 from fedlora.studies.predictions import read_predictions
 
@@ -102,7 +103,8 @@ def _read_arm(run_dir: Path) -> tuple[dict, dict]:
     summary = json.loads(path.read_text(encoding="utf-8"))
     if "error" in summary:
         raise DataError(f"{run_dir}: the run failed: {summary['error']}")
-    cfg = load_config(str(run_dir / "config.toml"), [])
+    # as a run records it: an arm written before the [method.<name>] tables equals one after
+    cfg = load_saved_config(run_dir / "config.toml")
     return summary, _flat(tomllib.loads(dump_toml(cfg)))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -37,6 +37,23 @@ def _no_disk_cache() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fedlora.llm.disk_cache, "disk_store_for", only_in_a_named_dir)
         yield
+
+
+@pytest.fixture
+def method_registry() -> Iterator[Callable[..., None]]:
+    """Methods registered for one test: call it with ``name=class`` pairs (or let a module the
+    test imports register its own); the registry is as it was once the test is done."""
+    from fedlora.federation.methods import registry
+
+    saved = dict(registry._REGISTRY)
+
+    def register(**classes: type) -> None:
+        for name, cls in classes.items():
+            registry.register_method(name)(cls)
+
+    yield register
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
 
 
 @pytest.fixture(autouse=True)

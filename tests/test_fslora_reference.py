@@ -11,6 +11,7 @@ import pytest
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation.methods import make_method
+from fedlora.federation.methods.fslora import FSLoRA
 from fedlora.federation.methods.ranks import reference_ranks, resolve_ranks
 from fedlora.federation.methods.registry import check_method_config
 
@@ -86,7 +87,7 @@ def test_method_ranks_strategy_and_range():
 def test_fslora_with_the_authors_budgets():
     cfg = load_config(
         None,
-        ["method.name=fslora", "lora.rank=64", "data.n_clients=50", "method.fslora_k=ranks",
+        ["method.name=fslora", "lora.rank=64", "data.n_clients=50", "method.fslora.k=ranks",
          "method.ranks=fslora_heavy_tail_low", "method.rank_range=[1, 32]"],
     )  # fmt: skip
     method = make_method(cfg, np.full(50, 0.02), np.random.default_rng(0))
@@ -114,7 +115,7 @@ def test_the_reference_config_holds_the_authors_settings():
     )  # fmt: skip
     assert m.server_bias_correction and m.server_weight_decay == 0.01
     # src/run_main.sh:5, 13-15; src/main.py:51
-    assert (m.ranks, m.rank_range, m.fslora_k, m.clients_per_round) == (
+    assert (m.ranks, m.rank_range, FSLoRA.read_options(cfg).k, m.clients_per_round) == (
         "fslora_heavy_tail_low", (1, 32), "ranks", 10,
     )  # fmt: skip
     t = cfg.training

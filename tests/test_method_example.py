@@ -13,7 +13,7 @@ import pytest
 
 from fedlora.config import load_config
 from fedlora.errors import ConfigError
-from fedlora.federation.methods import make_method, registry
+from fedlora.federation.methods import make_method
 from fedlora.federation.methods.registry import check_method_config, method_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,15 +22,13 @@ DATA = os.environ.get("FEDLORA_DATA", str(ROOT.parents[1] / "shared/data/commons
 
 
 @pytest.fixture
-def example():
-    """The example module, imported from its file; its registration is undone afterwards."""
-    saved = dict(registry._REGISTRY)
+def example(method_registry):
+    """The example module, imported from its file; its registration is undone afterwards
+    (conftest's `method_registry`)."""
     spec = importlib.util.spec_from_file_location("fedlora_docs_my_method", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    yield module
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
+    return module
 
 
 def test_the_docs_quote_the_example_file_verbatim():

@@ -75,12 +75,12 @@ def test_cli_rejects_an_unknown_method_with_exit_code_2(capsys):
     assert "Traceback" not in err
 
 
-def test_each_method_checks_its_own_fields_whatever_the_method_name():
-    with pytest.raises(ConfigError, match=r"method.fslora_k = 'paper' is invalid: allowed: "):
-        check_method_config(load_config(None, ['method.fslora_k="paper"']))
-    with pytest.raises(ConfigError, match="method.heterolora_pruning = 1.5"):
+def test_each_method_checks_its_own_options_whatever_the_method_name():
+    with pytest.raises(ConfigError, match=r"method.fslora.k = 'paper' is invalid: allowed: "):
+        check_method_config(load_config(None, ['method.fslora.k="paper"']))
+    with pytest.raises(ConfigError, match="method.heterolora.pruning = 1.5"):
         check_method_config(
-            load_config(None, ["method.name=fedavg", "method.heterolora_pruning=1.5"])
+            load_config(None, ["method.name=fedavg", "method.heterolora.pruning=1.5"])
         )
 
 
@@ -95,7 +95,7 @@ def test_make_method_builds_what_the_old_if_ladder_built(ranks):
     tau = np.array([1.0, 2.0, 3.0, 4.0])
     for name in ("fslora", "heterolora", "flexlora", "fedstacklora", "sketched", "fedavg"):
         for fslora_k in ("reference", "ranks"):
-            cfg = load_config(None, [*common, f"method.name={name}", f"method.fslora_k={fslora_k}"])
+            cfg = load_config(None, [*common, f"method.name={name}", f"method.fslora.k={fslora_k}"])
             a, rng = _ctx_args()
             got = make_method(cfg, a, rng, tau_full_s=tau)
             a, rng = _ctx_args()

@@ -20,7 +20,6 @@ from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.config.privacy_section import PRIVACY_MODES
 from fedlora.errors import ConfigError
-from fedlora.federation.methods import registry
 from fedlora.federation.methods.base import (
     Aggregation,
     ClientTask,
@@ -28,7 +27,7 @@ from fedlora.federation.methods.base import (
     MethodContext,
     RoundPlan,
 )
-from fedlora.federation.methods.registry import check_method_config, method_class, register_method
+from fedlora.federation.methods.registry import check_method_config, method_class
 from fedlora.system.sketch import unbiased_aggregate
 from tiny_runs import DATA, TINY_FOUR_CLIENTS
 
@@ -89,15 +88,11 @@ class SaysWhyNot(Undeclared):
 
 
 @pytest.fixture
-def outside():
-    """The three methods registered for the test only."""
-    saved = dict(registry._REGISTRY)
-    register_method("every_client_mean")(EveryClientMean)
-    register_method("undeclared")(Undeclared)
-    register_method("says_why_not")(SaysWhyNot)
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
+def outside(method_registry):
+    """The three methods registered for the test only (conftest's `method_registry`)."""
+    method_registry(
+        every_client_mean=EveryClientMean, undeclared=Undeclared, says_why_not=SaysWhyNot
+    )
 
 
 def test_the_built_in_methods_declare_the_facts_the_lists_of_names_held():
@@ -145,11 +140,11 @@ def test_built_in_refusals_keep_their_messages():
         "a truncated SVD of the clients' products, not a sum of their adapter updates; "
         "differential privacy needs one of "
     )
-    cfg = load_config(None, ["method.name=heterolora", "method.heterolora_pruning=0.5",
+    cfg = load_config(None, ["method.name=heterolora", "method.heterolora.pruning=0.5",
                              "privacy.mode=central"])  # fmt: skip
     with pytest.raises(ConfigError, match="the self-pruning schedule is decided from the"):
         check_method_config(cfg)
-    cfg = load_config(None, ["method.name=heterolora", "method.heterolora_pruning=0.5",
+    cfg = load_config(None, ["method.name=heterolora", "method.heterolora.pruning=0.5",
                              "privacy.secure_aggregation=true"])  # fmt: skip
     with pytest.raises(ConfigError, match="the self-pruning schedule needs each client's own"):
         check_method_config(cfg)

@@ -386,7 +386,7 @@ def test_make_method_builds_each_baseline_with_shared_budgets(name, cls):
     cfg = load_config(
         None,
         [f'method.name="{name}"', "data.n_clients=4", "lora.rank=8", "lora.alpha=4.0",
-         "method.clients_per_round=2", 'method.fslora_k="ranks"'],
+         "method.clients_per_round=2", 'method.fslora.k="ranks"'],
     )  # fmt: skip
     tau = np.array([1.0, 2.0, 4.0, 0.5])
     method = make_method(cfg, np.full(4, 0.25), _rng(), tau_full_s=tau)
@@ -509,8 +509,8 @@ def test_heterolora_scales_each_client_by_alpha_over_its_own_rank():
     [
         ({"padding": "zeros"}, "padding = 'zeros'.*updates, modules"),
         ({"scaling": "rs"}, "scaling = 'rs'.*rank, global"),
-        ({"pruning": 1.0}, r"method.heterolora_pruning = 1.0.*0 \(off\) or in \(0, 1\)"),
-        ({"pruning": -0.5}, r"method.heterolora_pruning = -0.5"),
+        ({"pruning": 1.0}, r"method.heterolora.pruning = 1.0.*0 \(off\) or in \(0, 1\)"),
+        ({"pruning": -0.5}, r"method.heterolora.pruning = -0.5"),
     ],
 )
 def test_heterolora_rejects_bad_options(kw, pattern):
@@ -565,12 +565,12 @@ def test_make_method_passes_heterolora_pruning():
     cfg = load_config(
         None,
         ['method.name="heterolora"', "data.n_clients=2", "method.ranks=[2, 4]",
-         "method.heterolora_pruning=0.75"],
+         "method.heterolora.pruning=0.75"],
     )  # fmt: skip
     assert make_method(cfg, np.full(2, 0.5), _rng()).pruning == 0.75
     # checked by the method (the registry), whichever method.name is
-    with pytest.raises(ConfigError, match="method.heterolora_pruning = 1.5"):
-        check_method_config(load_config(None, ["method.heterolora_pruning=1.5"]))
+    with pytest.raises(ConfigError, match="method.heterolora.pruning = 1.5"):
+        check_method_config(load_config(None, ["method.heterolora.pruning=1.5"]))
 
 
 # ----------------------------------------------------------------------------- issue 12: FlexLoRA
@@ -643,7 +643,7 @@ def test_flexlora_null_components_are_seeded():
 
 def test_fslora_default_draws_k_uniformly_in_4_to_gamma_as_its_reference():
     cfg = load_config(None, ['method.name="fslora"', "data.n_clients=2000", "lora.rank=16"])
-    assert cfg.method.fslora_k == "reference"
+    assert FSLoRA.read_options(cfg).k == "reference"  # the default of [method.fslora] k
     # Execute
     method = make_method(cfg, np.full(2000, 1 / 2000), _rng(3))
     again = make_method(cfg, np.full(2000, 1 / 2000), _rng(3))
@@ -657,13 +657,13 @@ def test_fslora_default_draws_k_uniformly_in_4_to_gamma_as_its_reference():
 def test_fslora_k_from_the_shared_rank_budgets_and_small_gamma():
     base = ['method.name="fslora"', "data.n_clients=3", "lora.rank=3"]
     ranks = make_method(load_config(None, [*base, "method.ranks=[1, 2, 3]",
-                                           'method.fslora_k="ranks"']), np.ones(3) / 3, _rng())  # fmt: skip
+                                           'method.fslora.k="ranks"']), np.ones(3) / 3, _rng())  # fmt: skip
     assert ranks.k.tolist() == [1, 2, 3]
     # γ < 4: the reference's range [4, γ] is empty; every client sketches all γ
     small = make_method(load_config(None, base), np.ones(3) / 3, _rng())
     assert small.k.tolist() == [3, 3, 3]
-    with pytest.raises(ConfigError, match="method.fslora_k = 'paper'.*reference, ranks"):
-        check_method_config(load_config(None, ['method.fslora_k="paper"']))
+    with pytest.raises(ConfigError, match="method.fslora.k = 'paper'.*reference, ranks"):
+        check_method_config(load_config(None, ['method.fslora.k="paper"']))
 
 
 def test_docs_reference_tables_name_existing_tests():

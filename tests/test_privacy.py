@@ -186,9 +186,9 @@ def test_a_method_whose_aggregate_is_not_a_sum_refuses_privacy(tmp_path, capsys,
 
 
 def test_heterolora_self_pruning_and_budgets_without_central_privacy_are_refused():
-    with pytest.raises(ConfigError, match="heterolora_pruning"):
+    with pytest.raises(ConfigError, match=r"method\.heterolora\.pruning"):
         check_method_config(load_config(None, ['privacy.mode="local"', 'method.name="heterolora"',
-                                               "method.heterolora_pruning=0.5"]))  # fmt: skip
+                                               "method.heterolora.pruning=0.5"]))  # fmt: skip
     with pytest.raises(ConfigError, match="planner.max_epsilon"):
         load_config(None, ['privacy.mode="local"', "planner.max_epsilon=8"])
     with pytest.raises(ConfigError, match="planner.max_epsilon"):

@@ -279,14 +279,14 @@ def test_a_method_whose_aggregate_is_not_a_sum_refuses_secure_aggregation(capsys
     assert main(["config", "show", "privacy.secure_aggregation=true", f'method.name="{name}"']) == 2
     err = capsys.readouterr().err
     assert "privacy.secure_aggregation" in err and name in err and "a sum" in err
-    with pytest.raises(ConfigError, match="heterolora_pruning"):
+    with pytest.raises(ConfigError, match=r"method\.heterolora\.pruning"):
         check_method_config(
             load_config(
                 None,
                 [
                     "privacy.secure_aggregation=true",
                     'method.name="heterolora"',
-                    "method.heterolora_pruning=0.5",
+                    "method.heterolora.pruning=0.5",
                 ],
             )
         )

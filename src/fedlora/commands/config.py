@@ -17,11 +17,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from fedlora.federation.methods.registry import check_method_config
+    from fedlora.federation.methods.registry import check_method_config, resolve_method_options
     from fedlora.federation.tracking import check_tracker_names
 
     cfg = load_config(args.config, args.overrides)
-    check_method_config(cfg)  # method.name and the method's own fields (the registry)
+    check_method_config(cfg)  # method.name and the method's options (the registry)
     check_tracker_names(cfg)  # output.trackers: the tracker table's names
-    print(dump_toml(cfg), end="")
+    # as a run records it: the chosen method's table [method.<name>] in full, no other
+    print(dump_toml(resolve_method_options(cfg)), end="")
     return 0

@@ -11,8 +11,9 @@ what is allowed. Unknown keys are errors with a suggestion of the closest valid 
 The modules: `checks` (the field checks, the ``model.device`` syntax), `eval_format`
 (`EvalFormat`, the values of ``evaluation.format``), `sections` (one
 dataclass per section; the planner and training sections in `planner_section` and
-`training_section`), `experiment` (`ExperimentConfig`, built from nested dicts),
-`toml_io` (files, overrides, TOML out). Every public name is importable from
+`training_section`), `method_options` (the methods' own ``[method.<name>]`` tables, kept
+raw for the method registry, and the flat keys renamed into them), `experiment`
+(`ExperimentConfig`, built from nested dicts), `toml_io` (files, overrides, TOML out). Every public name is importable from
 `fedlora.config` itself.
 """
 
@@ -28,9 +29,11 @@ from fedlora.config.eval_format import EvalFormat
 from fedlora.config.experiment import (
     SECTIONS,
     ExperimentConfig,
+    coerce_value,
     config_from_dict,
     diff_configs,
 )
+from fedlora.config.method_options import RENAMED_KEYS, FrozenTable, upgrade_renamed_keys
 from fedlora.config.planner_section import PlannerConfig
 from fedlora.config.privacy_section import PRIVACY_MODES, PrivacyConfig
 from fedlora.config.sections import (
@@ -56,6 +59,7 @@ from fedlora.config.toml_io import (
     load_config,
     parse_override,
     read_toml,
+    set_override,
     toml_string,
     toml_value,
 )
@@ -70,6 +74,8 @@ from fedlora.config.training_section import (
 __all__ = [
     "EVAL_FORMATS",
     "EvalFormat",
+    "FrozenTable",
+    "RENAMED_KEYS",
     "DEVICE_FORMS",
     "K_STRATEGIES",
     "LR_SCHEDULES",
@@ -101,12 +107,15 @@ __all__ = [
     "check_int",
     "check_number",
     "check_vector_or_strategy",
+    "coerce_value",
     "config_from_dict",
     "diff_configs",
     "dump_toml",
     "load_config",
     "parse_override",
     "read_toml",
+    "set_override",
     "toml_string",
     "toml_value",
+    "upgrade_renamed_keys",
 ]

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from fedlora.config.method_options import SUBTABLES, upgrade_renamed_keys
 from fedlora.config.planner_section import PlannerConfig
 from fedlora.config.privacy_section import PrivacyConfig
 from fedlora.config.sections import (
@@ -76,10 +78,20 @@ class ExperimentConfig:
         return dataclasses.replace(self, **sections)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {
-            f.name: {k: _to_plain(v) for k, v in dataclasses.asdict(getattr(self, f.name)).items()}
-            for f in dataclasses.fields(self)
-        }
+        """``{section: {key: value}}`` (TOML-shaped: lists, and a section's sub-tables, e.g.
+        ``[method.<name>]``, as nested dicts)."""
+        return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _section_dict(section: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.name == SUBTABLES:  # method.options: its tables, beside the section's keys
+            out.update({name: _to_plain(table) for name, table in value.items()})
+        else:
+            out[f.name] = _to_plain(value)
+    return out
 
 
 def _check_budget(max_epsilon: float | tuple[float, ...], privacy: PrivacyConfig, n: int) -> None:
@@ -122,7 +134,15 @@ SECTIONS: dict[str, type] = {
 
 
 def _to_plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return [_to_plain(v) for v in value] if isinstance(value, tuple) else value
+
+
+def coerce_value(qualname: str, hint: Any, value: Any) -> Any:
+    """A TOML value converted to the declared type `hint` (a section's field, a method's
+    option); ConfigError naming `qualname` otherwise. No silent clamping."""
+    return _coerce(qualname, hint, value)
 
 
 def _coerce(qualname: str, hint: Any, value: Any) -> Any:
@@ -176,6 +196,7 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> Experime
     """Build and validate an `ExperimentConfig` from nested ``{section: {key: value}}``."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a table of sections, got {type(raw).__name__}")
+    raw = upgrade_renamed_keys(raw, source=source)  # old flat keys, with a FutureWarning
     sections: dict[str, Any] = {}
     for section, values in raw.items():
         if section not in SECTIONS:
@@ -184,19 +205,50 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> Experime
             )
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: [{section}] must be a table, got {values!r}")
-        cls = SECTIONS[section]
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for key, value in values.items():
-            if key not in hints:
-                valid = [f.name for f in dataclasses.fields(cls)]
-                raise ConfigError(f"{source}: unknown key {section}.{key}{suggest_key(key, valid)}")
-            kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
-        sections[section] = cls(**kwargs)
+        sections[section] = _build_section(SECTIONS[section], section, values, source)
     return ExperimentConfig(**sections)
 
 
+def _build_section(cls: type, section: str, values: dict[str, Any], source: str) -> Any:
+    """One section from its TOML table: each key coerced to its field's type; a sub-table
+    (``[method.<name>]``) kept as it is in the section's `SUBTABLES` field, if it has one."""
+    hints = typing.get_type_hints(cls)
+    has_tables = SUBTABLES in hints
+    kwargs: dict[str, Any] = {}
+    tables: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in hints and key != SUBTABLES:
+            kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+        elif has_tables and isinstance(value, dict):
+            tables[key] = value
+        else:
+            valid = [f.name for f in dataclasses.fields(cls) if f.name != SUBTABLES]
+            own = f"; a method's own option goes in its table: {section}.<method name>.{key}"
+            raise ConfigError(
+                f"{source}: unknown key {section}.{key}{suggest_key(key, valid)}"
+                + (own if has_tables else "")
+            )
+    if tables:
+        kwargs[SUBTABLES] = tables
+    return cls(**kwargs)
+
+
 def diff_configs(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:
-    """The ``section.key`` names whose values differ between two configs."""
+    """The ``section.key`` names (``section.table.key`` in a sub-table) whose values differ
+    between two configs; a key only one of them has counts as differing."""
     da, db = a.to_dict(), b.to_dict()
-    return [f"{s}.{k}" for s in da for k in da[s] if da[s][k] != db[s][k]]
+    return [name for s in da for name in _differing(s, da[s], db[s])]
+
+
+def _differing(prefix: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    out = []
+    for key in [*a, *(k for k in b if k not in a)]:
+        va, vb = a.get(key, _ABSENT), b.get(key, _ABSENT)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out.extend(_differing(f"{prefix}.{key}", va, vb))
+        elif va != vb:
+            out.append(f"{prefix}.{key}")
+    return out
+
+
+_ABSENT = object()

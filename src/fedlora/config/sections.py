@@ -4,8 +4,9 @@ the checks of every field in ``__post_init__`` (`fedlora.config.checks`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Union
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Union
 
 from fedlora.config.checks import (
     check_choice,
@@ -16,6 +17,7 @@ from fedlora.config.checks import (
     check_vector_or_strategy,
 )
 from fedlora.config.eval_format import EvalFormat
+from fedlora.config.method_options import FrozenTable, check_option_tables
 from fedlora.errors import bad_value
 
 
@@ -246,27 +248,22 @@ class MethodConfig:
     """The federated method and its per-client sampling probabilities q and sketch sizes k.
 
     The methods live in `fedlora.federation.methods` (a registry this layer cannot see):
-    ``name`` and each method's own fields (heterolora_pruning, fslora_k, ...) are checked
-    there, by `check_method_config`, before a config becomes a run; here only their types."""
+    ``name`` is checked there, by `check_method_config`, before a config becomes a run, and
+    so are a method's own options, which it reads from its table ``[method.<name>]``: kept
+    here as given, in `options` (table name -> {key: value}; `fedlora.config.method_options`)."""
 
     name: str = "sketched"  # a registered method (fedlora.federation.methods.method_names())
     q: Union[str, tuple[float, ...]] = "fixed"  # noqa: UP007
     q_fixed: float = 0.2  # the value of the "fixed" strategy
     k: Union[str, tuple[int, ...]] = "uniform"  # noqa: UP007
     clients_per_round: int = 0  # uniform sampling without replacement (fedavg/baselines); 0 = all
-    # rank budgets r_n of fslora (its k_n), heterolora, fedstacklora, flexlora: "capability"
-    # (from each device's compute time), a k strategy, a .json/.csv file, or a list
+    # the clients' rank budgets r_n, for the methods that have them (docs/methods.md):
+    # "capability" (from each device's compute time), a k strategy, a .json/.csv file, a list
     ranks: Union[str, tuple[int, ...]] = "capability"  # noqa: UP007
-    # heterolora: HetLoRA's rank self-pruning decay factor d (r_n -> floor(d r_n) when the
-    # tail norm falls); 0 = off
-    heterolora_pruning: float = 0.0
-    # fslora's sketch sizes: "reference" (k_n uniform on [4, γ], FSLoRA's code) or "ranks"
-    # (the shared budgets of method.ranks)
-    fslora_k: str = "reference"
-    # The server optimizer on the aggregated update Δ (a pseudo-gradient; Reddi et al. 2021,
-    # docs/methods.md "Server optimizers"), for the methods whose aggregate is X + Δ
     # [a, b] of the fslora_* rank strategies (the authors' lora_r_min, lora_r_max); [] = [1, γ]
     rank_range: tuple[int, ...] = ()
+    # The server optimizer on the aggregated update Δ (a pseudo-gradient; Reddi et al. 2021,
+    # docs/methods.md "Server optimizers"), for the methods whose aggregate is X + Δ
     server_optimizer: str = "avg"  # avg | avgm | adam | yogi | adagrad
     server_lr: float = 1.0  # η (avg with η = 1: the method's own aggregate)
     server_momentum: float = 0.9  # avgm: μ
@@ -277,10 +274,14 @@ class MethodConfig:
     # the references (method.name = centralized | local): the federated method whose expected
     # participation per round sets their budget of client-steps (docs/methods.md, "References")
     budget_of: str = "sketched"
+    # the methods' own options, [method.<name>] tables: read and checked by the method's class
+    options: Mapping[str, Mapping[str, Any]] = field(default_factory=FrozenTable)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise bad_value("method.name", self.name, "a method name (fedlora.federation.methods)")
+        keys = tuple(f.name for f in fields(self))
+        object.__setattr__(self, "options", check_option_tables(self.options, keys))
         check_vector_or_strategy("method.q", self.q, Q_STRATEGIES, integer=False)
         check_number("method.q_fixed", self.q_fixed, lo=0, hi=1, lo_open=True)
         check_vector_or_strategy("method.k", self.k, K_STRATEGIES, integer=True)

@@ -9,6 +9,7 @@ import os
 import stat
 import sys
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from fedlora.config.experiment import ExperimentConfig, config_from_dict
+from fedlora.config.method_options import RENAMED_KEYS, drop_old_names, set_renamed
 from fedlora.errors import ConfigError, cut
 
 MAX_FILE_BYTES = 64 * 2**20  # the largest user file fedlora reads (64 MiB)
@@ -51,18 +53,21 @@ def read_user_file(
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """Parse ``section.key=value``; the value is read as TOML, else taken as a bare string."""
+    """Parse ``section.key=value`` or ``section.table.key=value`` (a key of a sub-table,
+    ``method.heterolora.pruning=0.9``: then the key returned is ``table.key``); the value is
+    read as TOML, else taken as a bare string. Set it with `set_override`."""
+    form = "expected section.key=value or section.table.key=value"
     if "=" not in text:
-        raise ConfigError(f"override {cut(repr(text))} is invalid: expected section.key=value")
+        raise ConfigError(f"override {cut(repr(text))} is invalid: {form}")
     path, raw_value = text.split("=", 1)
     parts = path.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override {cut(repr(text))} is invalid: expected section.key=value")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(f"override {cut(repr(text))} is invalid: {form}")
     try:
         value = tomllib.loads(f"v = {raw_value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw_value.strip()
-    return parts[0], parts[1], value
+    return parts[0], ".".join(parts[1:]), value
 
 
 def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -98,10 +103,28 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Sequence[str], *, sou
     """Set each ``section.key=value`` of `overrides` in the raw (TOML-shaped) dict, in place."""
     for text in overrides:
         section, key, value = parse_override(text)
-        table = raw.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{source}: [{section}] must be a table")
-        table[key] = value
+        set_override(raw, section, key, value, source=source)
+
+
+def set_override(raw: dict[str, Any], section: str, key: str, value: Any, *, source: str) -> None:
+    """Set `section`.`key` (a `parse_override` key: ``key`` or ``table.key``) to `value` in
+    the raw dict, in place; a sub-table is copied first (never changed under another
+    holder of it). A renamed flat key (`RENAMED_KEYS`) is set at its new place, with a
+    FutureWarning: an override replaces what the file's table had."""
+    if f"{section}.{key}" in RENAMED_KEYS:
+        set_renamed(raw, f"{section}.{key}", value, source=source)
+        return
+    values = raw.setdefault(section, {})
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: [{section}] must be a table")
+    table, _, leaf = key.rpartition(".")
+    if not table:
+        values[key] = value
+        return
+    if not isinstance(values.get(table, {}), dict):
+        raise ConfigError(f"{source}: {section}.{table} must be a table [{section}.{table}]")
+    drop_old_names(values, f"{section}.{key}")  # the override replaces an old flat key's
+    values[table] = {**values.get(table, {}), leaf: value}
 
 
 _TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -122,7 +145,8 @@ def toml_string(value: str) -> str:
 
 
 def toml_value(value: Any) -> str:
-    """`value` (bool, int, float, str or a list of them) as TOML text."""
+    """`value` (bool, int, float, str, a list of them, or a mapping of identifiers to them:
+    an inline table) as TOML text."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -133,6 +157,8 @@ def toml_value(value: Any) -> str:
         return toml_string(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping) and all(isinstance(k, str) and k.isidentifier() for k in value):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
@@ -140,7 +166,13 @@ def dump_toml(config: ExperimentConfig) -> str:
     """The fully resolved config as TOML; `load_config` reads it back to an equal config."""
     lines: list[str] = []
     for section, values in config.to_dict().items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
-        lines.append("")
+        tables = {k: v for k, v in values.items() if isinstance(v, dict)}  # [method.<name>]
+        for name, keys in [(section, values), *((f"{section}.{k}", v) for k, v in tables.items())]:
+            lines.append(f"[{name}]")
+            lines.extend(
+                f"{key} = {toml_value(value)}"
+                for key, value in keys.items()
+                if not isinstance(value, dict)
+            )
+            lines.append("")
     return "\n".join(lines)

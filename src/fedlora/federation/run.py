@@ -42,6 +42,7 @@ from fedlora.federation.calibration import plan_outcome, prepare_proposed
 from fedlora.federation.checkpoints import checkpoint_paths
 from fedlora.federation.engine import run_in_process
 from fedlora.federation.methods.proposed import Plan
+from fedlora.federation.methods.registry import resolve_method_options
 from fedlora.federation.metrics_file import read_metrics_lines
 from fedlora.federation.preflight import check_inputs
 from fedlora.federation.rundir import (
@@ -86,6 +87,7 @@ def entered(
     elif cfg is None:
         raise ValueError("entered: a new run needs its config")
     check_inputs(cfg)
+    cfg = resolve_method_options(cfg)  # the run records the chosen method's options in full
     if also_check is not None:
         also_check(cfg)
     if not resume:

@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.config.experiment import SECTIONS, ExperimentConfig, config_from_dict, diff_configs
+from fedlora.config.method_options import upgrade_renamed_keys
 from fedlora.config.toml_io import apply_overrides, dump_toml, read_toml
 from fedlora.errors import ConfigError, DataError
+from fedlora.federation.methods.registry import resolve_method_options
 from fedlora.federation.runmarker import (
     MANIFEST,
     MARKER_NAME,
@@ -273,24 +275,28 @@ LEGACY_DEFAULTS = {
 
 
 def load_saved_config(path: Path) -> ExperimentConfig:
-    """A run directory's config.toml; keys it lacks take `LEGACY_DEFAULTS`, else the defaults."""
-    raw = read_toml(path)
+    """A run directory's config.toml; keys it lacks take `LEGACY_DEFAULTS`, else the defaults.
+    Its method options as a run records them (`resolve_method_options`): the flat keys that
+    fedlora wrote before (``method.heterolora_pruning``) are read without a warning (the
+    file is fedlora's, not the user's), and equal their ``[method.<name>]`` table."""
+    raw = upgrade_renamed_keys(read_toml(path), source=str(path), warn=False)
     for (section, key), value in LEGACY_DEFAULTS.items():
         table = raw.setdefault(section, {})
         if isinstance(table, dict):
             table.setdefault(key, value)
-    return config_from_dict(raw, source=str(path))
+    return resolve_method_options(config_from_dict(raw, source=str(path)))
 
 
 def config_changes(
     saved: ExperimentConfig, given: ExperimentConfig
 ) -> tuple[ExperimentConfig, list[str]]:
     """`given` as it applies to a run started with `saved` (its ``auto`` device/dtype take the
-    values the run resolved and saved), and the ``section.key`` names that still differ."""
+    values the run resolved and saved, its method options resolved as a run records them),
+    and the ``section.key`` names that still differ."""
     from fedlora.llm.device import inherit_auto
 
-    given = inherit_auto(given, saved)
-    return given, diff_configs(saved, given)
+    given = resolve_method_options(inherit_auto(given, saved))
+    return given, diff_configs(resolve_method_options(saved), given)
 
 
 def load_run_config(
@@ -357,11 +363,15 @@ def resume_given(
         return None
     raw: dict[str, Any] = saved.to_dict()
     source = str(config_path) if config_path else "overrides"
-    if config_path:
-        for section, values in read_toml(config_path).items():
-            if isinstance(values, dict) and isinstance(raw.get(section), dict):
-                raw[section].update(values)
-            else:
-                raw[section] = values
-    apply_overrides(raw, overrides, source=source)
+    given: dict[str, Any] = read_toml(config_path) if config_path else {}
+    apply_overrides(given, overrides, source=source)
+    # old flat keys at their new place first: they replace the saved table's values
+    for section, values in upgrade_renamed_keys(given, source=source).items():
+        if isinstance(values, dict) and isinstance(raw.get(section), dict):
+            for key, value in values.items():  # a sub-table ([method.<name>]) key by key
+                old = raw[section].get(key)
+                both = isinstance(value, dict) and isinstance(old, dict)
+                raw[section][key] = {**old, **value} if both else value
+        else:
+            raw[section] = values
     return config_from_dict(raw, source=source)

@@ -204,9 +204,9 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Param
 
         params = [
-            Param(f"{section}.{key}", _param_text(value))
+            Param(name, _param_text(value))
             for section, values in cfg.to_dict().items()
-            for key, value in values.items()
+            for name, value in _flat(section, values)
         ]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])
@@ -235,6 +235,15 @@ class MlflowTracker(Tracker):
     def close(self, *, failed: bool) -> None:
         with self._store():
             self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _flat(prefix: str, values: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A section's ``(section.key, value)`` pairs; a sub-table's keys as section.table.key."""
+    out: list[tuple[str, Any]] = []
+    for key, value in values.items():
+        name = f"{prefix}.{key}"
+        out.extend(_flat(name, value) if isinstance(value, dict) else [(name, value)])
+    return out
 
 
 def _param_text(value: Any) -> str:

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.config.experiment import ExperimentConfig, config_from_dict
-from fedlora.config.toml_io import parse_override, read_toml
+from fedlora.config.method_options import upgrade_renamed_keys
+from fedlora.config.toml_io import parse_override, read_toml, set_override
 from fedlora.errors import ConfigError, FedloraError, bad_value
 from fedlora.federation.methods.registry import check_method_config
 from fedlora.files import atomic_write, remove_own_file
@@ -87,7 +88,7 @@ class SuiteSpec:
             if isinstance(value, str) and value.startswith("$"):  # the suite file's own value
                 ref_section, ref_key = value[1:].split(".", 1)
                 value = getattr(getattr(base, ref_section), ref_key)
-            raw.setdefault(section, {})[key] = value
+            set_override(raw, section, key, value, source=f"suite {self.name}, {label}")
         cfg = config_from_dict(raw, source=f"suite {self.name}, {label}")
         check_method_config(cfg)  # method.name and its own fields (the methods' registry)
         return cfg
@@ -172,6 +173,8 @@ def _read_suite_file(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The experiment sections (the overrides applied) and the [suite] table, its keys checked."""
     raw: dict[str, Any] = read_toml(config_path) if config_path else {}
+    # a renamed flat key moved to its table once here (one FutureWarning, not one per run)
+    raw = upgrade_renamed_keys(raw, source=source)
     suite = raw.pop("suite", {})
     if not isinstance(suite, dict):
         raise ConfigError(f"{source}: [suite] must be a table")
@@ -180,7 +183,7 @@ def _read_suite_file(
             raise ConfigError(f"{source}: unknown key suite.{key} (valid: {', '.join(SUITE_KEYS)})")
     for text in overrides:
         section, key, value = parse_override(text)
-        raw.setdefault(section, {})[key] = value
+        set_override(raw, section, key, value, source=source)
     return raw, suite
 
 

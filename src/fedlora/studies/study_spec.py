@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.config.experiment import ExperimentConfig, config_from_dict
+from fedlora.config.method_options import upgrade_renamed_keys
 from fedlora.config.toml_io import apply_overrides, read_toml
 from fedlora.errors import ConfigError, bad_value
 from fedlora.studies.study_rule import Metric, parse_metric
@@ -137,7 +138,8 @@ def _overrides(study: dict, key: str) -> dict[str, list[str]]:
 
 def spec_from_dict(raw: dict[str, Any], source: str) -> StudySpec:
     """Check the `[study]` table of a study config (read as TOML) and every run's config."""
-    raw = copy.deepcopy(raw)
+    # a renamed flat key moved to its table once here (one FutureWarning, not one per run)
+    raw = copy.deepcopy(upgrade_renamed_keys(raw, source=source))
     study = raw.pop("study", None)
     if not isinstance(study, dict):
         raise ConfigError(f"{source}: no [study] table")

@@ -45,7 +45,9 @@ def make_method(
 
         # the clients' compute times as the engine builds them (independent of payload bits)
         tau_full_s = build_profiles(cfg, full_payload_bits=1.0).tau_full_s
-    ctx = MethodContext(cfg, np.asarray(a), rng, tau_full_s=tau_full_s, plan=plan)
+    ctx = MethodContext(
+        cfg, np.asarray(a), rng, tau_full_s=tau_full_s, plan=plan, options=cls.read_options(cfg)
+    )
     method = cls.from_config(ctx)
     server_opt = ServerOptimizer.from_config(cfg.method)
     method.server_opt = None if server_opt.is_identity else server_opt

@@ -8,14 +8,17 @@ and never touches the model or the network.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedlora.config.experiment import ExperimentConfig
+from fedlora.config.experiment import ExperimentConfig, coerce_value
+from fedlora.errors import ConfigError, shown, suggest_key
 from fedlora.federation.methods.ranks import resolve_ranks
 from fedlora.system.client_profiles import ClientProfiles
 
@@ -76,7 +79,8 @@ class MethodContext:
     `a` (N,): the clients' data weights. `rng`: the run's "strategy" stream, which draws any
     random k / rank vector (so those are reproducible). `tau_full_s` (N,): the clients'
     compute times (``method.ranks = "capability"`` needs them: `make_method` passes them).
-    `plan`: Algorithm 2's `proposed.Plan` of a `proposed` run, or None.
+    `plan`: Algorithm 2's `proposed.Plan` of a `proposed` run, or None. `options`: the
+    method's own options (`Method.read_options`; None for a method without any).
     """
 
     cfg: ExperimentConfig
@@ -84,6 +88,7 @@ class MethodContext:
     rng: np.random.Generator
     tau_full_s: np.ndarray | None = None
     plan: Any = None
+    options: Any = None  # the method's `Method.options`, read from its [method.<name>] table
 
     @property
     def gamma(self) -> int:
@@ -113,6 +118,37 @@ class RoundContext:
     profiles: ClientProfiles
     run_dir: Path
     log: Callable[[str], Any]
+
+
+def build_options(cls: type[Method], table: Mapping[str, Any]) -> Any:
+    """`cls.options` built from the raw `table` (`Method.read_options`)."""
+    where = f"method.{cls.name}"
+    if cls.options is None:
+        if table:
+            raise ConfigError(
+                f"[{where}] = {shown(dict(table))} is invalid: method {cls.name!r} has no "
+                "options of its own; remove the table"
+            )
+        return None
+    if not (isinstance(cls.options, type) and dataclasses.is_dataclass(cls.options)):
+        raise TypeError(f"{cls.__qualname__}.options must be a dataclass, got {cls.options!r}")
+    hints = typing.get_type_hints(cls.options)
+    names = [f.name for f in dataclasses.fields(cls.options) if f.init]
+    kwargs = {}
+    for key, value in table.items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown key {where}.{key}{suggest_key(key, names)}: the options of "
+                f"method {cls.name!r} are {', '.join(names) or 'none'}"
+            )
+        kwargs[key] = coerce_value(f"{where}.{key}", hints[key], value)
+    return cls.options(**kwargs)
+
+
+def options_table(options: Any) -> dict[str, Any]:
+    """A method's built options as its ``[method.<name>]`` table: every field, defaults
+    included (what a run records; `read_options` reads it back to equal options)."""
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.init}
 
 
 def active_indices(scale: np.ndarray) -> np.ndarray:
@@ -175,8 +211,20 @@ class Method:
     # why the method does not run on Flower ("" = it does; checked by the Flower runtime, with
     # `check_flower` for a refusal that depends on the config)
     flower_refusal = ""
+    # The method's own options: a frozen dataclass (its fields with their defaults, checked
+    # in its __post_init__, errors naming ``method.<name>.<field>``) read from the config's
+    # table ``[method.<name>]`` by `read_options`; None: the method has none (a table for it
+    # is refused)
+    options: type | None = None
     server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
     privacy: Any = None  # federation.privacy.ClientPrivacy, set by make_method (None: no DP)
+
+    @classmethod
+    def read_options(cls, cfg: ExperimentConfig) -> Any:
+        """This method's `options` built from ``cfg``'s table ``[method.<name>]`` (each value
+        converted to its field's type, the dataclass's own checks run), or None for a method
+        without options. ConfigError for a key the dataclass lacks or a bad value."""
+        return build_options(cls, cfg.method.options.get(cls.name, {}))
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:

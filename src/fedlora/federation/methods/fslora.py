@@ -3,7 +3,7 @@
 The server keeps a global adapter of rank γ. Each round it samples m of the N clients
 uniformly without replacement (``method.clients_per_round``; 0 = all); participant n trains a
 fresh uniformly random k_n-of-γ sketch of it, scaled by γ/k_n (Eq. 3; k_n = the client's rank
-budget, ``method.ranks``), and uploads the k_n columns of B and rows of A it changed. The
+budget, ``method.ranks``, with ``[method.fslora] k = "ranks"``), and uploads the k_n columns of B and rows of A it changed. The
 server averages the updates over the m participants:
 
     X ← X + (1/m) Σ_{n∈K} (X_n − X)
@@ -18,10 +18,11 @@ data weights a_n are not used. The authors' code feeds this average update to a 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from fedlora.config.checks import check_choice
-from fedlora.config.experiment import ExperimentConfig
 from fedlora.federation.methods.base import (
     Adapter,
     Aggregation,
@@ -34,7 +35,19 @@ from fedlora.federation.methods.fedavg import uniform_participation, uniform_sub
 from fedlora.federation.methods.registry import register_method
 from fedlora.system.sketch import check_k, draw_sketch_scales, unbiased_aggregate
 
-FSLORA_K = ("reference", "ranks")  # method.fslora_k
+FSLORA_K = ("reference", "ranks")  # method.fslora.k
+
+
+@dataclass(frozen=True)
+class FSLoRAOptions:
+    """FSLoRA's own options, the table ``[method.fslora]``."""
+
+    # the sketch sizes k_n: "reference" (k_n uniform on [4, γ], our reading of the authors'
+    # earlier code) or "ranks" (the shared budgets of method.ranks); formerly method.fslora_k
+    k: str = "reference"
+
+    def __post_init__(self) -> None:
+        check_choice("method.fslora.k", self.k, FSLORA_K)
 
 
 @register_method("fslora")
@@ -42,19 +55,16 @@ class FSLoRA(Method):
     name = "fslora"
     dp_sampling = "uniform"  # m of N uniformly; X + (1/m) Σ (X_n − X)
     delta_aggregate = True  # X + (1/m) Σ (X_n − X)
-
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        check_choice("method.fslora_k", cfg.method.fslora_k, FSLORA_K)
+    options = FSLoRAOptions
 
     @classmethod
     def from_config(cls, ctx: MethodContext) -> FSLoRA:
         m, gamma = ctx.cfg.method, ctx.gamma
         ranks = ctx.ranks()
         # "reference": k_n uniform on [4, γ] (γ < 4: γ), our reading of the authors'
-        # code at 1bc7362; their current code: fslora_k = "ranks" with ranks = "fslora_*"
+        # code at 1bc7362; their current code: k = "ranks" with method.ranks = "fslora_*"
         # (docs/methods.md, "FSLoRA as its authors run it")
-        if m.fslora_k == "reference":
+        if ctx.options.k == "reference":
             ranks = ctx.rng.integers(min(4, gamma), gamma + 1, size=ctx.a.size)
         return cls(k=ranks, gamma=gamma, clients_per_round=m.clients_per_round)
 

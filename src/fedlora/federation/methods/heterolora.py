@@ -25,7 +25,8 @@ default): per LoRA module, p_n ∝ ‖B̃_n Ã_n‖_F, the Frobenius norm of the
 product, normalised over the participants (all norms zero: falls back to data weights);
 ``"data"``: p_n = a_n / Σ_{K} a_n.
 
-Rank self-pruning (`pruning` = the decay factor d in (0, 1), HetLoRA §3; 0 = off): after its
+Rank self-pruning (`pruning` = the decay factor d in (0, 1), HetLoRA §3; 0 = off; the option
+``[method.heterolora] pruning``, `HeteroLoRAOptions`): after its
 local training, client n measures the norm of its tail components j ∈ [⌊d·r_n⌋, r_n),
 ‖B_tail‖_F·‖A_tail‖_F summed over the modules; when it is smaller than the value it measured
 the last time it trained at the same rank, the client prunes its rank to max(1, ⌊d·r_n⌋) for
@@ -39,6 +40,7 @@ Payload: r_n(out + in) parameters per module, up and down.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -74,7 +76,19 @@ def tail_norm(state: Adapter, rank: int, decay: float) -> float:
 def check_pruning(pruning: float) -> None:
     """ConfigError unless the self-pruning decay d is 0 (off) or in (0, 1)."""
     if isinstance(pruning, bool) or not (pruning == 0 or 0 < pruning < 1):
-        raise bad_value("method.heterolora_pruning", pruning, "0 (off) or in (0, 1)")
+        raise bad_value("method.heterolora.pruning", pruning, "0 (off) or in (0, 1)")
+
+
+@dataclass(frozen=True)
+class HeteroLoRAOptions:
+    """HeteroLoRA's own options, the table ``[method.heterolora]``."""
+
+    # HetLoRA's rank self-pruning decay factor d: r_n -> floor(d r_n) when the client's tail
+    # norm falls; 0 = off (formerly method.heterolora_pruning)
+    pruning: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_pruning(self.pruning)
 
 
 def _weighting(cfg: ExperimentConfig) -> str:
@@ -91,27 +105,24 @@ class HeteroLoRA(RankTruncationMethod):
     normalised_weights = True  # a_n / Σ_K a_j
     secagg_masked = True  # the aggregate zero-pads each update to the trained ranks
     delta_aggregate = True  # padding = "updates": X + Σ p_n pad(X_n − X)
-
-    @classmethod
-    def check_config(cls, cfg: ExperimentConfig) -> None:
-        check_pruning(cfg.method.heterolora_pruning)
+    options = HeteroLoRAOptions
 
     @classmethod
     def check_privacy(cls, cfg: ExperimentConfig) -> None:
         """Self-pruning (a rank schedule decided from the clients' own updates) is refused
         with differential privacy and with secure aggregation."""
-        p, pruning = cfg.privacy, cfg.method.heterolora_pruning
+        p, pruning = cfg.privacy, cls.read_options(cfg).pruning
         if pruning and p.secure_aggregation:
             raise ConfigError(
-                f"privacy.secure_aggregation = true is invalid with method.heterolora_pruning = "
+                f"privacy.secure_aggregation = true is invalid with method.heterolora.pruning = "
                 f"{pruning!r}: the self-pruning schedule needs each client's own update, which "
-                "the server no longer sees; set method.heterolora_pruning = 0"
+                "the server no longer sees; set method.heterolora.pruning = 0"
             )
         if pruning and p.enabled:
             raise ConfigError(
-                f"privacy.mode = {p.mode!r} is invalid with method.heterolora_pruning = "
+                f"privacy.mode = {p.mode!r} is invalid with method.heterolora.pruning = "
                 f"{pruning!r}: the self-pruning schedule is decided from the clients' un-noised "
-                "updates; set method.heterolora_pruning = 0"
+                "updates; set method.heterolora.pruning = 0"
             )
 
     @classmethod
@@ -122,7 +133,7 @@ class HeteroLoRA(RankTruncationMethod):
             ranks=ctx.ranks(),
             gamma=ctx.gamma,
             clients_per_round=m.clients_per_round,
-            pruning=m.heterolora_pruning,
+            pruning=ctx.options.pruning,
             rslora=ctx.cfg.lora.rslora,
             weighting=_weighting(ctx.cfg),
         )

@@ -2,12 +2,16 @@
 
 A method is one file in this folder whose class registers itself::
 
+    @dataclass(frozen=True)
+    class FSLoRAOptions:          # its own options: the table [method.fslora]
+        k: str = "reference"
+        def __post_init__(self) -> None: ...    # errors name method.fslora.k
+
     @register_method("fslora")
     class FSLoRA(Method):
+        options = FSLoRAOptions
         @classmethod
-        def check_config(cls, m: MethodConfig) -> None: ...   # its own method.* fields
-        @classmethod
-        def from_config(cls, ctx: MethodContext) -> FSLoRA: ...
+        def from_config(cls, ctx: MethodContext) -> FSLoRA: ...   # ctx.options.k
 
 (the package imports every module of this folder, so the decorator runs). A third-party
 package registers its methods in the ``fedlora.methods`` entry-point group, name → class::
@@ -17,21 +21,24 @@ package registers its methods in the ``fedlora.methods`` entry-point group, name
 
 An entry point is loaded only when its name is asked for (`method_class`); a built-in name
 wins over an entry point of the same name. The config layer cannot see this registry (it
-sits below the federation layer), so ``method.name`` and each method's own fields are
-checked here, by `check_method_config`, at every boundary where a config becomes a run
-(`make_method`, `fedlora.federation.preflight.check_inputs`, `fedlora config show`, the
-Flower runtime, a suite's runs).
+sits below the federation layer): it keeps the ``[method.<name>]`` tables as given, and
+``method.name`` and each method's options are checked here, by `check_method_config`, at
+every boundary where a config becomes a run (`make_method`,
+`fedlora.federation.preflight.check_inputs`, `fedlora config show`, the Flower runtime, a
+suite's runs). `resolve_method_options` gives the config as a run records it (the chosen
+method's table in full, no other).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.errors import ConfigError, bad_value
-from fedlora.federation.methods.base import Method
+from fedlora.errors import ConfigError, bad_value, suggest_key
+from fedlora.federation.methods.base import Method, options_table
 
 ENTRY_POINT_GROUP = "fedlora.methods"
 
@@ -89,10 +96,12 @@ def method_class(name: str) -> type[Method]:
 
 
 def check_method_config(cfg: ExperimentConfig) -> type[Method]:
-    """``method.name`` names a method, and every loaded method accepts its own ``method.*``
-    fields (`Method.check_config`), and accepts the run's privacy settings (`check_privacy`);
-    the class of ``method.name``. Raises ConfigError."""
+    """``method.name`` names a method, every ``[method.<name>]`` table holds the options of a
+    method (`check_option_tables`), every loaded method accepts the config
+    (`Method.check_config`), and the method accepts the run's privacy settings
+    (`check_privacy`); the class of ``method.name``. Raises ConfigError."""
     cls = method_class(cfg.method.name)
+    check_option_tables(cfg)
     check_privacy(cfg, cls)
     cls.check_config(cfg)  # the chosen method first, then the others in name order
     for name in sorted(_REGISTRY):
@@ -110,6 +119,36 @@ def check_method_config(cfg: ExperimentConfig) -> type[Method]:
             f"server_weight_decay = 0, or one of the methods {', '.join(delta)}"
         )
     return cls
+
+
+def check_option_tables(cfg: ExperimentConfig) -> Any:
+    """Every ``[method.<name>]`` table names a method and holds valid options for it (a
+    table of a method other than ``method.name`` is checked too, then unused: a base config
+    may carry the options of several methods, switched by ``method.name``); the options of
+    ``method.name`` (`Method.read_options`). ConfigError otherwise."""
+    names = method_names()
+    for name in cfg.method.options:
+        if name not in names:
+            raise ConfigError(
+                f"[method.{name}] is invalid: no method is named {name!r}"
+                f"{suggest_key(name, names)}; a table [method.<name>] holds the options of "
+                "the method <name>"
+            )
+        method_class(name).read_options(cfg)
+    return method_class(cfg.method.name).read_options(cfg)
+
+
+def resolve_method_options(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` with its ``[method.<name>]`` tables as a run records them: the table of
+    ``method.name`` in full (its defaults filled in), no other (they are checked, then
+    dropped: unused). Two spellings of the same options (a table or the old flat keys,
+    defaults written or left out) resolve to the same config. ConfigError as
+    `check_option_tables`."""
+    options = check_option_tables(cfg)
+    tables = {} if options is None else {cfg.method.name: options_table(options)}
+    if cfg.method.options == tables:
+        return cfg
+    return cfg.replace(method=dataclasses.replace(cfg.method, options=tables))
 
 
 DP_SAMPLINGS = ("independent", "uniform")
