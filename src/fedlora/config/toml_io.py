@@ -54,7 +54,7 @@ def read_user_file(
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """Parse ``section.key=value`` or ``section.table.key=value`` (a key of a sub-table,
-    ``method.heterolora.pruning=0.9``: then the key returned is ``table.key``); the value is
+    ``method.<name>.<key>=value``: then the key returned is ``table.key``); the value is
     read as TOML, else taken as a bare string. Set it with `set_override`."""
     form = "expected section.key=value or section.table.key=value"
     if "=" not in text:
