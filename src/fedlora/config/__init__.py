@@ -32,7 +32,7 @@ from fedlora.config.experiment import (
     diff_configs,
 )
 from fedlora.config.planner_section import PlannerConfig
-from fedlora.config.privacy_section import PRIVACY_MODES, PrivacyConfig
+from fedlora.config.privacy_section import PrivacyConfig
 from fedlora.config.sections import (
     EVAL_FORMATS,
     K_STRATEGIES,
@@ -92,7 +92,6 @@ __all__ = [
     "NetworkConfig",
     "OutputConfig",
     "PlannerConfig",
-    "PRIVACY_MODES",
     "PrivacyConfig",
     "TrainingConfig",
     "apply_overrides",

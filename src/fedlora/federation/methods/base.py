@@ -176,7 +176,7 @@ class Method:
     # `check_flower` for a refusal that depends on the config)
     flower_refusal = ""
     server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
-    privacy: Any = None  # federation.privacy.ClientPrivacy, set by make_method (None: no DP)
+    privacy: Any = None  # a privacy_mechanisms PrivacyMechanism, set by make_method (None: no DP)
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:

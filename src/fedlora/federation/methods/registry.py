@@ -33,6 +33,7 @@ from fedlora.config.experiment import ExperimentConfig
 from fedlora.config.registry import Registry
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import Method
+from fedlora.federation.privacy_mechanisms.registry import check_privacy_config
 
 ENTRY_POINT_GROUP = "fedlora.methods"
 
@@ -76,8 +77,10 @@ def method_class(name: str) -> type[Method]:
 def check_method_config(cfg: ExperimentConfig) -> type[Method]:
     """``method.name`` names a method, and every loaded method accepts its own ``method.*``
     fields (`Method.check_config`), and accepts the run's privacy settings (`check_privacy`);
-    the class of ``method.name``. Raises ConfigError."""
+    the class of ``method.name``; and the privacy settings name a mechanism and a clipping
+    rule that accept them (`check_privacy_config`). Raises ConfigError."""
     cls = method_class(cfg.method.name)
+    check_privacy_config(cfg)
     check_privacy(cfg, cls)
     cls.check_config(cfg)  # the chosen method first, then the others in name order
     for name in sorted(_REGISTRY):
