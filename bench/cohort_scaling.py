@@ -133,13 +133,13 @@ def measure_accounting(n_clients: int, rounds: int, participants: float) -> dict
 
     from fedlora.config import load_config
     from fedlora.federation.methods.registry import method_class
-    from fedlora.federation.privacy import ClientPrivacy, account_round, budget_stop
+    from fedlora.federation.privacy import account_round, budget_stop, make_privacy
     from fedlora.federation.progress import Progress
 
     rng = np.random.default_rng(0)
     q = np.clip(rng.uniform(0.5, 1.5, n_clients) * participants / n_clients, 1e-6, 1.0)
     cfg = load_config(None, [f"data.n_clients={n_clients}", *DP, "planner.max_epsilon=1e6"])
-    method = SimpleNamespace(privacy=ClientPrivacy(cfg, method_class(cfg.method.name)), q=q)
+    method = SimpleNamespace(privacy=make_privacy(cfg, method_class(cfg.method.name)), q=q)
     progress = Progress()
     sent = SimpleNamespace(tasks=())
     for _ in range(rounds - 1):

@@ -18,7 +18,6 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.config import load_config
-from fedlora.config.privacy_section import PRIVACY_MODES
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import (
     Aggregation,
@@ -28,6 +27,7 @@ from fedlora.federation.methods.base import (
     RoundPlan,
 )
 from fedlora.federation.methods.registry import check_method_config, method_class
+from fedlora.federation.privacy_mechanisms.registry import privacy_names
 from fedlora.system.sketch import unbiased_aggregate
 from tiny_runs import DATA, TINY_FOUR_CLIENTS
 
@@ -215,7 +215,7 @@ def _constants(tree: ast.AST) -> list[ast.Constant]:
 
 def test_no_method_name_is_left_below_the_methods():
     # 'local' is also a value of privacy.mode, which is not a method's name
-    names = (set(SAMPLING) | set(REFUSES_DP)) - set(PRIVACY_MODES)
+    names = (set(SAMPLING) | set(REFUSES_DP)) - set(privacy_names())
     files = [
         *sorted((SRC / "config").rglob("*.py")),
         *sorted((SRC / "federation" / "flower").rglob("*.py")),

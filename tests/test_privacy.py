@@ -18,7 +18,8 @@ from fedlora.config import load_config
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import ClientTask, RoundPlan
 from fedlora.federation.methods.registry import check_method_config, method_class
-from fedlora.federation.privacy import ClientPrivacy
+from fedlora.federation.privacy import make_privacy
+from fedlora.federation.privacy_mechanisms.base import PrivacyMechanism
 from fedlora.system.privacy import epsilon, max_poisson_rate, poisson_epsilon
 from fedlora.system.privacy_ledger import PrivacyLedger, RoundSetting
 
@@ -94,7 +95,7 @@ def test_the_largest_rate_within_a_budget_keeps_it_and_is_tight():
     assert max_poisson_rate(1e6, 1.0, 30, 1e-5) == 1.0
 
 
-def _privacy(mode: str, sigma: float, clip: float, method: str = "sketched") -> ClientPrivacy:
+def _privacy(mode: str, sigma: float, clip: float, method: str = "sketched") -> PrivacyMechanism:
     cfg = load_config(
         None,
         [
@@ -105,7 +106,7 @@ def _privacy(mode: str, sigma: float, clip: float, method: str = "sketched") -> 
             f"privacy.clip_norm={clip}",
         ],
     )
-    return ClientPrivacy(cfg, method_class(cfg.method.name))
+    return make_privacy(cfg, method_class(cfg.method.name))
 
 
 def _plan(weights, trains="AB", gamma=2, round_=3) -> RoundPlan:
@@ -189,7 +190,7 @@ def test_heterolora_self_pruning_and_budgets_without_central_privacy_are_refused
     with pytest.raises(ConfigError, match=r"method\.heterolora\.pruning"):
         check_method_config(load_config(None, ['privacy.mode="local"', 'method.name="heterolora"',
                                                "method.heterolora.pruning=0.5"]))  # fmt: skip
-    with pytest.raises(ConfigError, match="planner.max_epsilon"):
-        load_config(None, ['privacy.mode="local"', "planner.max_epsilon=8"])
+    with pytest.raises(ConfigError, match="planner.max_epsilon"):  # the mechanism's fact
+        check_method_config(load_config(None, ['privacy.mode="local"', "planner.max_epsilon=8"]))
     with pytest.raises(ConfigError, match="planner.max_epsilon"):
         load_config(None, ['privacy.mode="central"', "planner.max_epsilon=[1, 2]"])

@@ -19,7 +19,8 @@ from fedlora.cli import main
 from fedlora.config import load_config
 from fedlora.federation.methods.base import ClientTask, RoundPlan
 from fedlora.federation.methods.registry import method_class
-from fedlora.federation.privacy import ClientPrivacy
+from fedlora.federation.privacy import make_privacy
+from fedlora.federation.privacy_mechanisms.base import PrivacyMechanism
 from fedlora.system.privacy import next_clip, sum_noise_multiplier
 from fedlora.system.seeding import derive_rng
 from tiny_runs import DATA, TINY_FOUR_CLIENTS
@@ -72,9 +73,9 @@ def test_the_geometric_step_by_hand():
     assert next_clip(0.5, 0.5, 0.5, 0.2) == 0.5
 
 
-def _privacy(*extra: str) -> ClientPrivacy:
+def _privacy(*extra: str) -> PrivacyMechanism:
     cfg = load_config(None, ["data.n_clients=4", f"method.q={Q}", *ADAPTIVE, *extra])
-    return ClientPrivacy(cfg, method_class(cfg.method.name))
+    return make_privacy(cfg, method_class(cfg.method.name))
 
 
 class _Method:

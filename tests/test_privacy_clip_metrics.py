@@ -12,19 +12,20 @@ import pytest
 from fedlora.config import load_config
 from fedlora.federation.methods.base import ClientTask, RoundPlan
 from fedlora.federation.methods.registry import method_class
-from fedlora.federation.privacy import ClientPrivacy, account_round, clip_fields
+from fedlora.federation.privacy import account_round, clip_fields, make_privacy
+from fedlora.federation.privacy_mechanisms.base import PrivacyMechanism
 from fedlora.federation.progress import Progress
 
 pytest.importorskip("dp_accounting")
 S6 = math.sqrt(6.0)
 
 
-def _privacy(clip: float, method: str = "sketched") -> ClientPrivacy:
+def _privacy(clip: float, method: str = "sketched") -> PrivacyMechanism:
     overrides = ["data.n_clients=4", f'method.name="{method}"', 'privacy.mode="central"']
     cfg = load_config(
         None, [*overrides, "privacy.noise_multiplier=1.0", f"privacy.clip_norm={clip}"]
     )
-    return ClientPrivacy(cfg, method_class(cfg.method.name))
+    return make_privacy(cfg, method_class(cfg.method.name))
 
 
 def _round(weights: list[float]) -> tuple[dict, RoundPlan, list[dict]]:
@@ -36,7 +37,7 @@ def _round(weights: list[float]) -> tuple[dict, RoundPlan, list[dict]]:
     return g, RoundPlan(1, tasks), [x0, x1]
 
 
-def _account(dp: ClientPrivacy, plan: RoundPlan) -> dict:
+def _account(dp: PrivacyMechanism, plan: RoundPlan) -> dict:
     method = SimpleNamespace(privacy=dp, q=[0.5, 0.5, 0.5, 0.5])
     return account_round(method, plan, Progress())
 

@@ -226,11 +226,11 @@ def test_a_divergence_under_privacy_names_the_noises_fields():
     from fedlora.config import load_config
     from fedlora.federation.engine import _noise_hint
     from fedlora.federation.methods.registry import method_class
-    from fedlora.federation.privacy import ClientPrivacy
+    from fedlora.federation.privacy import make_privacy
 
     cfg = load_config(None, [*CENTRAL, "privacy.noise_multiplier=2", "privacy.clip_norm=300"])
     run = SimpleNamespace(
-        method=SimpleNamespace(privacy=ClientPrivacy(cfg, method_class(cfg.method.name)))
+        method=SimpleNamespace(privacy=make_privacy(cfg, method_class(cfg.method.name)))
     )
     hint = _noise_hint(run)
     assert "600" in hint and "privacy.noise_multiplier" in hint and "privacy.clip_norm" in hint

@@ -18,6 +18,7 @@ from fedlora.studies.privacy_trace import (
     privacy_trace,
 )
 from fedlora.studies.runs import RunRecord
+from test_privacy_adaptive import ADAPTIVE, Q  # the adaptive settings, one list (review D1)
 from tiny_runs import TINY_FOUR_CLIENTS
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -90,16 +91,8 @@ TINY = [
     "training.rounds=3",
     "training.eval_every=3",
     "training.lr=0.05",
-    "method.q=[0.5, 0.5, 0.3, 0.9]",
+    f"method.q={Q}",
     "method.k=[2, 4, 1, 3]",
-]
-ADAPTIVE = [
-    'privacy.mode="central"',
-    'privacy.clipping="adaptive"',
-    "privacy.clip_norm=0.01",
-    "privacy.clip_count_noise=1.0",
-    "privacy.target_quantile=0.5",
-    "privacy.clip_learning_rate=0.2",
 ]
 
 

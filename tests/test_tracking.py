@@ -19,7 +19,16 @@ from fedlora.errors import ConfigError
 from fedlora.federation import tracked_run
 from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.federation.tracked_run import Trackers
-from fedlora.federation.tracking import TRACKERS, Tracker, check_trackers, scalars
+from fedlora.federation.tracking import (
+    TRACKER_REGISTRY,
+    TRACKERS,
+    Tracker,
+    check_tracker_names,
+    check_trackers,
+    register_tracker,
+    scalars,
+    tracker_class,
+)
 from test_engine import TINY, _metrics
 
 pytest.importorskip("tensorboard")
@@ -79,14 +88,21 @@ class _Recorder(Tracker):
         self.calls.append(("close", failed))
 
 
-def test_a_subclass_with_a_name_joins_the_table():
+def test_the_decorator_registers_a_tracker_and_unregister_forgets_it():
     class Named(Tracker):
-        name = "test_named"
+        pass
 
     try:
-        assert TRACKERS["test_named"] is Named
+        assert register_tracker("test_named")(Named) is Named and Named.name == "test_named"
+        assert TRACKERS["test_named"] is Named and tracker_class("test_named") is Named
+        check_tracker_names(load_config(None, ['output.trackers=["test_named"]']))
     finally:
-        del TRACKERS["test_named"]
+        TRACKER_REGISTRY.unregister("test_named")
+    assert "test_named" not in TRACKERS
+    with pytest.raises(ConfigError, match=r"output.trackers\[0\] = 'test_named' is invalid"):
+        check_tracker_names(load_config(None, ['output.trackers=["test_named"]']))
+    with pytest.raises(TypeError, match="Tracker subclass"):
+        register_tracker("not_a_tracker")(int)
 
 
 def test_a_tracker_failing_to_close_leaves_the_others_failed(tmp_path):

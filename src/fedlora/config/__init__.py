@@ -35,7 +35,7 @@ from fedlora.config.experiment import (
 )
 from fedlora.config.method_options import RENAMED_KEYS, FrozenTable, upgrade_renamed_keys
 from fedlora.config.planner_section import PlannerConfig
-from fedlora.config.privacy_section import PRIVACY_MODES, PrivacyConfig
+from fedlora.config.privacy_section import PrivacyConfig
 from fedlora.config.sections import (
     EVAL_FORMATS,
     K_STRATEGIES,
@@ -98,7 +98,6 @@ __all__ = [
     "NetworkConfig",
     "OutputConfig",
     "PlannerConfig",
-    "PRIVACY_MODES",
     "PrivacyConfig",
     "TrainingConfig",
     "apply_overrides",

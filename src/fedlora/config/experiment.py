@@ -95,17 +95,11 @@ def _section_dict(section: Any) -> dict[str, Any]:
 
 
 def _check_budget(max_epsilon: float | tuple[float, ...], privacy: PrivacyConfig, n: int) -> None:
-    """planner.max_epsilon: one budget per client (or one for all), and central privacy."""
+    """planner.max_epsilon: one budget per client (or one for all), and noise (which privacy
+    mechanisms a budget holds for is theirs: `check_privacy_config`)."""
     if isinstance(max_epsilon, tuple) and len(max_epsilon) != n:
         raise bad_value(
             "planner.max_epsilon", max_epsilon, f"one number, or one per client: {n} numbers"
-        )
-    if max_epsilon and privacy.mode != "central":
-        raise bad_value(
-            "planner.max_epsilon",
-            max_epsilon,
-            f"a privacy budget needs privacy.mode = 'central' (got {privacy.mode!r}); "
-            "0 = no budget",
         )
     if max_epsilon and privacy.noise_multiplier == 0:
         raise bad_value(

@@ -51,7 +51,8 @@ class PlannerConfig:
     replan_every: int = 0  # in-run: refit and re-plan every R rounds after the probes; 0 = off
     replan_margin: float = 0.05  # adopt a new plan only if its predicted time is this much lower
     # privacy budget: every client's ε(privacy.delta) at the planned rounds stays below this
-    # (one number for all or one per client; 0 = no budget); needs privacy.mode = "central"
+    # (one number for all or one per client; 0 = no budget); needs a privacy mechanism that
+    # accepts a budget (`accepts_budget`: central DP)
     max_epsilon: Union[float, tuple[float, ...]] = 0.0  # noqa: UP007
 
     def __post_init__(self) -> None:

@@ -1,10 +1,13 @@
 """The privacy section of an experiment config: client-level differential privacy (clipping,
 Gaussian noise, the δ of the reported ε) and secure aggregation on Flower (SecAgg+).
 
-Which methods they apply to is each method's own fact (`Method.dp_sampling`, `dp_refusal`,
-`check_privacy` in fedlora.federation.methods), checked by the methods' registry
-(`check_method_config`), which this layer cannot see. docs/privacy.md derives the sensitivity
-of each method's aggregate and states the threat model.
+Which names ``privacy.mode`` and ``privacy.clipping`` accept, and each one's own settings, are
+the privacy registries' (`fedlora.federation.privacy_mechanisms`: one class per mechanism and
+per clipping rule); which methods they apply to is each method's own fact
+(`Method.dp_sampling`, `dp_refusal`, `check_privacy`). Both are checked where a config becomes
+a run (`check_method_config`), which this layer cannot see; here only the types and the
+bounds every mechanism shares. docs/privacy.md derives the sensitivity of each method's
+aggregate and states the threat model.
 """
 
 from __future__ import annotations
@@ -12,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedlora.config.checks import check_choice, check_int, check_number
+from fedlora.config.checks import check_int, check_number
 from fedlora.errors import ConfigError, bad_value
 
-PRIVACY_MODES = ("none", "central", "local")
-CLIPPINGS = ("fixed", "adaptive")
+NO_PRIVACY = "none"  # privacy.mode without a mechanism; the others: the privacy registry's
 
 # Bounds that keep every ε, noise and quantization meaningful (docs/privacy.md): σ outside
 # SIGMA_RANGE is 0 or astronomically large to the accountant (fedlora.system.privacy); noise
@@ -29,7 +31,6 @@ SIGMA_RANGE = (0.01, 1e4)
 MAX_NOISE_STD = 1e3
 MAX_CLIP_NORM = 1e12
 MAX_SECAGG_CLIPPING_RANGE = 500.0
-MAX_CLIP_LEARNING_RATE = 10.0
 
 # SecAgg+'s fixed quantization: every entry becomes an integer in [0, 2^22]; the masked sum is
 # taken modulo 2^32, so up to 2^32 / 2^22 - 1 = 1023 participants sum without wrapping around
@@ -42,15 +43,17 @@ SECAGG_MAX_CLIENTS = SECAGG_MODULUS_RANGE // SECAGG_QUANTIZATION_RANGE - 1
 class PrivacyConfig:
     """Client-level differential privacy of the aggregate (docs/privacy.md).
 
-    `mode`: "none"; "central" (each participant's weighted update clipped to `clip_norm`,
-    Gaussian noise of standard deviation noise_multiplier·clip_norm added once to the sum by
-    the server); "local" (each participant adds that noise to its own clipped update).
+    `mode`: "none", or a registered privacy mechanism (built in: "central", each
+    participant's weighted update clipped to `clip_norm`, Gaussian noise of standard deviation
+    noise_multiplier·clip_norm added once to the sum by the server; "local", each participant
+    adds that noise to its own clipped update).
     `delta`: the δ at which every client's ε(δ) is reported (and planner.max_epsilon holds).
     `secure_aggregation`: on Flower, the server learns only the sum of the round's weighted
     updates (SecAgg+); a round with fewer than `secagg_threshold` participants is skipped.
     `secagg_clipping_range`: c, every entry of a weighted update is clipped to [-c, c] and
     quantized to 2^22 levels across that range (docs/privacy.md, "Secure aggregation").
-    `clipping`: "fixed" (C = clip_norm) or "adaptive" (Andrew et al. 2021: C starts at
+    `clipping`: a registered clipping rule: "fixed" (C = clip_norm) or "adaptive" (Andrew et
+    al. 2021, `fedlora.federation.privacy_mechanisms.adaptive`: C starts at
     clip_norm and follows the `target_quantile` of the update norms with learning rate
     `clip_learning_rate`; the count of unclipped updates is released with noise of standard
     deviation `clip_count_noise`, and the sum's noise multiplier is what that leaves of
@@ -70,7 +73,7 @@ class PrivacyConfig:
     clip_count_noise: float = 5.0
 
     def __post_init__(self) -> None:
-        check_choice("privacy.mode", self.mode, PRIVACY_MODES)
+        _check_name("privacy.mode", self.mode)
         check_number("privacy.clip_norm", self.clip_norm, lo=0, hi=MAX_CLIP_NORM, lo_open=True)
         check_number("privacy.noise_multiplier", self.noise_multiplier, lo=0)
         _check_sigma(self.noise_multiplier)
@@ -83,7 +86,7 @@ class PrivacyConfig:
                 f"{MAX_NOISE_STD:g} (more swamps any adapter); choose C near the update norms "
                 "(dp_update_norms)"
             )
-        _check_adaptive(self)
+        _check_clipping(self)
         if not isinstance(self.secure_aggregation, bool):
             raise bad_value("privacy.secure_aggregation", self.secure_aggregation, "true or false")
         check_int("privacy.secagg_threshold", self.secagg_threshold, lo=2, hi=SECAGG_MAX_CLIENTS)
@@ -103,7 +106,7 @@ class PrivacyConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "none"
+        return self.mode != NO_PRIVACY
 
 
 def _check_sigma(sigma: float) -> None:
@@ -117,36 +120,18 @@ def _check_sigma(sigma: float) -> None:
         )
 
 
-def _check_adaptive(p: PrivacyConfig) -> None:
-    """The adaptive clipping keys: quantile in (0, 1), learning rate in (0, 10], count noise
-    > 0 that leaves the sum some of the noise (> noise_multiplier / 2)."""
-    check_choice("privacy.clipping", p.clipping, CLIPPINGS)
-    check_number(
-        "privacy.target_quantile", p.target_quantile, lo=0, hi=1, lo_open=True, hi_open=True
-    )
-    check_number(
-        "privacy.clip_learning_rate",
-        p.clip_learning_rate,
-        lo=0,
-        hi=MAX_CLIP_LEARNING_RATE,
-        lo_open=True,
-    )
-    check_number("privacy.clip_count_noise", p.clip_count_noise, lo=0, lo_open=True)
-    if p.clipping == "adaptive":
-        if not p.enabled:
-            raise bad_value(
-                "privacy.clipping",
-                p.clipping,
-                "must be 'fixed' with privacy.mode = 'none' (nothing is clipped)",
-            )
-        z, sb = p.noise_multiplier, p.clip_count_noise
-        if z > 0 and not 2 * sb > z:  # σ_sum = (z^-2 - (2σ_b)^-2)^-1/2 needs (2σ_b)^-2 < z^-2
-            raise bad_value(
-                "privacy.clip_count_noise",
-                sb,
-                f"must be > privacy.noise_multiplier / 2 = {z / 2:g}: the count's noise spends "
-                "(2σ_b)^-2 of the round's budget z^-2 and would leave none for the sum",
-            )
+def _check_name(field: str, name: Any, what: str = "a privacy mechanism") -> None:
+    """A mechanism's or clipping rule's name: an identifier (which ones exist: the registry)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise bad_value(field, name, f"{what}'s name (an identifier)")
+
+
+def _check_clipping(p: PrivacyConfig) -> None:
+    """The clipping rule's name and its settings' types (their ranges: the rule's own
+    `check_config`, adaptive clipping's)."""
+    _check_name("privacy.clipping", p.clipping, "a clipping rule")
+    for field in ("target_quantile", "clip_learning_rate", "clip_count_noise"):
+        check_number(f"privacy.{field}", getattr(p, field))
 
 
 def check_in_process_privacy(cfg: Any) -> None:

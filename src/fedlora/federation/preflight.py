@@ -114,14 +114,14 @@ def check_adapter_size(cfg: ExperimentConfig, config: dict[str, Any]) -> None:
 
 def check_data(cfg: ExperimentConfig) -> None:
     """Task names, the data directory, the eval tasks' test splits and the task files."""
-    from fedlora.llm.task_registry import TASKS
+    from fedlora.llm.task_registry import TASK_REGISTRY, task_names
     from fedlora.llm.tasks import resolve_data_dir, task_available, task_path
 
     data = cfg.data
-    allowed = ", ".join(TASKS)  # the built-in tasks and any registered (`register_task`)
+    allowed = ", ".join(task_names())  # the built-in, the registered and the entry points
     for field, names in (("data.tasks", data.tasks), ("data.eval_tasks", data.eval_tasks)):
         for name in names:
-            if name not in TASKS:
+            if TASK_REGISTRY.find(name) is None:
                 raise DataError(f"{field}: task {name!r} is unknown: allowed: {allowed}")
     if not data.eval_tasks and not data.mc_eval_files:
         raise bad_value(

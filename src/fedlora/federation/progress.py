@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.federation.privacy import finite_or_none, restore_ledger
-from fedlora.system.privacy import sum_noise_multiplier
+from fedlora.federation.privacy import restore_ledger
+from fedlora.federation.privacy_mechanisms.base import finite_or_none
+from fedlora.federation.privacy_mechanisms.registry import clipping_class
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Progress:
     # privacy.mode set: every client's privacy events and the rounds' settings so far
     # (fedlora.system.privacy_ledger; a list from an older fedlora)
     privacy_ledger: dict | list | None = None
-    # privacy.clipping = "adaptive": the clip bound the next round uses
+    # a clipping rule that moves the bound (adaptive): the one the next round uses
     dp_clip_norm: float | None = None
     # `local`: the last evaluation's per-client accuracies and their spread
     # (fedlora.federation.client_eval.client_fields)
@@ -208,9 +209,7 @@ def _privacy_summary(cfg: ExperimentConfig, progress: Progress) -> dict[str, Any
         "unprotected_rounds": ledger.unprotected_rounds,
         "history": ledger.segments,
     }
-    if p.clipping == "adaptive":
-        out["final_clip_norm"] = progress.dp_clip_norm
-        out["sum_noise_multiplier"] = sum_noise_multiplier(p.noise_multiplier, p.clip_count_noise)
+    out.update(clipping_class(p.clipping).summary_fields(cfg, progress))  # adaptive's C, σ_Δ
     return {"privacy": out}
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import cut
-from fedlora.federation.tracking import TRACKERS, Tracker, check_trackers, scalars
+from fedlora.federation.tracking import Tracker, check_trackers, scalars, tracker_class
 
 __all__ = ["ARTIFACTS", "Trackers", "open_trackers", "close_open_trackers"]
 
@@ -116,7 +116,7 @@ def open_trackers(
     opened: list[Tracker] = []
     try:
         for name in cfg.output.trackers:
-            tracker = TRACKERS[name]()
+            tracker = tracker_class(name)()
             tracker.open(cfg, run_dir, resume=resume, next_step=next_step)
             opened.append(tracker)
     except BaseException:

@@ -14,10 +14,11 @@ TensorBoard event files and/or an MLflow run, as OpenFedLLM / NVIDIA FLARE users
   end config.toml, summary.json, metrics.jsonl, report.md (if any) and the PEFT adapter its
   artifacts. Its id is kept in ``<run dir>/mlflow_run.json``.
 
-A tracker is one class: a subclass of `Tracker` with a ``name`` joins the table `TRACKERS`
-(name -> factory) and ``output.trackers`` accepts the name. Its verbs: ``check`` (before
-anything is written: what ``open`` would fail on, as a ConfigError naming the field),
-``open``, ``log_metrics``, ``log_artifact``, ``close``.
+A tracker is one class: a subclass of `Tracker` registered with ``@register_tracker(name)``
+(the registry idiom of methods and privacy mechanisms, `fedlora.config.registry`), or by
+another package in the ``fedlora.trackers`` entry-point group; ``output.trackers`` accepts the
+name. Its verbs: ``check`` (before anything is written: what ``open`` would fail on, as a
+ConfigError naming the field), ``open``, ``log_metrics``, ``log_artifact``, ``close``.
 
 A resumed run continues the same tracked run without duplicate steps: TensorBoard's writer
 starts with ``purge_step`` = the first round logged again (readers drop the older events from
@@ -34,11 +35,12 @@ import contextlib
 import difflib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from fedlora.config.experiment import ExperimentConfig
+from fedlora.config.registry import Registry
 from fedlora.config.toml_io import dump_toml
 from fedlora.errors import ConfigError, FedloraError, cut, shown
 from fedlora.federation.mlflow_store import (
@@ -67,18 +69,11 @@ def scalars(line: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-TRACKERS: dict[str, type[Tracker]] = {}  # output.trackers name -> the tracker's class
-
-
 class Tracker:
-    """One experiment tracker. A subclass with a `name` is in `TRACKERS`."""
+    """One experiment tracker, registered under its ``output.trackers`` name
+    (`register_tracker`, which sets `name`)."""
 
     name: ClassVar[str] = ""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.name:
-            TRACKERS[cls.name] = cls
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, run_dir: Path | None, resume: bool) -> None:
@@ -99,6 +94,37 @@ class Tracker:
         raise NotImplementedError
 
 
+def _name_the_class(name: str, cls: Any) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Tracker)):
+        raise TypeError(f"@register_tracker({name!r}) needs a Tracker subclass, got {cls!r}")
+    cls.name = name
+
+
+TRACKER_GROUP = "fedlora.trackers"
+TRACKER_REGISTRY: Registry[type[Tracker]] = Registry(
+    "output.trackers",
+    TRACKER_GROUP,
+    kind="tracker",
+    accepts=lambda obj: isinstance(obj, type) and issubclass(obj, Tracker),
+    on_add=_name_the_class,
+    sorted_names=False,  # as registered: the built-ins first
+)
+TRACKERS = TRACKER_REGISTRY.table  # output.trackers name -> the tracker's class (registered)
+T = TypeVar("T", bound=type)
+
+
+def register_tracker(name: str) -> Callable[[T], T]:
+    """Class decorator: ``output.trackers`` accepts `name`, and runs the class."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a tracker name must be an identifier, got {name!r}")
+    return TRACKER_REGISTRY.register(name)
+
+
+def tracker_class(name: str) -> type[Tracker]:
+    """The tracker registered as `name` (an entry point is loaded here); ConfigError if none."""
+    return TRACKER_REGISTRY.get(name)
+
+
 def _missing(tracker: str, module: str) -> ConfigError:
     return ConfigError(
         f"output.trackers includes {tracker!r}, but {module} is not installed: "
@@ -106,10 +132,9 @@ def _missing(tracker: str, module: str) -> ConfigError:
     )
 
 
+@register_tracker("tensorboard")
 class TensorBoardTracker(Tracker):
     """Scalars to ``<run dir>/tensorboard`` (torch's SummaryWriter, tensorboard's format)."""
-
-    name = "tensorboard"
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, run_dir: Path | None, resume: bool) -> None:
@@ -137,10 +162,9 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
 
+@register_tracker("mlflow")
 class MlflowTracker(Tracker):
     """One MLflow run per fedlora run (MlflowClient: no global active run)."""
-
-    name = "mlflow"
 
     @classmethod
     def check(cls, cfg: ExperimentConfig, run_dir: Path | None, resume: bool) -> None:
@@ -261,15 +285,17 @@ def check_trackers(
     `resume` and `run_dir` the tracked run it continues. ConfigError naming the field."""
     check_tracker_names(cfg)
     for name in cfg.output.trackers:
-        TRACKERS[name].check(cfg, run_dir, resume)
+        tracker_class(name).check(cfg, run_dir, resume)
 
 
 def check_tracker_names(cfg: ExperimentConfig) -> None:
-    """Each name of ``output.trackers`` is in `TRACKERS` (ConfigError with a suggestion)."""
+    """Each name of ``output.trackers`` is a registered tracker or an entry point of
+    ``fedlora.trackers`` (ConfigError with a suggestion)."""
     for i, name in enumerate(cfg.output.trackers):
-        if name not in TRACKERS:
-            close = difflib.get_close_matches(cut(name), list(TRACKERS), n=1, cutoff=0.5)
+        if TRACKER_REGISTRY.find(name) is None:
+            names = TRACKER_REGISTRY.names()
+            close = difflib.get_close_matches(cut(name), list(names), n=1, cutoff=0.5)
             raise ConfigError(
                 f"output.trackers[{i}] = {shown(name)} is invalid: allowed: "
-                f"{', '.join(TRACKERS)}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                f"{', '.join(names)}" + (f" (did you mean {close[0]!r}?)" if close else "")
             )

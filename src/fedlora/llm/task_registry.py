@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fedlora.config.registry import Registry
 from fedlora.errors import DataError
 from fedlora.llm.task_types import (
     TARGET_DELIMITER,
@@ -209,35 +210,63 @@ BUILTIN_TASKS: tuple[TaskSpec, ...] = (
     ),
 )
 
-# name -> declaration: the built-in tasks, then any `register_task` added
-TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in BUILTIN_TASKS}
+TASK_GROUP = "fedlora.tasks"  # another package's tasks: entry points naming a TaskSpec
+
+
+def _check_folder(name: str, spec: TaskSpec) -> None:
+    """A task's name is its spec's, and its folder is no other task's (DataError)."""
+    if not isinstance(spec, TaskSpec) or spec.name != name:
+        raise DataError(f"task {name!r}: {spec!r:.100} is not a TaskSpec named {name!r}")
+    for other in TASKS.values():
+        if spec.folder and other.name != spec.name and other.folder == spec.folder:
+            raise DataError(f"task {spec.name!r}: folder {spec.folder!r} is task {other.name!r}'s")
+
+
+# name -> declaration: the built-in tasks, then any `register_task` (or entry point) added
+TASK_REGISTRY: Registry[TaskSpec] = Registry(
+    "data.tasks",
+    TASK_GROUP,
+    kind="task",
+    accepts=lambda obj: isinstance(obj, TaskSpec),
+    on_add=_check_folder,
+    sorted_names=False,  # the built-in tasks in their order, then the added ones
+)
+TASKS = TASK_REGISTRY.table
 
 
 def register_task(spec: TaskSpec) -> TaskSpec:
     """Add a task (or declare the same one again). A different declaration under a name
     already taken, or a folder another task uses, raises `DataError`. A task without a
-    folder (`folder=""`) has no LLM-Adapters files: its examples come from elsewhere."""
+    folder (`folder=""`) has no LLM-Adapters files: its examples come from elsewhere.
+    Another package may instead name its `TaskSpec` in the ``fedlora.tasks`` entry-point
+    group (loaded when the task is asked for)."""
     old = TASKS.get(spec.name)
     if old is not None and old != spec:
         raise DataError(f"task {spec.name!r} is already declared differently")
-    for other in TASKS.values():
-        if spec.folder and other.name != spec.name and other.folder == spec.folder:
-            raise DataError(f"task {spec.name!r}: folder {spec.folder!r} is task {other.name!r}'s")
-    TASKS[spec.name] = spec
-    return spec
+    return TASK_REGISTRY.add(spec.name, spec)
+
+
+for _spec in BUILTIN_TASKS:
+    register_task(_spec)
+
+
+def task_names() -> tuple[str, ...]:
+    """Every task name: the built-in ones, the registered ones, the entry points."""
+    return TASK_REGISTRY.names()
 
 
 def find_task(name: str) -> TaskSpec | None:
-    """The declaration of a task, named by its fedlora name or its LLM-Adapters folder."""
+    """The declaration of a task, named by its fedlora name, its LLM-Adapters folder or an
+    entry point of ``fedlora.tasks``."""
     spec = TASKS.get(name)
     if spec is None:
         spec = next((s for s in TASKS.values() if s.folder == name), None)
-    return spec
+    return spec if spec is not None else TASK_REGISTRY.find(name)
 
 
 def get_task(name: str) -> TaskSpec:
     """`find_task`, raising `DataError` listing the tasks when `name` is none of them."""
     spec = find_task(name)
     if spec is None:
-        raise DataError(f"task = {name!r} is invalid: allowed: {', '.join(TASKS)}")
+        raise DataError(f"task = {name!r} is invalid: allowed: {', '.join(task_names())}")
     return spec

@@ -34,7 +34,7 @@ import numpy as np
 
 from fedlora.config.privacy_section import SECAGG_MODULUS_RANGE, SECAGG_QUANTIZATION_RANGE
 from fedlora.federation.flower.common import TRAIN, apply_safe_env, exchange
-from fedlora.federation.privacy import factor_keys
+from fedlora.federation.privacy_mechanisms.base import factor_keys
 
 apply_safe_env()
 

@@ -217,7 +217,7 @@ class Method:
     # is refused)
     options: type | None = None
     server_opt: Any = None  # server_opt.ServerOptimizer, set by make_method (None: plain)
-    privacy: Any = None  # federation.privacy.ClientPrivacy, set by make_method (None: no DP)
+    privacy: Any = None  # a privacy_mechanisms PrivacyMechanism, set by make_method (None: no DP)
 
     @classmethod
     def read_options(cls, cfg: ExperimentConfig) -> Any:

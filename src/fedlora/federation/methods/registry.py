@@ -20,7 +20,8 @@ package registers its methods in the ``fedlora.methods`` entry-point group, name
     my_method = "my_package.my_method:MyMethod"
 
 An entry point is loaded only when its name is asked for (`method_class`); a built-in name
-wins over an entry point of the same name. The config layer cannot see this registry (it
+wins over an entry point of the same name (`fedlora.config.registry.Registry`: the one
+registration idiom of methods, privacy mechanisms, trackers and tasks). The config layer cannot see this registry (it
 sits below the federation layer): it keeps the ``[method.<name>]`` tables as given, and
 ``method.name`` and each method's options are checked here, by `check_method_config`, at
 every boundary where a config becomes a run (`make_method`,
@@ -33,75 +34,62 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from fedlora.config.experiment import ExperimentConfig
-from fedlora.errors import ConfigError, bad_value, suggest_key
+from fedlora.config.registry import Registry
+from fedlora.errors import ConfigError, suggest_key
 from fedlora.federation.methods.base import Method, options_table
+from fedlora.federation.privacy_mechanisms.registry import check_privacy_config
 
 ENTRY_POINT_GROUP = "fedlora.methods"
 
 M = TypeVar("M", bound=type)
-_REGISTRY: dict[str, type[Method]] = {}
+
+
+def _name_the_class(name: str, cls: Any) -> None:
+    """A method's class is a `Method` subclass; it takes the name it is registered as."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise TypeError(f"@register_method({name!r}) needs a Method subclass, got {cls!r}")
+    cls.name = name
+
+
+METHODS: Registry[type[Method]] = Registry(
+    "method.name",
+    ENTRY_POINT_GROUP,
+    kind="method",
+    accepts=lambda obj: isinstance(obj, type) and issubclass(obj, Method),
+    on_add=_name_the_class,
+)
+_REGISTRY = METHODS.table  # name -> class (tests save and restore it)
 
 
 def register_method(name: str) -> Callable[[M], M]:
     """Class decorator: `cls` runs ``method.name = name`` (and its ``name`` becomes `name`)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a method name must be an identifier, got {name!r}")
-
-    def decorate(cls: M) -> M:
-        if not (isinstance(cls, type) and issubclass(cls, Method)):
-            raise TypeError(f"@register_method({name!r}) needs a Method subclass, got {cls!r}")
-        known = _REGISTRY.get(name)
-        if known is not None and known.__qualname__ != cls.__qualname__:
-            raise ValueError(f"method {name!r} is already registered by {known.__qualname__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
-
-
-def _entry_points() -> dict[str, Any]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return METHODS.register(name)
 
 
 def method_names() -> tuple[str, ...]:
     """Every name ``method.name`` accepts: the registered methods and the entry points."""
-    return tuple(sorted(set(_REGISTRY) | set(_entry_points())))
+    return METHODS.names()
 
 
 def method_class(name: str) -> type[Method]:
     """The class registered as `name` (an entry point is loaded here); ConfigError if none."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    ep = _entry_points().get(name) if isinstance(name, str) else None
-    if ep is None:
-        raise bad_value("method.name", name, f"allowed: {', '.join(method_names())}")
-    try:
-        cls = ep.load()
-    except Exception as e:  # a broken third-party package: say which entry point
-        raise ConfigError(
-            f"method.name = {name!r}: entry point {ep.value!r} of group "
-            f"{ENTRY_POINT_GROUP!r} failed to load: {type(e).__name__}: {e}"
-        ) from None
-    if not (isinstance(cls, type) and issubclass(cls, Method)):
-        raise ConfigError(
-            f"method.name = {name!r}: entry point {ep.value!r} is not a "
-            "fedlora.federation.methods.Method subclass"
-        )
-    return register_method(name)(cls) if name not in _REGISTRY else _REGISTRY[name]
+    return METHODS.get(name)
 
 
 def check_method_config(cfg: ExperimentConfig) -> type[Method]:
     """``method.name`` names a method, every ``[method.<name>]`` table holds the options of a
     method (`check_option_tables`), every loaded method accepts the config
     (`Method.check_config`), and the method accepts the run's privacy settings
-    (`check_privacy`); the class of ``method.name``. Raises ConfigError."""
+    (`check_privacy`); the class of ``method.name``; and the privacy settings name a mechanism
+    and a clipping rule that accept them (`check_privacy_config`). Raises ConfigError."""
     cls = method_class(cfg.method.name)
     check_option_tables(cfg)
+    check_privacy_config(cfg)
     check_privacy(cfg, cls)
     cls.check_config(cfg)  # the chosen method first, then the others in name order
     for name in sorted(_REGISTRY):

@@ -1,0 +1,57 @@
+"""Central DP (``privacy.mode = "central"``): the server clips each weighted update to C and
+adds N(0, (σC)²) once to every entry of the aggregated factors, also in a round without
+participants when clients are sampled independently (whether a round is empty depends on who
+was sampled). Every client is accounted each round at its sampling rate: q_n (independent,
+the Poisson-subsampled Gaussian) or m/N (uniform). The planner's privacy budget
+(``planner.max_epsilon``) accounts the same way, so it is this mechanism's.
+
+The noise of round r comes from the run's stream (seed, "privacy", r), so a resumed run draws
+the same noise; σ = 0 draws none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedlora.federation.privacy_mechanisms.base import Adapter, PrivacyMechanism, factor_keys
+from fedlora.federation.privacy_mechanisms.registry import register_privacy
+from fedlora.system.privacy_ledger import PrivacyLedger
+from fedlora.system.seeding import derive_rng
+
+DEFAULT_FACTORS = "AB"  # what a round without participants noises (independent sampling)
+
+
+@register_privacy("central")
+class CentralPrivacy(PrivacyMechanism):
+    """The server's noise on the clipped, weighted sum."""
+
+    accepts_budget = True
+
+    def noise(self, global_state: Adapter, new_state: Adapter, plan: Any) -> Adapter:
+        """The aggregate plus N(0, (σC)²) on every entry of the factors the round aggregates
+        (after the clipping rule's own release); `new_state` itself with σ = 0."""
+        new_state = super().noise(global_state, new_state, plan)
+        if self.sum_sigma == 0:
+            return new_state
+        factors = "".join(sorted({f for t in plan.tasks for f in t.trains})) or DEFAULT_FACTORS
+        rng = derive_rng(self.seed, "privacy", plan.round)
+        out = dict(new_state)
+        for k in sorted(factor_keys(global_state, factors)):
+            x = new_state[k]
+            out[k] = (x + rng.normal(0.0, self.noise_std, size=x.shape)).astype(x.dtype)
+        return out
+
+    def noise_alone(self, trained: Any) -> bool:
+        """An empty round still needs the noise when clients are sampled independently (an
+        empty round is then a random outcome) and σ > 0."""
+        empty = trained is None or not trained.states
+        return empty and self.sigma > 0 and self.sampling == "independent"
+
+    def account(self, ledger: PrivacyLedger, method: Any, sent: Any) -> None:
+        """Every client at its q_n (independent) or m/N (uniform)."""
+        if self.sampling == "independent":
+            ledger.record(self.setting(), "poisson", np.asarray(method.q, dtype=float))
+        else:
+            ledger.record(self.setting(), "uniform", np.full(self.n_clients, self.uniform_rate))
