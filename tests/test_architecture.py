@@ -420,3 +420,16 @@ def test_the_walk_sees_an_import_of_the_research_tree(tmp_path: Path) -> None:
 
 def test_the_product_imports_nothing_from_research_bench_or_tools() -> None:
     assert sorted(_outside_imports(_modules())) == []
+
+
+RESEARCH = SRC.parent / "research"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(RESEARCH.rglob("*.py")), ids=lambda p: str(p.relative_to(RESEARCH))
+)
+def test_research_code_keeps_the_size_limits(path: Path) -> None:
+    # the studies' code left the package, not its rules (issue 38 item 4)
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"research/{path.relative_to(RESEARCH)} has {lines} lines"
+    assert _long_functions(path) == [], f"research/{path.relative_to(RESEARCH)}: split by concept"
