@@ -22,12 +22,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench tools research
+	$(BIN)/ruff format --check src tests bench tools research
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests bench
-	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format src tests bench tools research
+	$(BIN)/ruff check --fix src tests bench tools research
 
 test: lint
 	FEDLORA_DATA=$(DATA) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q

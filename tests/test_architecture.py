@@ -375,3 +375,61 @@ def test_function_size(name: str) -> None:
     assert long == [], (
         f"{path.relative_to(SRC)}: over {MAX_FUNCTION_LINES} lines, split by concept: {long}"
     )
+
+
+# Trees beside the product (issue 38 item 4): the studies (research/), the benchmarks (bench/)
+# and the maintainers' tools (tools/) depend on fedlora; fedlora imports none of them.
+OUTSIDE = ("research", "bench", "tools")
+
+
+def _outside_imports(modules: dict[str, tuple[Path, bool]]) -> set[tuple[str, str]]:
+    """(module, what) for every import of an OUTSIDE tree, and every string that names one of
+    its modules (`importlib.import_module("research.x")`)."""
+    found = set()
+    for name, (path, _) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+                names = [text] if "." in text and text.replace(".", "").isidentifier() else []
+            else:
+                continue
+            found |= {(name, n) for n in names if n.split(".")[0] in OUTSIDE}
+    return found
+
+
+def test_the_walk_sees_an_import_of_the_research_tree(tmp_path: Path) -> None:
+    pkg = tmp_path / "fedlora"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "import research.measure\nfrom tools import bit_identity\n"
+        'def f():\n    from bench.engine import main\n    return "research.study_planner.x"\n'
+    )
+    (pkg / "b.py").write_text('"""research/README.md: the research beside the product."""\n')
+    assert _outside_imports(_modules(tmp_path)) == {
+        ("fedlora.a", "research.measure"),
+        ("fedlora.a", "tools"),
+        ("fedlora.a", "bench.engine"),
+        ("fedlora.a", "research.study_planner.x"),
+    }
+
+
+def test_the_product_imports_nothing_from_research_bench_or_tools() -> None:
+    assert sorted(_outside_imports(_modules())) == []
+
+
+RESEARCH = SRC.parent / "research"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(RESEARCH.rglob("*.py")), ids=lambda p: str(p.relative_to(RESEARCH))
+)
+def test_research_code_keeps_the_size_limits(path: Path) -> None:
+    # the studies' code left the package, not its rules (issue 38 item 4)
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"research/{path.relative_to(RESEARCH)} has {lines} lines"
+    assert _long_functions(path) == [], f"research/{path.relative_to(RESEARCH)}: split by concept"

@@ -47,7 +47,7 @@ def test_make_demo_runs_the_demo_config() -> None:
 
 
 def test_the_demo_follows_protocol_v2() -> None:
-    # docs/protocol_v2.md: client AdamW at lr 1e-3, a fresh optimizer per client and round
+    # research/cpu_protocol/protocol_v2.md: client AdamW at lr 1e-3, a fresh optimizer per client and round
     cfg = load_config(str(DEMO), [])
     assert cfg.training.optimizer == "adamw" and cfg.training.lr == 1e-3
     assert cfg.training.optimizer_state == "reset" and cfg.training.weight_decay == 0.0

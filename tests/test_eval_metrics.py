@@ -206,7 +206,7 @@ def test_option_response_trains_on_the_option_text(llama) -> None:
 def test_evaluation_config_and_bad_values() -> None:
     cfg = load_config(None, ["evaluation.scoring=option_norm", "data.response=option"])
     assert cfg.evaluation.scoring == "option_norm" and cfg.data.response == "option"
-    # the defaults are the CPU protocol (docs/cpu_protocol.md)
+    # the defaults are the CPU protocol (research/cpu_protocol/cpu_protocol.md)
     assert load_config().evaluation.scoring == "option_norm"
     assert load_config().data.response == "option"
     bad = {

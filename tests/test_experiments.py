@@ -330,7 +330,7 @@ def test_powered_pipeline_pilot_then_two_seeds_then_report(tmp_path, monkeypatch
 
 def test_powered_suite_files_load_and_share_runs_where_they_say():
     # Prepare / Execute: the three drafted protocol files of issue 14
-    root = Path(__file__).parents[1] / "configs"
+    root = Path(__file__).parents[1] / "research" / "powered_suites"
     specs = {s: load_suite(s, str(root / f"powered_{name}.toml"))
              for s, name in (("table1", "table1"), ("sampling", "sampling"), ("ranks", "ranks"))}  # fmt: skip
     # Assert: >= 3 seeds, a separate pilot seed, a rule, a common budget with a time schedule

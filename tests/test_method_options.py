@@ -160,7 +160,7 @@ def test_the_studies_configs_keep_working_through_the_old_keys():
 
     root = Path(__file__).resolve().parents[1]
     with pytest.warns(FutureWarning, match="is deprecated: write it as") as caught:
-        suite = load_suite("references", str(root / "configs/references.toml"))
+        suite = load_suite("references", str(root / "research/references/references.toml"))
     assert sorted(str(w.message).split(": ")[1] for w in caught) == [
         "method.fslora_k is deprecated",
         "method.heterolora_pruning is deprecated",
@@ -171,7 +171,7 @@ def test_the_studies_configs_keep_working_through_the_old_keys():
         fed.replace(method=dataclasses.replace(fed.method, options={}))
     )
     with pytest.warns(FutureWarning, match="method.fslora_k is deprecated"):
-        spec = load_spec(root / "configs/study_planner_v2.toml")
+        spec = load_spec(root / "research/study_planner/study_planner_v2.toml")
         fslora = resolve_method_options(spec.config(spec.arms["fslora"]))
     assert fslora.method.options == {"fslora": {"k": "ranks"}}
     hetero = resolve_method_options(spec.config(spec.arms["heterolora"]))

@@ -1,4 +1,4 @@
-"""bench/privacy_tradeoff.py end to end on a tiny random-init model: the clip stage writes
+"""research/privacy_tradeoff/privacy_tradeoff.py end to end on a tiny random-init model: the clip stage writes
 clip.json from the runs' update norms (and refuses to overwrite it with other values), the run
 stage runs the named labels with their σ and C, the summary writes the rule's tables and a
 verdict line; σ that differs from the rule's numbers is refused before any run."""
@@ -57,7 +57,7 @@ predictions = true
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location(
-        "privacy_tradeoff", ROOT / "bench/privacy_tradeoff.py"
+        "privacy_tradeoff", ROOT / "research/privacy_tradeoff/privacy_tradeoff.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -142,7 +142,7 @@ def _rule_verdict(lora_dir: Path, ffa_dir: Path) -> str:
     return "inconclusive"
 
 
-# the rule's cohort (docs/privacy_tradeoff.md): 10 clients, 100 rounds, LoRA at q = 0.2,
+# the rule's cohort (research/privacy_tradeoff/privacy_tradeoff.md): 10 clients, 100 rounds, LoRA at q = 0.2,
 # FFA-LoRA 2 of 10 a round, δ = 1e-5
 RULE_BASE = (
     TINY_BASE.replace("n_clients = 4", "n_clients = 10")
@@ -170,7 +170,7 @@ def test_a_sigma_other_than_the_rules_is_refused_before_any_run(bench, tmp_path,
 
 
 def test_the_rule_relation_of_the_verdicts(bench):
-    import privacy_tradeoff_summary as s
+    from research.privacy_tradeoff import privacy_tradeoff_summary as s
 
     assert s.overall(["held", "held"]) == "held"
     assert s.overall(["held", "not held"]) == "inconclusive"

@@ -1,4 +1,4 @@
-"""bench/references_study.py (docs/references_study.md): Fieller's set for the share of the
+"""research/references/references_study.py (research/references/references_study.md): Fieller's set for the share of the
 centralized gain, checked against the paired t test it inverts, and the summary of a suite
 directory written by hand (gains and differences by hand; arms that are not paired refused)."""
 
@@ -17,7 +17,7 @@ from fedlora.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
-    "references_study", ROOT / "bench/references_study.py"
+    "references_study", ROOT / "research/references/references_study.py"
 )
 study = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(study)
@@ -94,7 +94,7 @@ def test_summary_refuses_arms_that_are_not_paired(tmp_path):
 def test_the_study_config_is_the_demo_with_the_confirmation_optimizer():
     from fedlora.studies.experiments import load_suite
 
-    spec = load_suite("references", str(ROOT / "configs/references.toml"))
+    spec = load_suite("references", str(ROOT / "research/references/references.toml"))
     assert spec.seeds == (0, 1, 2) and spec.labels == ("federated", "centralized", "local")
     demo = load_config(str(ROOT / "configs/demo.toml"), [])
     fed = spec.config_for("federated", 0)

@@ -1,4 +1,4 @@
-"""bench/study_planner.py park: an unfinished run's resumable state is committed (its files,
+"""research/study_planner/study_planner.py park: an unfinished run's resumable state is committed (its files,
 its marker, its newest checkpoint only) and untracked again once the run has finished."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[1] / "bench" / "study_planner.py"
+BENCH = Path(__file__).parents[1] / "research" / "study_planner" / "study_planner.py"
 
 
 def _bench():

@@ -1,4 +1,4 @@
-"""The planner study (fedlora.studies.study_*; bench/study_planner.py): the per-task metric,
+"""The planner study (research.study_planner.study_*; research/study_planner/study_planner.py): the per-task metric,
 the pilot's rule (no abs(), a target above round 0, a grid of its own), time to target
 censored at the budget, Holm, the report on hand-made runs with hand-checked numbers, and
 the stages end to end on a tiny model, resumable."""
@@ -13,10 +13,10 @@ import tomllib
 from scipy import stats
 
 from fedlora.errors import ConfigError
-from fedlora.studies import study_rule as sr
 from fedlora.studies.runs import load_run
-from fedlora.studies.study_report import write_study_report
-from fedlora.studies.study_runner import (
+from research.study_planner import study_rule as sr
+from research.study_planner.study_report import write_study_report
+from research.study_planner.study_runner import (
     ANALYSED_ROUND_CAP,
     Ledger,
     pilot_stage,
@@ -24,8 +24,8 @@ from fedlora.studies.study_runner import (
     run_job,
     run_stage,
 )
-from fedlora.studies.study_spec import spec_from_dict
-from fedlora.studies.study_stats import load_cells
+from research.study_planner.study_spec import spec_from_dict
+from research.study_planner.study_stats import load_cells
 from study_tiny import TINY_STUDY
 
 ACC = sr.parse_metric("arc-e/acc")
@@ -339,7 +339,7 @@ def test_bench_runner_refuses_an_unfixed_protocol_and_reports(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "bench" / "study_planner.py"
+    path = Path(__file__).parents[1] / "research" / "study_planner" / "study_planner.py"
     spec = importlib.util.spec_from_file_location("study_planner_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -347,7 +347,7 @@ def test_bench_runner_refuses_an_unfixed_protocol_and_reports(tmp_path, capsys):
     assert bench.main(["check"]) == 0
     assert "protocol_fixed = false" not in capsys.readouterr().out
     # the same config with the protocol not fixed: `pilot` refuses and writes nothing
-    committed = path.parents[1] / "configs" / "study_planner.toml"
+    committed = path.with_name("study_planner.toml")
     unfixed = tmp_path / "unfixed.toml"
     text = committed.read_text()
     assert "protocol_fixed = true" in text

@@ -1,4 +1,4 @@
-"""Protocol v2's rule for the planner study (docs/study_planner_v2.md): a crossing that
+"""Protocol v2's rule for the planner study (research/study_planner/study_planner_v2.md): a crossing that
 holds, the learning criterion, the step-size grid and the pilot that runs it, with
 hand-computed values and a fake run function that writes chosen curves."""
 
@@ -11,9 +11,9 @@ import pytest
 import tomllib
 
 from fedlora.errors import ConfigError
-from fedlora.studies import study_rule as sr
-from fedlora.studies.study_runner import pilot_stage, run_stage
-from fedlora.studies.study_spec import spec_from_dict
+from research.study_planner import study_rule as sr
+from research.study_planner.study_runner import pilot_stage, run_stage
+from research.study_planner.study_spec import spec_from_dict
 from study_tiny import TINY_STUDY
 
 ACC = sr.parse_metric("arc-e/acc")
@@ -225,7 +225,7 @@ def _study_v2(root):
 def test_v2_report_hand_checked(tmp_path):
     from scipy import stats
 
-    from fedlora.studies.study_report import write_study_report
+    from research.study_planner.study_report import write_study_report
 
     out = _study_v2(tmp_path)
     text = write_study_report(out).read_text()
@@ -268,7 +268,7 @@ def test_v2_report_hand_checked(tmp_path):
 
 def test_not_worse_by_margin_by_hand():
     from fedlora.studies.seeds import PairedDiff
-    from fedlora.studies.study_stats import not_worse_by_margin
+    from research.study_planner.study_stats import not_worse_by_margin
 
     assert not_worse_by_margin(PairedDiff(0.01, 0.02, None, 3), 0.02, True) == sr.HELD
     assert not_worse_by_margin(PairedDiff(-0.05, 0.02, None, 3), 0.02, True) == sr.NOT_HELD

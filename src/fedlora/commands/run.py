@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 def no_config_note(rounds: int) -> str:
     """What a run without --config is: the built-in defaults are a short smoke run, not the
-    setting that learns (the demo's, docs/protocol_v2.md)."""
+    setting that learns (the demo's, research/cpu_protocol/protocol_v2.md)."""
     return (
         f"note: no --config: the built-in defaults ({rounds} rounds) are a smoke run, not a "
         "setting that learns; the demo's setting, which learns on ARC-e, is "

@@ -106,7 +106,7 @@ def claims(
 
     The time claims (ordering, speed-up) are judged on the accuracy targets and, when
     `target_losses` is given, again on the eval_loss targets (time to a mean eval_loss <= the
-    target; the CPU protocol's primary target, docs/cpu_protocol.md), and with
+    target; the CPU protocol's primary target, research/cpu_protocol/cpu_protocol.md), and with
     `target_drops` on eval_loss decreases from each run's own round 0 (`runs.time_to`'s
     "loss_drop"), as separate rows.
     """

@@ -22,7 +22,7 @@ PREDICTIONS_FILE = "predictions.jsonl"
 
 def read_predictions(run_dir: Path) -> dict[str, dict[str, Any]]:
     """task -> the predictions line of the run's last evaluation of that task ({} if the run
-    wrote none). A collected run's predictions.jsonl.gz (bench/collect_runs.py) is read when
+    wrote none). A collected run's predictions.jsonl.gz (tools/collect_runs.py) is read when
     predictions.jsonl is absent."""
     path = Path(run_dir) / PREDICTIONS_FILE
     last: dict[str, dict[str, Any]] = {}

@@ -1,0 +1,1 @@
+"""The CPU protocol and its confirmations (README.md here)."""

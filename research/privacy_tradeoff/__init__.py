@@ -1,0 +1,1 @@
+"""The privacy trade-off study (README.md here)."""

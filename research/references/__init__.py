@@ -1,0 +1,1 @@
+"""The references study (README.md here)."""

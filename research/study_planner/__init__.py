@@ -1,0 +1,1 @@
+"""The planner study (README.md here): its spec, rule, runner, statistics and report."""

@@ -1,0 +1,101 @@
+"""Protocol v2's pilot (research/study_planner/study_planner_v2.md): every arm and every fixed sampling rule on
+the pilot seed, each run exactly as an analysed run (to the budget B, on its grid); an arm
+that fails the learning criterion runs again with its step size scaled by each factor of
+`study.step_grid`; then rule.json (each arm's step, fixed-best, the fixed target).
+
+Layout under OUT/pilot/: `<label>-seed<pilot>/` at the protocol's step size and
+`<label>-x<factor>-seed<pilot>/` for the grid's runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedlora.errors import ConfigError
+from fedlora.studies.runs import load_run
+from research.study_planner.study_rule import derive_rule_v2, learning, metric_points
+from research.study_planner.study_spec import StudySpec
+
+
+def budget_overrides(budget_s: float, grid_s: float, round_cap: int) -> list[str]:
+    """What every run of the rule shares: it stops at the round that spends B and is
+    evaluated every B / grid_points seconds of simulated time (and at that round)."""
+    return [
+        f"training.time_budget_s={budget_s!r}",
+        f"training.eval_every_s={grid_s!r}",
+        f"training.eval_every={round_cap}",
+        f"training.rounds={round_cap}",
+    ]
+
+
+def step_override(spec: StudySpec, overrides: Sequence[str], factor: float) -> list[str]:
+    """The arm's step size (spec.step_key) times `factor`; nothing for factor 1."""
+    if factor == 1.0:
+        return []
+    value = spec.step_value(overrides) * factor
+    return [f"{spec.step_key(overrides)}={value!r}"]
+
+
+def pilot_dir(out: Path, label: str, factor: float, seed: int) -> Path:
+    tag = "" if factor == 1.0 else f"-x{factor:g}"
+    return out / "pilot" / f"{label}{tag}-seed{seed}"
+
+
+def pilot_jobs(spec: StudySpec, out: Path, finished: Any) -> tuple[list[tuple[str, float]], bool]:
+    """The pilot's (label, factor) jobs known now, and whether the list is complete: the
+    grid's runs of an arm are known once its run at the protocol's step has finished."""
+    jobs, complete = [], True
+    for label in spec.pilot_labels:
+        jobs.append((label, 1.0))
+        base = pilot_dir(out, label, 1.0, spec.pilot_seed)
+        if not finished(base):
+            complete = False
+            continue
+        crit = learning(
+            metric_points(load_run(base), spec.metric),
+            spec.metric,
+            spec.budget_s,
+            spec.learn_min_gain,
+            spec.learn_max_drop,
+        )
+        if not crit.learned:
+            jobs += [(label, f) for f in spec.step_grid]
+    return jobs, complete
+
+
+def derive(spec: StudySpec, out: Path, jobs: list[tuple[str, float]]) -> dict[str, Any]:
+    """rule.json's content from the finished pilot."""
+    pilot: dict[str, dict[float, list]] = {}
+    for label, factor in jobs:
+        run = load_run(pilot_dir(out, label, factor, spec.pilot_seed))
+        pilot.setdefault(label, {})[factor] = metric_points(run, spec.metric)
+    rule = derive_rule_v2(
+        pilot,
+        spec.metric,
+        spec.budget_s,
+        spec.target_gain,
+        spec.hold_evals,
+        list(spec.fixed_rules),
+        spec.learn_min_gain,
+        spec.learn_max_drop,
+    )
+    rule["step_keys"] = {lab: spec.step_key(ov) for lab, ov in spec.pilot_labels.items()}
+    rule["step_values"] = {
+        lab: spec.step_value(ov) * rule["steps"][lab] for lab, ov in spec.pilot_labels.items()
+    }
+    rule["step_grid"] = list(spec.step_grid)
+    rule["noninferiority_margin"] = spec.noninferiority_margin
+    return rule
+
+
+def check_written(path: Path, rule: dict[str, Any]) -> bool:
+    """True when `path` holds this rule; refused when it holds another (fixed once written)."""
+    if not path.is_file():
+        return False
+    old = json.loads(path.read_text(encoding="utf-8"))
+    if old != json.loads(json.dumps(rule)):
+        raise ConfigError(f"{path} exists with another rule: the rule is fixed once written")
+    return True

@@ -1,0 +1,369 @@
+"""The planner study's numbers, from its run directories and rule.json: per arm and seed the
+time to target (censored at the budget) and the metric at the budget; the best baseline;
+the paired comparisons of every `proposed` arm with every baseline (log-ratio t interval,
+paired difference, pooled exact McNemar), Holm-corrected per endpoint; the paper's claims
+with their verdicts (research/study_planner/study_planner.md, "Verdicts").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedlora.errors import DataError
+from fedlora.studies.predictions import pooled_mcnemar
+from fedlora.studies.runs import RunRecord, load_run
+from fedlora.studies.seeds import PairedDiff, paired_diff
+from research.study_planner.study_rule import (
+    HELD,
+    INCONCLUSIVE,
+    NOT_HELD,
+    LogRatio,
+    Metric,
+    derive_rule,
+    derive_rule_v2,
+    holm,
+    log_ratio,
+    metric_points,
+    parse_metric,
+    speed_verdict,
+    time_to_target,
+    time_to_target_held,
+    value_at_budget,
+)
+from research.study_planner.study_spec import REFERENCE
+
+# Table I of the paper: minutes to the target accuracy (ARC-e 80%, ARC-c 69%, OBQA 60%,
+# SIQA 60%), Qwen2.5-1.5B-Instruct, 50 clients
+PAPER_TARGETS = {"arc-e": 0.80, "arc-c": 0.69, "obqa": 0.60, "siqa": 0.60}
+PAPER_TABLE1 = {
+    "heterolora": {"arc-e": 6.22, "arc-c": 5.93, "obqa": 7.83, "siqa": 7.12},
+    "fedstacklora": {"arc-e": 3.60, "arc-c": 3.43, "obqa": 4.55, "siqa": 4.11},
+    "fslora": {"arc-e": 3.35, "arc-c": 3.20, "obqa": 4.23, "siqa": 3.83},
+    "proposed": {"arc-e": 1.20, "arc-c": 0.77, "obqa": 1.07, "siqa": 0.95},
+}
+PAPER_SPEEDUP = 2.8  # the smallest of Table I's speed-ups over FSLoRA (2.8x-4.2x)
+
+
+@dataclass
+class Cell:
+    """One run's numbers."""
+
+    run: RunRecord
+    time_s: float  # censored at the budget when not reached
+    reached: bool
+    at_budget: float | None
+    start: float | None
+
+
+@dataclass
+class Comparison:
+    arm: str
+    base: str
+    ratio: LogRatio  # T_arm / T_base
+    diff: PairedDiff | None  # metric at B, arm − base
+    mcnemar: tuple | None  # (questions, only arm right, only base right, p)
+    p_time_holm: float | None = None
+    p_acc_holm: float | None = None
+    per_seed_mcnemar: list | None = None  # protocol v2: one exact test per seed, descriptive
+    margin: float = 0.0  # protocol v2: "not worse" = the t interval's lower end above -margin
+
+
+def check_rule_fields(rule: Any, path: str) -> dict[str, Any]:
+    need = (
+        "metric",
+        "budget_s",
+        "target_gain",
+        "fixed_best",
+        "seeds",
+        "pilot_seed",
+        "arms",
+        "baselines",
+        "proposed",
+        "grid_s",
+    )
+    if not isinstance(rule, dict) or any(k not in rule for k in need):
+        raise DataError(f"{path}: not a study rule (keys {', '.join(need)})")
+    return rule
+
+
+def load_cells(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, list[Cell]]:
+    """{arm: [Cell per analysed seed, in seed order]}; a missing run is a DataError."""
+    cells: dict[str, list[Cell]] = {}
+    for arm in rule["arms"]:
+        row = []
+        for seed in rule["seeds"]:
+            run_dir = out / f"{arm}-seed{seed}"
+            if not run_dir.is_dir():
+                raise DataError(
+                    f"{run_dir}: missing (run `research/study_planner/study_planner.py run` first)"
+                )
+            row.append(cell(load_run(run_dir), metric, rule))
+        cells[arm] = row
+    check_same_protocol(cells, rule)
+    return cells
+
+
+# the sections every analysed run shares, apart from its arm's own overrides and its seed
+SHARED_SECTIONS = ("model", "lora", "data", "network", "training", "evaluation")
+STEP_KEYS = ("training.lr", "method.server_lr")
+
+
+def check_same_protocol(cells: dict[str, list[Cell]], rule: dict[str, Any]) -> None:
+    """Refuse a run whose config differs from the others' beyond its arm's overrides (a
+    config.toml edited by hand: an lr of 5.0): the shared sections must be equal once the
+    keys any arm overrides and training.seed are set aside; under protocol v2 each run's step
+    must be its arm's step in rule.json."""
+    own = {o.split("=", 1)[0].strip() for ovs in rule.get("overrides", {}).values() for o in ovs}
+    own.add("training.seed")
+    steps = rule.get("step_values")
+    if steps:
+        own.update(STEP_KEYS)
+    first: tuple[str, dict] | None = None
+    for arm, row in cells.items():
+        label = rule["fixed_best"] if arm == "fixed-best" else arm
+        for c in row:
+            conf = c.run.config
+            flat = {
+                f"{sec}.{key}": value
+                for sec in SHARED_SECTIONS
+                for key, value in (conf.get(sec) or {}).items()
+                if f"{sec}.{key}" not in own
+            }
+            if first is None:
+                first = (c.run.path.name, flat)
+            diff = sorted(k for k in set(flat) | set(first[1]) if flat.get(k) != first[1].get(k))
+            if conf and first[1] and diff:
+                raise DataError(
+                    f"{c.run.path}: its config differs from {first[0]}'s at {diff[0]} "
+                    f"({flat.get(diff[0])!r} vs {first[1].get(diff[0])!r}), which no arm "
+                    "overrides: not a run of this study"
+                )
+            if steps and conf and label in steps:
+                key = rule["step_keys"][label]
+                sec, name = key.split(".")
+                value = (conf.get(sec) or {}).get(name)
+                if value is None or abs(float(value) - steps[label]) > 1e-12 * steps[label]:
+                    raise DataError(
+                        f"{c.run.path}: {key} = {value!r}, but rule.json gives {arm} the step "
+                        f"{steps[label]!r}: not a run of this study"
+                    )
+
+
+def cell(run: RunRecord, metric: Metric, rule: dict[str, Any]) -> Cell:
+    pts = metric_points(run, metric)
+    if (
+        "hold_evals" in rule
+    ):  # protocol v2: a crossing that holds (research/study_planner/study_planner_v2.md)
+        t, reached = time_to_target_held(
+            pts, metric, rule["target_gain"], rule["budget_s"], int(rule["hold_evals"])
+        )
+    else:
+        t, reached = time_to_target(pts, metric, rule["target_gain"], rule["budget_s"])
+    start = pts[0][1] if pts else None
+    return Cell(run, t, reached, value_at_budget(pts, rule["budget_s"]), start)
+
+
+def check_pilot(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, RunRecord]:
+    """The pilot's runs, and the rule re-derived from them: a rule.json that does not follow
+    from the pilot's run directories is refused."""
+    pilot_dir = out / "pilot"
+    if "steps" in rule:
+        return check_pilot_v2(out, rule, metric)
+    runs = {}
+    for d in sorted(pilot_dir.glob(f"*-seed{rule['pilot_seed']}")):
+        runs[d.name.rsplit("-seed", 1)[0]] = load_run(d)
+    fixed = [lab for lab in rule.get("fixed_order", []) if lab in runs]
+    if not runs or REFERENCE not in runs or not fixed:
+        raise DataError(f"{pilot_dir}: the pilot's runs are missing")
+    pts = {lab: metric_points(r, metric) for lab, r in runs.items()}
+    again = derive_rule(pts, metric, rule["budget_s"], rule["target_fraction"], fixed)
+    same = abs(again["target_gain"] - rule["target_gain"]) <= 1e-9 * max(1, rule["target_gain"])
+    if not same or again["fixed_best"] != rule["fixed_best"]:
+        raise DataError(
+            f"{out / 'rule.json'} does not follow from the pilot's runs (target gain "
+            f"{rule['target_gain']:.6g} vs {again['target_gain']:.6g}, fixed-best "
+            f"{rule['fixed_best']} vs {again['fixed_best']})"
+        )
+    return runs
+
+
+def check_pilot_v2(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, RunRecord]:
+    """Protocol v2: the pilot's runs (`<label>[-x<factor>]-seed<pilot>`), and each arm's step,
+    whether it learned and fixed-best re-derived from them; a rule.json that does not follow
+    is refused. Returns {run name: run}."""
+    suffix = f"-seed{rule['pilot_seed']}"
+    runs = {d.name[: -len(suffix)]: load_run(d) for d in sorted((out / "pilot").glob("*" + suffix))}
+    pilot: dict[str, dict[float, list]] = {}
+    for name, run in runs.items():
+        label, factor = name, 1.0
+        head, sep, tail = name.rpartition("-x")
+        if sep and head in rule["steps"]:
+            label, factor = head, float(tail)
+        pilot.setdefault(label, {})[factor] = metric_points(run, metric)
+    if set(pilot) != set(rule["steps"]):
+        raise DataError(f"{out / 'pilot'}: the pilot's runs are not those of rule.json's steps")
+    again = derive_rule_v2(
+        pilot,
+        metric,
+        rule["budget_s"],
+        rule["target_gain"],
+        int(rule["hold_evals"]),
+        rule["fixed_order"],
+        rule["learn_min_gain"],
+        rule["learn_max_drop"],
+    )
+    for key in ("steps", "fixed_best"):
+        if again[key] != rule[key]:
+            raise DataError(
+                f"{out / 'rule.json'} does not follow from the pilot's runs ({key}: "
+                f"{rule[key]} vs {again[key]})"
+            )
+    return runs
+
+
+def geo_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
+
+
+def best_baseline(cells: dict[str, list[Cell]], baselines: list[str], higher: bool) -> str:
+    """The baseline with the smallest geometric-mean time to target (censored at B); ties by
+    the better mean metric at B, then by the order given."""
+
+    def key(lab: str) -> tuple[float, float, int]:
+        vals = [c.at_budget for c in cells[lab] if c.at_budget is not None]
+        mean = sum(vals) / len(vals) if vals else math.nan
+        return (
+            geo_mean([c.time_s for c in cells[lab]]),
+            -mean if higher else mean,
+            baselines.index(lab),
+        )
+
+    return min(baselines, key=key)
+
+
+def compare(
+    cells: dict[str, list[Cell]], arm: str, base: str, metric: Metric, margin: float = 0.0
+) -> Comparison:
+    a, b = cells[arm], cells[base]
+    ratio = log_ratio([c.time_s for c in a], [c.time_s for c in b])
+    values = [(x.at_budget, y.at_budget) for x, y in zip(a, b)]
+    diff = None
+    if all(u is not None and v is not None for u, v in values):
+        diff = paired_diff([u for u, _ in values], [v for _, v in values])  # type: ignore[misc]
+    test = None
+    if metric.field == "acc" and not margin:  # the first rule: pooled over the seeds
+        test = pooled_mcnemar([c.run for c in a], [c.run for c in b], metric.task)
+    per_seed = None
+    if metric.field == "acc" and margin:
+        # protocol v2: the seeds answer the same questions, so their discordant pairs are
+        # not independent and are never pooled; each seed's test is reported, not judged
+        per_seed = [pooled_mcnemar([x.run], [y.run], metric.task) for x, y in zip(a, b)]
+    return Comparison(arm, base, ratio, diff, test, per_seed_mcnemar=per_seed, margin=margin)
+
+
+def comparisons(cells: dict[str, list[Cell]], rule: dict[str, Any], metric: Metric) -> list:
+    """Every proposed arm against every baseline; Holm over the family, per endpoint."""
+    margin = float(rule.get("noninferiority_margin", 0.0))
+    out = [
+        compare(cells, p, b, metric, margin) for p in rule["proposed"] for b in rule["baselines"]
+    ]
+    for attr, get in (("p_time_holm", lambda c: c.ratio.p), ("p_acc_holm", _acc_p)):
+        idx = [i for i, c in enumerate(out) if get(c) is not None]
+        for i, adj in zip(idx, holm([get(out[i]) for i in idx])):
+            setattr(out[i], attr, adj)
+    return out
+
+
+def _acc_p(c: Comparison) -> float | None:
+    return c.mcnemar[3] if c.mcnemar else None
+
+
+def not_worse(c: Comparison, higher: bool) -> str:
+    """The metric at B: worse when the pooled McNemar (Holm) or, without one, the paired t
+    interval shows the arm worse; not worse otherwise when it can tell."""
+    if c.diff is None:
+        return INCONCLUSIVE
+    if c.margin:
+        return not_worse_by_margin(c.diff, c.margin, higher)
+    worse_side = c.diff.mean < 0 if higher else c.diff.mean > 0
+    if c.p_acc_holm is not None:
+        return NOT_HELD if (c.p_acc_holm < 0.05 and worse_side) else HELD
+    if c.diff.ci is None:
+        return INCONCLUSIVE
+    lo, hi = c.diff.mean - c.diff.ci, c.diff.mean + c.diff.ci
+    if (hi < 0) if higher else (lo > 0):
+        return NOT_HELD
+    return HELD
+
+
+def not_worse_by_margin(diff: PairedDiff, margin: float, higher: bool) -> str:
+    """Protocol v2, the seed as the unit: held when the 95% t interval of the paired
+    difference (arm − baseline, on the better-is-positive side) lies above −margin; not held
+    when it lies below −margin; inconclusive otherwise (or with one seed)."""
+    if diff.ci is None:
+        return INCONCLUSIVE
+    mean = diff.mean if higher else -diff.mean
+    if mean - diff.ci > -margin:
+        return HELD
+    if mean + diff.ci < -margin:
+        return NOT_HELD
+    return INCONCLUSIVE
+
+
+def claims(
+    comps: list[Comparison], cells: dict[str, list[Cell]], best: str, higher: bool
+) -> list[dict[str, str]]:
+    """The paper's Table I claims and ours, one verdict each (rule: research/study_planner/study_planner.md)."""
+    by = {(c.arm, c.base): c for c in comps}
+
+    def speed_of(c: Comparison, factor: float) -> str:
+        return speed_verdict(
+            c.ratio,
+            c.p_time_holm,
+            factor,
+            arm_censored=any(not x.reached for x in cells[c.arm]),
+            base_censored=any(not x.reached for x in cells[c.base]),
+        )
+
+    out = []
+    arms = list(dict.fromkeys(c.arm for c in comps))
+    for arm in arms:
+        for base, factor, text in (
+            ("fslora", PAPER_SPEEDUP, f"reaches the target >= {PAPER_SPEEDUP}x sooner than FSLoRA"),
+            (
+                "fslora-paper",
+                PAPER_SPEEDUP,
+                f"reaches the target >= {PAPER_SPEEDUP}x sooner than FSLoRA as the paper "
+                "describes it (plain averaging)",
+            ),
+            ("fedstacklora", 1.0, "reaches the target sooner than FedStackLoRA"),
+            ("heterolora", 1.0, "reaches the target sooner than HeteroLoRA"),
+        ):
+            c = by.get((arm, base))
+            if c is not None:
+                v = speed_of(c, factor)
+                out.append({"arm": arm, "claim": f"Table I: {arm} {text}", "verdict": v})
+        c = by.get((arm, best))
+        if c is not None:
+            speed = speed_of(c, 1.0)
+            acc = not_worse(c, higher)
+            if NOT_HELD in (speed, acc) and not (speed == HELD and acc == HELD):
+                verdict = NOT_HELD if (speed == NOT_HELD or acc == NOT_HELD) else INCONCLUSIVE
+            else:
+                verdict = HELD if (speed == HELD and acc == HELD) else INCONCLUSIVE
+            out.append(
+                {
+                    "arm": arm,
+                    "claim": f"ours: {arm} pays for its planning (sooner than the best baseline "
+                    f"{best}, and not worse at the budget)",
+                    "verdict": verdict,
+                }
+            )
+    return out
+
+
+def metric_of(rule: dict[str, Any]) -> Metric:
+    return parse_metric(rule["metric"], "rule.json metric")
