@@ -156,7 +156,7 @@ def test_an_override_replaces_the_files_value_in_either_spelling(tmp_path):
 
 def test_the_studies_configs_keep_working_through_the_old_keys():
     from fedlora.studies.experiments import load_suite
-    from fedlora.studies.study_spec import load_spec
+    from research.study_planner.study_spec import load_spec
 
     root = Path(__file__).resolve().parents[1]
     with pytest.warns(FutureWarning, match="is deprecated: write it as") as caught:
