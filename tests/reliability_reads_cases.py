@@ -95,13 +95,13 @@ def _chat_setup(template: str) -> Setup:
     return _chain(_jsonl("chat.jsonl", CHAT), _write("t.jinja", template))
 
 
-MC = ['data.mc_choices=["A", "B"]', 'data.mc_answer_type="label"']
+MC = ['data.mc.choices=["A", "B"]', 'data.mc.answer_type="label"']
 
 READ_CASES: list[Case] = [
     # 6: every file fedlora reads is a regular file of bounded size
     Case(
-        "mc_files linked to /dev/zero",
-        [*RUN, *NEW, 'data.mc_files=["{tmp}/zero.csv"]'],
+        "mc.files linked to /dev/zero",
+        [*RUN, *NEW, 'data.mc.files=["{tmp}/zero.csv"]'],
         "is not a regular file (a device, pipe or socket)",
         _link("zero.csv", "/dev/zero"),
         absent=["new"],
@@ -114,8 +114,8 @@ READ_CASES: list[Case] = [
         absent=["new"],
     ),
     Case(
-        "mc_files a FIFO",
-        [*RUN, *NEW, 'data.mc_files=["{tmp}/fifo.csv"]'],
+        "mc.files a FIFO",
+        [*RUN, *NEW, 'data.mc.files=["{tmp}/fifo.csv"]'],
         "is not a regular file (a device, pipe or socket)",
         _fifo("fifo.csv"),
         absent=["new"],
@@ -143,15 +143,15 @@ READ_CASES: list[Case] = [
     ),
     # 7: a parse that fails names the file and the line
     Case(
-        "mc_files CSV cell of 140,000 characters",
-        [*RUN, *NEW, 'data.mc_files=["{tmp}/q.csv"]', *MC],
+        "mc.files CSV cell of 140,000 characters",
+        [*RUN, *NEW, 'data.mc.files=["{tmp}/q.csv"]', *MC],
         "q.csv: line 3: not CSV: a field is longer than 131,072 characters",
         _write("q.csv", "question,A,B,answer\nq?,x,y,A\nq?," + "x" * 140_000 + ",y,B\n"),
         absent=["new"],
     ),
     Case(
-        "mc_files JSONL number of 5,000 digits",
-        [*RUN, *NEW, 'data.mc_files=["{tmp}/q.jsonl"]'],
+        "mc.files JSONL number of 5,000 digits",
+        [*RUN, *NEW, 'data.mc.files=["{tmp}/q.jsonl"]'],
         "q.jsonl: line 2: not a JSON value: a number of more than 4,300 digits",
         _write(
             "q.jsonl",
@@ -179,8 +179,8 @@ READ_CASES: list[Case] = [
     ),
     # 8: a hub spec is owner/name by the hub's rules, never a path
     Case(
-        "mc_files hf:../secret@train",
-        [*RUN, *NEW, 'data.mc_files=["hf:../secret@train"]'],
+        "mc.files hf:../secret@train",
+        [*RUN, *NEW, 'data.mc.files=["hf:../secret@train"]'],
         "is invalid: a hub dataset reads hf:owner/name[:config]@split",
         absent=["new"],
     ),
@@ -193,8 +193,8 @@ READ_CASES: list[Case] = [
     ),
     # 9: an error about a record shows no text of a file that may not be the user's
     Case(
-        "mc_files linked to a password file",
-        [*RUN, *NEW, 'data.mc_files=["{tmp}/q.csv"]'],
+        "mc.files linked to a password file",
+        [*RUN, *NEW, 'data.mc.files=["{tmp}/q.csv"]'],
         "line 2: field 'question' is missing or empty (fields: 1 not shown",
         _chain(
             _write("shadow", SHADOW + "daemon:*:19000:0:99999:7:::\n"), _link("q.csv", "shadow")
@@ -252,7 +252,7 @@ READ_CASES: list[Case] = [
             *RUN,
             *NEW,
             "data.tasks=[]",
-            'data.mc_files=["{tmp}/q.jsonl"]',
+            'data.mc.files=["{tmp}/q.jsonl"]',
             'data.partition_key="tags"',
         ],
         "line 1: field 'tags' is not scalar (a list of 2)",

@@ -153,7 +153,7 @@ run directory, `<tmp>` for a scratch directory and `<data>` for the commonsense 
   profiles file, a PROBLEM.json and a Flower run's node_times.csv are read only when they
   are regular files (a link counts as what it points to: `/dev/zero`, a FIFO or a directory
   is refused without reading) of at most 64 MiB (`fedlora.config.toml_io.MAX_FILE_BYTES`);
-  data files (`data.mc_files`, `mc_eval_files`, `instruct_files`, `instruct_eval_files`),
+  data files (`data.mc.files`, `mc.eval_files`, `instruct_files`, `instruct_eval_files`),
   task files (`data.task_files`, a data directory's splits, `fedlora eval --task-file`) by
   the same rule of at most 1 GiB (`fedlora.files.data.MAX_DATA_BYTES`), and `data.chat_template`
   of at most 1 MiB.

@@ -105,7 +105,12 @@ def test_dump_toml_lists_every_field_of_every_section():
     for section, cls in SECTIONS.items():
         assert f"[{section}]" in text
         for f in dataclasses.fields(cls):
-            if f.name != "options":  # method.options: the [method.<name>] tables (none here)
+            table = getattr(getattr(ExperimentConfig(), section), f.name)
+            if dataclasses.is_dataclass(table):  # a table of the section: [data.mc], its keys
+                _, _, body = text.partition(f"\n[{section}.{f.name}]\n")
+                keys = [line.split(" = ")[0] for line in body.split("\n\n")[0].splitlines()]
+                assert keys == [g.name for g in dataclasses.fields(table)], (section, f.name)
+            elif f.name != "options":  # method.options: the [method.<name>] tables (none here)
                 assert f"\n{f.name} = " in text
 
 
@@ -347,11 +352,25 @@ def test_docs_config_md_documents_every_section_and_key():
     parts = re.split(r"^### `\[(\w+)\]`", doc, flags=re.M)  # [intro, name, body, name, body...]
     bodies = dict(zip(parts[1::2], parts[2::2]))
     assert list(bodies) == list(SECTIONS), "docs/config.md: one '### `[section]`' per section"
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            assert f"| `{f.name}` |" in bodies[section], (
-                f"docs/config.md: add a row for {section}.{f.name} under [{section}]"
+    for section in SECTIONS:
+        for name, default in _documented_keys(section, getattr(ExperimentConfig(), section)):
+            key = name.rpartition(".")[2]
+            assert f"| `{key}` |" in bodies[section], (
+                f"docs/config.md: add a row for {name} under [{section}]"
             )
-            default = getattr(getattr(ExperimentConfig(), section), f.name)
-            row = f"| `{f.name}` | `{toml_value(default)}` |"
-            assert row in bodies[section], f"docs/config.md: {section}.{f.name} default is {row}"
+            if dataclasses.is_dataclass(default):  # a table of the section ([data.mc])
+                assert f"| `{key}` | table `[{name}]` |" in bodies[section], name
+                continue
+            row = f"| `{key}` | `{toml_value(default)}` |"
+            assert row in bodies[section], f"docs/config.md: {name} default is {row}"
+
+
+def _documented_keys(prefix: str, section: object) -> list[tuple[str, object]]:
+    """(``section.key``, default) of every field, a table's (``[data.mc]``) after its own row."""
+    out: list[tuple[str, object]] = []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        out.append((f"{prefix}.{f.name}", value))
+        if dataclasses.is_dataclass(value):
+            out.extend(_documented_keys(f"{prefix}.{f.name}", value))
+    return out

@@ -34,6 +34,8 @@ from fedlora.system.sketch import unbiased_aggregate
 from tiny_runs import DATA, TINY_FOUR_CLIENTS
 
 HETERO = ["method.name=heterolora", "data.n_clients=2", "method.ranks=[2, 4]"]
+# the data.mc_* keys research/references/references.toml still spells flat
+MC_KEYS = ("files", "eval_files", "task", "question", "choices", "answer", "answer_type", "context")
 
 
 def _cfg(tmp_path: Path, text: str, overrides: list[str] = ()):
@@ -162,6 +164,7 @@ def test_the_studies_configs_keep_working_through_the_old_keys():
     with pytest.warns(FutureWarning, match="is deprecated: write it as") as caught:
         suite = load_suite("references", str(root / "research/references/references.toml"))
     assert sorted(str(w.message).split(": ")[1] for w in caught) == [
+        *(f"data.mc_{k} is deprecated" for k in sorted(MC_KEYS)),  # tests/test_data_mc.py
         "method.fslora_k is deprecated",
         "method.heterolora_pruning is deprecated",
     ]  # once each, for the file (not once per run of the suite)

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from fedlora.config.data_mc import McConfig
 from fedlora.errors import FedloraError
 from fedlora.llm.instruct import load_instructions, tokenize_instructions
 from fedlora.llm.tasks import load_task_file
-from fedlora.llm.user_tasks import FieldMap, load_mc_files
+from fedlora.llm.user_tasks import load_mc_files
 from reliability_cases import CASES, DATA, make_finished_run, message, run_case
 from reliability_reads_cases import CHAT, GOOD_TEMPLATE, READ_CASES, SHADOW
 
@@ -64,7 +65,7 @@ def test_every_data_reader_refuses_a_device_and_a_fifo_unread(tmp_path):
     os.mkfifo(tmp_path / "fifo.jsonl")
     (tmp_path / "zero.json").symlink_to("/dev/zero")
     readers = [
-        lambda p: load_mc_files([p], FieldMap(), "own"),
+        lambda p: load_mc_files([p], McConfig(task="own")),
         lambda p: load_instructions([p], "instruct"),
         lambda p: load_task_file(p),
     ]
@@ -91,7 +92,7 @@ def _mc(tmp_path: Path, name: str, text: str):
     path = tmp_path / name
     path.write_text(text)
     return lambda: load_mc_files(
-        [str(path)], FieldMap(choices=("A", "B"), answer_type="label"), "own"
+        [str(path)], McConfig(choices=("A", "B"), answer_type="label", task="own")
     )
 
 
@@ -147,7 +148,7 @@ def test_a_choices_cell_of_5000_digits_is_not_a_list_of_choices(tmp_path):
     path = tmp_path / "q.csv"
     path.write_text(text)
     with pytest.raises(FedloraError, match=r"line 2: field 'choices' must be a list .* got a str"):
-        load_mc_files([str(path)], FieldMap(), "own")
+        load_mc_files([str(path)], McConfig(task="own"))
 
 
 # ----------------------------------------------------------------------------- 8: hub names
@@ -189,7 +190,7 @@ def hub(monkeypatch, tmp_path):
 )
 def test_a_hub_spec_that_is_no_hub_name_never_reaches_datasets(hub, spec):
     with pytest.raises(FedloraError, match=r"is invalid: a hub dataset reads hf:owner/name"):
-        load_mc_files([spec], FieldMap(), "own")
+        load_mc_files([spec], McConfig(task="own"))
     assert hub == []
 
 
@@ -199,7 +200,7 @@ def test_a_hub_name_that_is_also_a_local_folder_is_refused(hub, tmp_path):
         load_instructions(["hf:secret/x@train"], "instruct")
     assert hub == []
     for spec in ("hf:allenai/sciq@train", "hf:me/quiz:easy@train[:10%]", "hf:a.b/c_d-1@test"):
-        assert len(load_mc_files([spec], FieldMap(), "own")) == 1
+        assert len(load_mc_files([spec], McConfig(task="own"))) == 1
     assert hub == ["allenai/sciq", "me/quiz", "a.b/c_d-1"]
 
 
@@ -220,7 +221,7 @@ def test_record_errors_show_no_text_of_a_foreign_file(tmp_path):
     shadow.write_text(SHADOW + "daemon:*:19000:0:99999:7:::\n")
     (tmp_path / "q.csv").symlink_to(shadow)
     with pytest.raises(FedloraError) as e:
-        load_mc_files([str(tmp_path / "q.csv")], FieldMap(), "own")
+        load_mc_files([str(tmp_path / "q.csv")], McConfig(task="own"))
     assert "q.csv: line 2: field 'question' is missing" in str(e.value)
     assert "root:" not in str(e.value) and "$6$" not in str(e.value)
     secret = "s3cr3t-token-line"
@@ -235,7 +236,7 @@ def test_record_errors_show_no_text_of_a_foreign_file(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(FedloraError) as e:
             if kind == "own":
-                load_mc_files([str(tmp_path / name)], FieldMap(), "own")
+                load_mc_files([str(tmp_path / name)], McConfig(task="own"))
             else:
                 load_instructions([str(tmp_path / name)], "instruct")
         assert f"{name}: line 1: " in str(e.value) and secret not in str(e.value), str(e.value)
@@ -338,7 +339,7 @@ def test_a_partition_field_holding_a_list_or_null_is_not_scalar(tmp_path):
     rows = [{"question": "q?", "choices": ["a", "b"], "answer": 0, "user": "ann", "tags": []}]
     rows.append({**rows[0], "user": None, "tags": "t"})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    exs = load_mc_files([str(path)], FieldMap(), "own")
+    exs = load_mc_files([str(path)], McConfig(task="own"))
     with pytest.raises(
         FedloraError, match=r"q\.jsonl: line 1: field 'tags' is not scalar \(a list"
     ):

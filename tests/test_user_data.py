@@ -1,24 +1,25 @@
-"""Your own multiple-choice data (JSON, JSONL, CSV through the data.mc_* field map): the
+"""Your own multiple-choice data (JSON, JSONL, CSV through the [data.mc] field map): the
 examples and lm-eval requests it becomes, the errors naming file, line and field, and a tiny
 run that trains and evaluates on the committed CSV fixture from the CLI."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fedlora.cli import main
-from fedlora.config import load_config
+from fedlora.config import McConfig, load_config
 from fedlora.errors import ConfigError, DataError
 from fedlora.llm.harness import harness_request
 from fedlora.llm.prompts import format_prompt
-from fedlora.llm.user_tasks import FieldMap, load_mc_files
+from fedlora.llm.user_tasks import load_mc_files
 
 OWN = Path(__file__).resolve().parent / "fixtures" / "own"
-COLUMNS = FieldMap(choices=("A", "B", "C", "D"), answer_type="label")
+COLUMNS = McConfig(choices=("A", "B", "C", "D"), answer_type="label")
 
 
 def _write(path: Path, records: list, kind: str) -> str:
@@ -30,7 +31,7 @@ def _write(path: Path, records: list, kind: str) -> str:
 
 
 def test_csv_columns_with_a_label_answer_become_arc_style_questions() -> None:
-    exs = load_mc_files([str(OWN / "quiz_test.csv")], COLUMNS, "quiz")
+    exs = load_mc_files([str(OWN / "quiz_test.csv")], replace(COLUMNS, task="quiz"))
     assert len(exs) == 4 and {e.task for e in exs} == {"quiz"}
     ex = exs[1]  # Which season is the coldest?, answer D
     assert ex.labels == ("answer1", "answer2", "answer3", "answer4") and ex.answer == "answer4"
@@ -48,14 +49,14 @@ def test_a_list_field_with_index_or_text_answers_and_a_context(tmp_path: Path, k
         {"q": "Which is red?", "opts": ["grass", "a cherry", "sky"], "gold": 1, "passage": "x"},
     ]
     path = _write(tmp_path / f"own.{kind}", recs, kind)
-    fm = FieldMap(question="q", choices=("opts",), answer="gold", context="passage")
-    a, b = load_mc_files([path], fm, "own")
+    fm = McConfig(task="own", question="q", choices=("opts",), answer="gold", context="passage")
+    a, b = load_mc_files([path], fm)
     assert (a.answer, b.labels) == ("answer2", ("answer1", "answer2", "answer3"))
     assert harness_request(a).context == "Bob wrote it.\nQuestion: Who wrote it?\nAnswer:"
     assert "### Input:\nBob wrote it." in format_prompt(a)  # the LLM-Adapters format
     recs[0]["gold"], recs[1]["gold"] = "Bob", "a cherry"
     path = _write(tmp_path / f"own.{kind}", recs, kind)
-    text = load_mc_files([path], FieldMap(**{**fm.__dict__, "answer_type": "text"}), "own")
+    text = load_mc_files([path], replace(fm, answer_type="text"))
     assert text == [a, b]
 
 
@@ -77,29 +78,29 @@ def test_a_bad_record_names_file_line_and_field(tmp_path: Path, record, message)
     good = {"question": "ok?", "choices": ["yes", "no"], "answer": 0}
     path = _write(tmp_path / "bad.jsonl", [good, record], "jsonl")
     with pytest.raises(DataError, match=rf"bad\.jsonl: {message}"):
-        load_mc_files([path], FieldMap(), "own")
+        load_mc_files([path], McConfig(task="own"))
 
 
 def test_json_and_csv_lines_are_where_the_record_starts(tmp_path: Path) -> None:
     good = {"question": "ok?", "choices": ["yes", "no"], "answer": 0}
     path = _write(tmp_path / "bad.json", [good, {**good, "answer": 5}], "json")
     with pytest.raises(DataError, match=r"bad\.json: line 10: field 'answer' = 5"):
-        load_mc_files([path], FieldMap(), "own")
+        load_mc_files([path], McConfig(task="own"))
     csv = tmp_path / "bad.csv"
     csv.write_text('question,A,B,answer\n"two\nlines",x,y,A\nq,x,y,C\n')
     with pytest.raises(DataError, match=r"bad\.csv: line 4: field 'answer' = 'C' is not one"):
-        load_mc_files([str(csv)], FieldMap(choices=("A", "B"), answer_type="label"), "own")
+        load_mc_files([str(csv)], McConfig(choices=("A", "B"), answer_type="label", task="own"))
     with pytest.raises(DataError, match=r"unknown file type '\.txt'"):
-        load_mc_files([str(tmp_path / "x.txt")], FieldMap(), "own")
+        load_mc_files([str(tmp_path / "x.txt")], McConfig(task="own"))
 
 
 def test_config_checks_the_field_map() -> None:
-    with pytest.raises(ConfigError, match=r"data.mc_answer_type = 'letter' is invalid"):
-        load_config(None, ['data.mc_answer_type="letter"'])
-    with pytest.raises(ConfigError, match=r"data.mc_choices = \['A', 'A'\] is invalid"):
-        load_config(None, ['data.mc_choices=["A", "A"]'])
-    with pytest.raises(DataError, match=r"data.mc_task = 'arc-e' is a built-in task"):
-        load_mc_files([str(OWN / "quiz_test.csv")], COLUMNS, "arc-e")
+    with pytest.raises(ConfigError, match=r"data.mc.answer_type = 'letter' is invalid"):
+        load_config(None, ['data.mc.answer_type="letter"'])
+    with pytest.raises(ConfigError, match=r"data.mc.choices = \['A', 'A'\] is invalid"):
+        load_config(None, ['data.mc.choices=["A", "A"]'])
+    with pytest.raises(DataError, match=r"data.mc.task = 'arc-e' is a built-in task"):
+        load_mc_files([str(OWN / "quiz_test.csv")], replace(COLUMNS, task="arc-e"))
 
 
 RUN = [
@@ -107,10 +108,10 @@ RUN = [
     "model.threads=1",
     "data.tasks=[]",
     "data.eval_tasks=[]",
-    f'data.mc_files=["{OWN / "quiz_train.csv"}"]',
-    f'data.mc_eval_files=["{OWN / "quiz_test.csv"}"]',
-    'data.mc_choices=["A", "B", "C", "D"]',
-    'data.mc_answer_type="label"',
+    f'data.mc.files=["{OWN / "quiz_train.csv"}"]',
+    f'data.mc.eval_files=["{OWN / "quiz_test.csv"}"]',
+    'data.mc.choices=["A", "B", "C", "D"]',
+    'data.mc.answer_type="label"',
     "data.n_clients=2",
     "data.min_client_examples=2",
     "lora.rank=2",
@@ -133,7 +134,7 @@ def test_a_run_on_a_users_csv_trains_and_evaluates_it(tmp_path: Path, capsys) ->
     bad.write_text((OWN / "quiz_test.csv").read_text().replace(",B\n", ",E\n", 1))
     argv = ["run", "--quiet", "--out", str(tmp_path / "run2"), *RUN]
     capsys.readouterr()
-    assert main([*argv, f'data.mc_eval_files=["{bad}"]']) == 2
+    assert main([*argv, f'data.mc.eval_files=["{bad}"]']) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "bad.csv: line 4: field 'answer' = 'E'" in err
 
@@ -145,8 +146,8 @@ def test_partition_by_a_column_per_value_or_dirichlet(tmp_path: Path) -> None:
     csv = tmp_path / "q.csv"
     rows = [f"q{i}?,x,y,{'AB'[i % 2]},{['ann', 'bob', 'cy'][i % 3]}" for i in range(9)]
     csv.write_text("question,A,B,answer,user\n" + "\n".join(rows) + "\n")
-    fm = FieldMap(choices=("A", "B"), answer_type="label")
-    exs = load_mc_files([str(csv)], fm, "own")
+    fm = McConfig(choices=("A", "B"), answer_type="label", task="own")
+    exs = load_mc_files([str(csv)], fm)
     keys = partition_keys(exs, "user")
     assert keys == ["ann", "bob", "cy"] * 3
     assert partition_keys(exs, "label")[:2] == ["answer1", "answer2"]
@@ -197,13 +198,13 @@ def test_hub_datasets_use_the_same_field_map_and_say_offline_in_one_line(
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    (ex,) = load_mc_files(["hf:me/quiz:easy@train"], FieldMap(), "own")
+    (ex,) = load_mc_files(["hf:me/quiz:easy@train"], McConfig(task="own"))
     assert calls == [("me/quiz", "easy", "train")] and ex.answer == "answer2"
     with pytest.raises(DataError, match=r"hf:me/quiz@test: record 0: field 'answer' = 1"):
-        load_mc_files(["hf:me/quiz@test"], FieldMap(answer_type="label"), "own")
+        load_mc_files(["hf:me/quiz@test"], McConfig(answer_type="label", task="own"))
     with pytest.raises(DataError, match=r"hf:owner/name\[:config\]@split"):
-        load_mc_files(["hf:quiz"], FieldMap(), "own")
+        load_mc_files(["hf:quiz"], McConfig(task="own"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match=r"online only and HF_HUB_OFFLINE=1 is set") as e:
-        load_mc_files(["hf:me/quiz@train"], FieldMap(), "own")
+        load_mc_files(["hf:me/quiz@train"], McConfig(task="own"))
     assert "\n" not in str(e.value) and len(calls) == 2

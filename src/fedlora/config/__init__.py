@@ -9,12 +9,12 @@ what is allowed. Unknown keys are errors with a suggestion of the closest valid 
     print(dump_toml(cfg))
 
 The modules: `checks` (the field checks, the ``model.device`` syntax), `eval_format`
-(`EvalFormat`, the values of ``evaluation.format``), `sections` (one
-dataclass per section; the planner and training sections in `planner_section` and
-`training_section`), `method_options` (the methods' own ``[method.<name>]`` tables, kept
-raw for the method registry, and the flat keys renamed into them), `experiment`
-(`ExperimentConfig`, built from nested dicts), `toml_io` (files, overrides, TOML out). Every public name is importable from
-`fedlora.config` itself.
+(`EvalFormat`, the values of ``evaluation.format``), `sections` (one dataclass per section;
+the planner and training sections in `planner_section` and `training_section`, the data
+section's ``[data.mc]`` table in `data_mc`), `method_options` (the methods' own
+``[method.<name>]`` tables, kept raw for the method registry, and the flat keys renamed into
+tables), `experiment` (`ExperimentConfig`, built from nested dicts), `toml_io` (files,
+overrides, TOML out). Every public name is importable from `fedlora.config` itself.
 """
 
 from fedlora.config.checks import (
@@ -25,6 +25,7 @@ from fedlora.config.checks import (
     check_number,
     check_vector_or_strategy,
 )
+from fedlora.config.data_mc import ANSWER_TYPES, McConfig
 from fedlora.config.eval_format import EvalFormat
 from fedlora.config.experiment import (
     SECTIONS,
@@ -72,6 +73,7 @@ from fedlora.config.training_section import (
 )
 
 __all__ = [
+    "ANSWER_TYPES",
     "EVAL_FORMATS",
     "EvalFormat",
     "FrozenTable",
@@ -93,6 +95,7 @@ __all__ = [
     "EvaluationConfig",
     "ExperimentConfig",
     "LoraConfig",
+    "McConfig",
     "MethodConfig",
     "ModelConfig",
     "NetworkConfig",

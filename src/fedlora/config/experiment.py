@@ -23,7 +23,7 @@ from fedlora.config.sections import (
     OutputConfig,
 )
 from fedlora.config.training_section import TrainingConfig
-from fedlora.errors import ConfigError, bad_value, suggest_key
+from fedlora.errors import ConfigError, bad_value, shown, suggest_key
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,8 @@ def _section_dict(section: Any) -> dict[str, Any]:
         value = getattr(section, f.name)
         if f.name == SUBTABLES:  # method.options: its tables, beside the section's keys
             out.update({name: _to_plain(table) for name, table in value.items()})
+        elif dataclasses.is_dataclass(value):  # a table of the section's own: [data.mc]
+            out[f.name] = _section_dict(value)
         else:
             out[f.name] = _to_plain(value)
     return out
@@ -204,14 +206,22 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> Experime
 
 
 def _build_section(cls: type, section: str, values: dict[str, Any], source: str) -> Any:
-    """One section from its TOML table: each key coerced to its field's type; a sub-table
+    """One section from its TOML table: each key coerced to its field's type; a table the
+    section declares (``[data.mc]``: a dataclass field) built the same way; another sub-table
     (``[method.<name>]``) kept as it is in the section's `SUBTABLES` field, if it has one."""
     hints = typing.get_type_hints(cls)
     has_tables = SUBTABLES in hints
     kwargs: dict[str, Any] = {}
     tables: dict[str, Any] = {}
     for key, value in values.items():
-        if key in hints and key != SUBTABLES:
+        if key in hints and dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"{source}: {section}.{key} must be a table [{section}.{key}], got "
+                    f"{shown(value)}"
+                )
+            kwargs[key] = _build_section(hints[key], f"{section}.{key}", value, source)
+        elif key in hints and key != SUBTABLES:
             kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
         elif has_tables and isinstance(value, dict):
             tables[key] = value

@@ -5,10 +5,11 @@ holds each table raw (frozen: `FrozenTable`); the method's class builds its opti
 dataclass from its table and validates it (`fedlora.federation.methods.base.Method.options`,
 `read_options`), and the registry refuses a table that names no method.
 
-`RENAMED_KEYS`: flat ``section.key`` names that moved into a table. They are still read, with
-a `FutureWarning`, so configs and run directories written before keep working; the same
-value given both ways is accepted, two different values are a ConfigError. A closed history
-of renames: a new method's options exist only in its own table, never here.
+`RENAMED_KEYS`: flat ``section.key`` names that moved into a table (a method's options into
+``[method.<name>]``, ``data.mc_*`` into ``[data.mc]``). They are still read, with a
+`FutureWarning`, so configs and run directories written before keep working; the same value
+given both ways is accepted, two different values are a ConfigError. A closed history of
+renames: a new method's options exist only in its own table, never here.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ SUBTABLES = "options"
 RENAMED_KEYS = {
     "method.heterolora_pruning": "method.heterolora.pruning",
     "method.fslora_k": "method.fslora.k",
+    # your own multiple-choice data: the [data.mc] table (fedlora.config.data_mc)
+    "data.mc_files": "data.mc.files",
+    "data.mc_eval_files": "data.mc.eval_files",
+    "data.mc_task": "data.mc.task",
+    "data.mc_question": "data.mc.question",
+    "data.mc_choices": "data.mc.choices",
+    "data.mc_answer": "data.mc.answer",
+    "data.mc_answer_type": "data.mc.answer_type",
+    "data.mc_context": "data.mc.context",
 }
 
 

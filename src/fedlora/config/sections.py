@@ -16,6 +16,7 @@ from fedlora.config.checks import (
     check_snr_range,
     check_vector_or_strategy,
 )
+from fedlora.config.data_mc import McConfig
 from fedlora.config.eval_format import EvalFormat
 from fedlora.config.method_options import FrozenTable, check_option_tables
 from fedlora.errors import bad_value
@@ -124,18 +125,9 @@ class DataConfig:
     # what the training response names after "the correct answer is ": the label ("answer2",
     # the paper's LLM-Adapters target) or the option's text (matches evaluation.scoring option*)
     response: str = "option"
-    # your own multiple-choice questions (.json, .jsonl, .csv; docs/data.md "Your own data"):
-    # trained on (mc_files) and evaluated on (mc_eval_files) as task mc_task, read through
-    # the field map mc_question / mc_choices (one list field, or one column per choice) /
-    # mc_answer (mc_answer_type: index from 0, label A, B, ... or the column, text) / mc_context
-    mc_files: tuple[str, ...] = ()
-    mc_eval_files: tuple[str, ...] = ()
-    mc_task: str = "mine"
-    mc_question: str = "question"
-    mc_choices: tuple[str, ...] = ("choices",)
-    mc_answer: str = "answer"
-    mc_answer_type: str = "index"
-    mc_context: str = ""
+    # your own multiple-choice questions and the field map they are read through: the
+    # [data.mc] table (fedlora.config.data_mc; docs/data.md "Your own data")
+    mc: McConfig = field(default_factory=McConfig)
     # instruction records (Alpaca instruction/input/output or chat messages; .json, .jsonl):
     # trained on, response tokens only (instruct_files); held out (instruct_eval_files);
     # chat_template: a Jinja file for a tokenizer without one ("" = the tokenizer's own)
@@ -145,14 +137,12 @@ class DataConfig:
     chat_template: str = ""
 
     def __post_init__(self) -> None:
-        if not (self.tasks or self.task_files or self.mc_files or self.instruct_files):
+        if not isinstance(self.mc, McConfig):
+            raise bad_value("data.mc", self.mc, "a [data.mc] table (fedlora.config.McConfig)")
+        if not (self.tasks or self.task_files or self.mc.files or self.instruct_files):
             raise bad_value("data.tasks", self.tasks, "at least one task or task file")
-        for name in ("mc_task", "mc_question", "mc_answer", "instruct_task"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise bad_value(f"data.{name}", getattr(self, name), "a non-empty field name")
-        if not self.mc_choices or len(set(self.mc_choices)) != len(self.mc_choices):
-            raise bad_value("data.mc_choices", list(self.mc_choices), "distinct field names")
-        check_choice("data.mc_answer_type", self.mc_answer_type, ("index", "label", "text"))
+        if not isinstance(self.instruct_task, str) or not self.instruct_task:
+            raise bad_value("data.instruct_task", self.instruct_task, "a non-empty field name")
         for name in ("tasks", "eval_tasks"):
             value = getattr(self, name)
             if len(set(value)) != len(value):

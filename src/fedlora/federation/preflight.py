@@ -123,7 +123,7 @@ def check_data(cfg: ExperimentConfig) -> None:
         for name in names:
             if TASK_REGISTRY.find(name) is None:
                 raise DataError(f"{field}: task {name!r} is unknown: allowed: {allowed}")
-    if not data.eval_tasks and not data.mc_eval_files:
+    if not data.eval_tasks and not data.mc.eval_files:
         raise bad_value(
             "data.eval_tasks",
             [],
@@ -132,11 +132,11 @@ def check_data(cfg: ExperimentConfig) -> None:
     for path in data.task_files:
         if not Path(path).is_file():
             raise DataError(f"data.task_files: {path!r} is not a file")
-    if data.mc_files or data.mc_eval_files:  # every record read now: file, line, field
-        from fedlora.llm.user_tasks import FieldMap, load_mc_files
+    if data.mc.files or data.mc.eval_files:  # every record read now: file, line, field
+        from fedlora.llm.user_tasks import load_mc_files
 
-        for paths in (data.mc_files, data.mc_eval_files):
-            load_mc_files(paths, FieldMap.of(data), data.mc_task)
+        for paths in (data.mc.files, data.mc.eval_files):
+            load_mc_files(paths, data.mc)
     if data.instruct_files or data.instruct_eval_files:  # and the template renders them
         from fedlora.llm.instruct import check_instruction_templates, load_instructions
 
@@ -152,7 +152,7 @@ def check_data(cfg: ExperimentConfig) -> None:
         raise DataError(f"{source} = {data_dir!r} is not a directory")
     for name in data.eval_tasks:
         task_path(name, data_dir, "test")  # DataError naming what the directory holds
-    if not (data.task_files or data.mc_files or data.instruct_files) and not any(
+    if not (data.task_files or data.mc.files or data.instruct_files) and not any(
         task_available(t, data_dir, "train") for t in data.tasks
     ):
         raise DataError(

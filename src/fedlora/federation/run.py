@@ -15,7 +15,9 @@ goes through `entered`, which does these steps once each, in this order:
     4. delete     with --overwrite, what the earlier run's marker lists (`write_run_dir`)
     5. write      the marker and config.toml (a resume with accepted changes: config.toml)
 
-so nothing is deleted or started before every check passed. Then `proposed` gets its plan
+so nothing is deleted or started before every check passed. The whole entry and the run in
+it are one `reading_once` scope: each data file is read once, by the checks, and the build
+(calibration runs included) uses those records. Then `proposed` gets its plan
 (`prepare_proposed`; with planner.calibration = "separate" four calibration runs, each run
 by `run_in_process` on the parent's resolution under the parent's lock, writing its own
 directory with `write_run_dir`) and `run_in_process` runs the rounds.
@@ -53,6 +55,7 @@ from fedlora.federation.rundir import (
     write_run_dir,
 )
 from fedlora.files import atomic_write
+from fedlora.files.data import reading_once
 from fedlora.llm.device import Resolution, resolve_runtime
 
 Log = Callable[[str], Any]
@@ -76,33 +79,34 @@ def entered(
     the saved config), a difference refused unless `force`; `as_given` (the library's
     `run_experiment`) resumes with `cfg` as it is. `also_check(cfg)`: the caller's own
     check (Flower's), run with the others."""
-    run_dir = Path(run_dir)
-    changed = False
-    if resume:
-        saved = load_run_config(run_dir)  # a missing or foreign directory is refused here
-        if cfg is None or not as_given:
-            target = load_run_config(run_dir, cfg, force=force, write=False)
-            changed = target != saved
-            cfg = target
-    elif cfg is None:
-        raise ValueError("entered: a new run needs its config")
-    check_inputs(cfg)
-    cfg = resolve_method_options(cfg)  # the run records the chosen method's options in full
-    if also_check is not None:
-        also_check(cfg)
-    if not resume:
-        check_run_dir(run_dir, overwrite=overwrite)
-    else:
-        refuse_linked_names(run_dir)  # a resume writes adapter/, checkpoints/, ... there
-    runtime = resolve_runtime(cfg)  # a device this machine lacks fails here too
-    with run_dir_lock(run_dir):  # a live run (a Flower ServerApp too) is never replaced
+    with reading_once():  # each data file: read at the checks, used by the build
+        run_dir = Path(run_dir)
+        changed = False
         if resume:
-            refuse_lost_checkpoints(run_dir, cfg.training.checkpoint_every)
-            if changed:  # --force: the run goes on with the accepted changes
-                atomic_write(run_dir / "config.toml", dump_toml(runtime.cfg).encode())
+            saved = load_run_config(run_dir)  # a missing or foreign directory is refused here
+            if cfg is None or not as_given:
+                target = load_run_config(run_dir, cfg, force=force, write=False)
+                changed = target != saved
+                cfg = target
+        elif cfg is None:
+            raise ValueError("entered: a new run needs its config")
+        check_inputs(cfg)
+        cfg = resolve_method_options(cfg)  # the run records the chosen method's options in full
+        if also_check is not None:
+            also_check(cfg)
+        if not resume:
+            check_run_dir(run_dir, overwrite=overwrite)
         else:
-            write_run_dir(runtime.cfg, run_dir, overwrite=overwrite)
-        yield runtime
+            refuse_linked_names(run_dir)  # a resume writes adapter/, checkpoints/, ... there
+        runtime = resolve_runtime(cfg)  # a device this machine lacks fails here too
+        with run_dir_lock(run_dir):  # a live run (a Flower ServerApp too) is never replaced
+            if resume:
+                refuse_lost_checkpoints(run_dir, cfg.training.checkpoint_every)
+                if changed:  # --force: the run goes on with the accepted changes
+                    atomic_write(run_dir / "config.toml", dump_toml(runtime.cfg).encode())
+            else:
+                write_run_dir(runtime.cfg, run_dir, overwrite=overwrite)
+            yield runtime
 
 
 def run(

@@ -3,6 +3,10 @@ records with the line each starts on) and `read_data_text` (a task or template f
 a regular file of at most `MAX_DATA_BYTES` (`fedlora.config.toml_io.read_user_file`); every
 way a parse can fail (a CSV field over csv's limit, a number of thousands of digits, nesting
 past the parser's depth) is a `DataError` naming the file and the line.
+
+Within `reading_once()` (a run, from its checks to its build: `fedlora.federation.run.entered`)
+`read_data_records` reads and parses each file once: the checks' read is the one the build
+uses, so the run trains on the records that were checked.
 """
 
 from __future__ import annotations
@@ -10,8 +14,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,27 @@ from fedlora.errors import DataError, cut, shown
 
 MAX_DATA_BYTES = 2**30  # the largest data or task file fedlora reads (1 GiB)
 DATA_SUFFIXES = (".json", ".jsonl", ".csv")
+
+Records = list[tuple[str, Any]]  # (where: "file: line N", record) per record
+# the records read within `reading_once`, by (the path as given, its absolute form)
+_READ_ONCE: ContextVar[dict[tuple[str, str], tuple[tuple[str, Any], ...]] | None] = ContextVar(
+    "fedlora_read_once", default=None
+)
+
+
+@contextmanager
+def reading_once() -> Iterator[None]:
+    """Within: `read_data_records` (and `read_once`) reads and parses each file once (in
+    this thread; a scope inside another is the outer one) and hands every later caller those
+    records (shared: read them, never change them). Outside, every call reads the file."""
+    if _READ_ONCE.get() is not None:
+        yield
+        return
+    token = _READ_ONCE.set({})
+    try:
+        yield
+    finally:
+        _READ_ONCE.reset(token)
 
 
 def read_data_text(path: str | Path, what: str, max_bytes: int = MAX_DATA_BYTES) -> str:
@@ -111,10 +139,27 @@ def csv_records(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
-def read_data_records(path: str, what: str = "data file") -> list[tuple[str, Any]]:
+def read_data_records(path: str, what: str = "data file") -> Records:
     """(where, record) for every record of a .json (a list), .jsonl or .csv file, `where`
     naming the file and the line the record starts on; `DataError` for a file that is none
-    of these, holds no record, or does not parse (`read_data_text` bounds the read)."""
+    of these, holds no record, or does not parse (`read_data_text` bounds the read). Within
+    `reading_once`, the records of the first read of `path`."""
+    return read_once(path, lambda: _read_records(path, what))
+
+
+def read_once(source: str, read: Callable[[], Records]) -> Records:
+    """`read()`, the records of `source` (a file, a hub dataset); within `reading_once`,
+    those of the first call for `source` (a path: with the directory it is relative to)."""
+    done = _READ_ONCE.get()
+    if done is None:
+        return read()
+    key = (str(source), os.path.abspath(source))
+    if key not in done:
+        done[key] = tuple(read())
+    return list(done[key])
+
+
+def _read_records(path: str, what: str) -> Records:
     suffix = Path(path).suffix.lower()
     if suffix not in DATA_SUFFIXES:
         raise DataError(

@@ -39,7 +39,7 @@ from fedlora.llm.tasks import (
     resolve_data_dir,
     task_available,
 )
-from fedlora.llm.user_tasks import FieldMap, load_mc_files
+from fedlora.llm.user_tasks import load_mc_files
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -77,13 +77,13 @@ def training_mix(cfg: DataConfig, seed: int) -> list[Example]:
     for path in cfg.task_files:
         exs = load_task_file(path)
         mix.extend(seeded_subset(exs, cfg.train_limit, stream_rng(seed, "train", path)))
-    if cfg.mc_files:
-        exs = load_mc_files(cfg.mc_files, FieldMap.of(cfg), cfg.mc_task)
-        mix.extend(seeded_subset(exs, cfg.train_limit, stream_rng(seed, "train", cfg.mc_task)))
+    if cfg.mc.files:
+        exs = load_mc_files(cfg.mc.files, cfg.mc)
+        mix.extend(seeded_subset(exs, cfg.train_limit, stream_rng(seed, "train", cfg.mc.task)))
     if not mix and not cfg.instruct_files:
         raise DataError(
             f"data.tasks = {list(cfg.tasks)!r}: none has a train split in {data_dir!r} "
-            f"(skipped: {', '.join(skipped)}) and data.task_files and data.mc_files are empty"
+            f"(skipped: {', '.join(skipped)}) and data.task_files and data.mc.files are empty"
         )
     return mix
 
@@ -102,14 +102,15 @@ def training_records(cfg: DataConfig, seed: int) -> list[Any]:
 
 
 def own_eval_sets(cfg: DataConfig, seed: int) -> dict[str, list[Example]]:
-    """The user's multiple-choice eval set (`cfg.mc_eval_files`) as task `cfg.mc_task`: a
+    """The user's multiple-choice eval set (`cfg.mc.eval_files`) as task `cfg.mc.task`: a
     subset of `cfg.eval_limit` questions (0 = all) drawn as `load_eval_sets` draws (with
     `cfg.eval_seed`); empty without such files."""
-    if not cfg.mc_eval_files:
+    mc = cfg.mc
+    if not mc.eval_files:
         return {}
-    exs = load_mc_files(cfg.mc_eval_files, FieldMap.of(cfg), cfg.mc_task)
+    exs = load_mc_files(mc.eval_files, mc)
     eval_seed = seed if cfg.eval_seed < 0 else cfg.eval_seed
-    return {cfg.mc_task: eval_questions(exs, cfg.mc_task, cfg.eval_limit, eval_seed)}
+    return {mc.task: eval_questions(exs, mc.task, cfg.eval_limit, eval_seed)}
 
 
 # ----------------------------------------------------------------------------- federated

@@ -1,13 +1,14 @@
-"""Your own multiple-choice questions: JSON, JSONL or CSV records read through a field map.
+"""Your own multiple-choice questions: JSON, JSONL or CSV records read through a field map,
+the ``[data.mc]`` table (`fedlora.config.data_mc.McConfig`, its defaults and checks):
 
-    [data]
-    mc_files = ["quiz_train.csv"]       # trained on (one task, named data.mc_task)
-    mc_eval_files = ["quiz_test.csv"]   # evaluated on, as that task
-    mc_question = "question"
-    mc_choices = ["A", "B", "C", "D"]   # one column per choice, or one field holding a list
-    mc_answer = "answer"
-    mc_answer_type = "label"            # index (0-based) | label (A, B, .. or the column) | text
-    mc_context = ""                     # optional: a passage read before the question
+    [data.mc]
+    files = ["quiz_train.csv"]        # trained on (one task, named data.mc.task)
+    eval_files = ["quiz_test.csv"]    # evaluated on, as that task
+    question = "question"
+    choices = ["A", "B", "C", "D"]    # one column per choice, or one field holding a list
+    answer = "answer"
+    answer_type = "label"             # index (0-based) | label (A, B, .. or the column) | text
+    context = ""                      # optional: a passage read before the question
 
 Each record becomes the LLM-Adapters question ``Please choose the correct answer to the
 question: {question}`` with ``Answer1: ...`` options and the context as its input, so it
@@ -22,41 +23,15 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fedlora.config.data_mc import McConfig
 from fedlora.errors import DataError, shown
-from fedlora.files.data import read_data_records
+from fedlora.files.data import read_data_records, read_once
 from fedlora.llm.harness import harness_request
 from fedlora.llm.task_registry import QUESTION_LEAD_IN, TASKS, question_answer, register_task
 from fedlora.llm.task_types import TaskSpec
 from fedlora.llm.tasks import Example, mc_example, refuse_local_shadow
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fedlora.config.sections import DataConfig
-
-ANSWER_TYPES = ("index", "label", "text")
-
-
-@dataclass(frozen=True)
-class FieldMap:
-    """Which record field holds what (`data.mc_*`)."""
-
-    question: str = "question"
-    choices: tuple[str, ...] = ("choices",)  # one field holding a list, or one per choice
-    answer: str = "answer"
-    answer_type: str = "index"  # index (0-based) | label (A, B, ... / the column) | text
-    context: str = ""  # "" = none
-
-    @classmethod
-    def of(cls, cfg: DataConfig) -> FieldMap:
-        return cls(
-            question=cfg.mc_question,
-            choices=tuple(cfg.mc_choices),
-            answer=cfg.mc_answer,
-            answer_type=cfg.mc_answer_type,
-            context=cfg.mc_context,
-        )
 
 
 def user_task(name: str) -> TaskSpec:
@@ -71,7 +46,7 @@ def user_task(name: str) -> TaskSpec:
     )
     old = TASKS.get(name)
     if old is not None and old.folder:
-        raise DataError(f"data.mc_task = {name!r} is a built-in task: choose another name")
+        raise DataError(f"data.mc.task = {name!r} is a built-in task: choose another name")
     return register_task(spec)
 
 
@@ -135,9 +110,10 @@ def read_records(path: str) -> list[tuple[str, Any]]:
     """(where, record) for every record of a .json (a list), .jsonl or .csv file (`where`
     names the file and the line the record starts on; `fedlora.files.data.read_data_records`: a
     regular file, bounded), or of a hub dataset ``hf:owner/name[:config]@split``
-    (`hub_records`: the record's index)."""
+    (`hub_records`: the record's index). Within `fedlora.files.data.reading_once` (a run),
+    each file or dataset is read once."""
     if path.startswith(HUB_PREFIX):
-        out = hub_records(path)
+        out = read_once(path, lambda: hub_records(path))
         if not out:
             raise DataError(f"{path!r} holds no records")
         return out
@@ -185,7 +161,7 @@ def _field(rec: Mapping[str, Any], name: str, where: str) -> Any:
     return rec[name]
 
 
-def _choices(rec: Mapping[str, Any], fm: FieldMap, where: str) -> tuple[list[str], list[str]]:
+def _choices(rec: Mapping[str, Any], fm: McConfig, where: str) -> tuple[list[str], list[str]]:
     """The option texts and their labels (A, B, ... or the choice columns' names)."""
     if len(fm.choices) == 1:
         value = _field(rec, fm.choices[0], where)
@@ -215,7 +191,7 @@ def _choices(rec: Mapping[str, Any], fm: FieldMap, where: str) -> tuple[list[str
     return texts, labels
 
 
-def _gold(value: Any, texts: list[str], labels: list[str], fm: FieldMap, where: str) -> int:
+def _gold(value: Any, texts: list[str], labels: list[str], fm: McConfig, where: str) -> int:
     # the answer field's own value (a scalar) is shown: the record read as the user's data
     scalar = isinstance(value, (str, int, float))
     field = (
@@ -257,7 +233,7 @@ def non_scalars(rec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     )
 
 
-def record_to_example(rec: Any, fm: FieldMap, task: str, where: str) -> Example:
+def record_to_example(rec: Any, fm: McConfig, task: str, where: str) -> Example:
     """One user record as the LLM-Adapters `Example` of task `task` (its harness request
     checked to read back the same question and options)."""
     if not isinstance(rec, dict):
@@ -293,15 +269,11 @@ def record_to_example(rec: Any, fm: FieldMap, task: str, where: str) -> Example:
     return ex
 
 
-def load_mc_files(paths: Sequence[str], fm: FieldMap, task: str) -> list[Example]:
-    """Every record of the user's files as `Example`s of task `task`."""
-    if fm.answer_type not in ANSWER_TYPES:
-        raise DataError(
-            f"data.mc_answer_type = {fm.answer_type!r} is invalid: allowed: "
-            f"{', '.join(ANSWER_TYPES)}"
-        )
+def load_mc_files(paths: Sequence[str], fm: McConfig) -> list[Example]:
+    """Every record of the user's files `paths` (`fm.files` or `fm.eval_files`) read through
+    the field map `fm`, as `Example`s of task `fm.task`."""
     return [
-        record_to_example(rec, fm, task, where)
+        record_to_example(rec, fm, fm.task, where)
         for path in paths
         for where, rec in read_records(path)
     ]
