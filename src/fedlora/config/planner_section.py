@@ -42,6 +42,8 @@ class PlannerConfig:
     # them (proposed's round hooks); "separate" = the paper's four calibration runs
     calibration: str = "in-run"
     probe_rounds: int = 4  # in-run: rounds per probe setting (4 settings, palindromic order)
+    # in-run: the probes' two sampling rates q, high then low (each probed at k = γ and ⌈γ/4⌉)
+    probe_q: tuple[float, ...] = (0.3, 0.15)
     # a_n/q_n <= max_weight for every planned q (0 = no bound); 1 = no sampled client counts
     # more than the whole federation
     max_weight: float = 1.0
@@ -81,6 +83,7 @@ class PlannerConfig:
         )
         check_choice("planner.calibration", self.calibration, ("in-run", "separate"))
         check_int("planner.probe_rounds", self.probe_rounds, lo=1)
+        _check_probe_q(self.probe_q)
         check_number("planner.max_weight", self.max_weight, lo=0)
         check_number(
             "planner.fit_floor_share", self.fit_floor_share, lo=0, hi=1, lo_open=True, hi_open=True
@@ -100,3 +103,20 @@ class PlannerConfig:
             raise bad_value(
                 "planner.calibration_in_budget", self.calibration_in_budget, "true or false"
             )
+
+
+def _check_probe_q(probe_q: object) -> None:
+    """planner.probe_q: two rates in (0, 1], the first strictly above the second."""
+    allowed = "two sampling rates in (0, 1], high then low (e.g. [0.3, 0.15])"
+    if isinstance(probe_q, list):
+        probe_q = tuple(probe_q)
+    if (
+        not isinstance(probe_q, tuple)
+        or len(probe_q) != 2
+        or any(isinstance(q, bool) or not isinstance(q, (int, float)) for q in probe_q)
+        or not all(0 < q <= 1 for q in probe_q)
+        or not probe_q[0] > probe_q[1]
+    ):
+        raise bad_value(
+            "planner.probe_q", list(probe_q) if isinstance(probe_q, tuple) else probe_q, allowed
+        )

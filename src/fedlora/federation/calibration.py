@@ -259,7 +259,9 @@ def prepare_proposed(
     if plan_file(cfg.method):
         return cfg, None
     if cfg.planner.calibration == "in-run":  # the run's own first rounds are the probes
-        q, k = probe_settings(cfg.lora.rank)[0]  # round 1's; the in-run planner sets each
+        q, k = probe_settings(cfg.lora.rank, cfg.planner.probe_q)[
+            0
+        ]  # round 1's; the in-run planner sets each
         n, probes = cfg.data.n_clients, 4 * cfg.planner.probe_rounds
         if cfg.training.rounds <= probes:
             log(

@@ -19,6 +19,7 @@ to a method as ``method.privacy``; a method's `server_step` calls its ``clip`` b
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,14 @@ from fedlora.federation.privacy_mechanisms.base import (
 from fedlora.federation.privacy_mechanisms.registry import make_mechanism
 from fedlora.system.privacy_ledger import PrivacyLedger
 
-__all__ = ["account_round", "budget_stop", "clip_fields", "finite_or_none", "make_privacy"]
+__all__ = [
+    "account_round",
+    "budget_stop",
+    "clip_fields",
+    "finite_or_none",
+    "make_privacy",
+    "rounds_epsilons",
+]
 
 
 def make_privacy(cfg: ExperimentConfig, method_cls: Any) -> PrivacyMechanism | None:
@@ -96,3 +104,18 @@ def account_round(method: Any, sent: Any, progress: Any) -> dict[str, Any]:
     fields = dp.round_fields(ledger, method, norms)
     dp.clipping.save(progress)
     return fields
+
+
+def rounds_epsilons(
+    cfg: ExperimentConfig, method_cls: Any, rates: list[float]
+) -> list[float] | None:
+    """Every client's ε(privacy.delta) after rounds at the sampling rates `rates` (one q for
+    every client per round), accounted as the run's mechanism would (its `account` into a
+    fresh `PrivacyLedger`); None without a mechanism that accepts a budget."""
+    dp = make_privacy(cfg, method_cls)
+    if dp is None or not dp.accepts_budget:
+        return None
+    ledger = PrivacyLedger(dp.n_clients)
+    for q in rates:
+        dp.account(ledger, SimpleNamespace(q=np.full(dp.n_clients, float(q))), None)
+    return ledger.epsilons(dp.delta)

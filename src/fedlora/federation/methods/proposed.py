@@ -20,7 +20,11 @@ from fedlora.config.experiment import ExperimentConfig
 from fedlora.config.sections import MethodConfig
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import MethodContext, RoundContext
-from fedlora.federation.methods.proposed_replan import InRunPlanner, rank_message
+from fedlora.federation.methods.proposed_replan import (
+    InRunPlanner,
+    check_probe_budget,
+    rank_message,
+)
 from fedlora.federation.methods.registry import register_method
 from fedlora.federation.methods.sketched import Sketched
 from fedlora.federation.methods.strategies import resolve_k, resolve_q
@@ -45,9 +49,12 @@ class Proposed(Sketched):
 
     @classmethod
     def check_run(cls, cfg: ExperimentConfig) -> None:
-        """Algorithm 2's calibration (every run without a plan file) needs lora.rank >= 2."""
+        """Algorithm 2's calibration (every run without a plan file) needs lora.rank >= 2;
+        with a privacy budget, the in-run probes alone must fit in it (`check_probe_budget`)."""
         if not plan_file(cfg.method) and cfg.lora.rank < 2:
             raise ConfigError(rank_message(cfg.lora.rank))
+        if not plan_file(cfg.method) and cfg.planner.calibration == "in-run":
+            check_probe_budget(cfg, cls)
 
     @classmethod
     def check_flower(cls, cfg: ExperimentConfig) -> None:

@@ -39,18 +39,47 @@ from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import RoundContext
 from fedlora.federation.runfiles import write_plan
 
-PROBE_Q = (0.3, 0.15)
+PROBE_Q = (0.3, 0.15)  # planner.probe_q's default
 PLAN_FILE = "plan.json"
 
 
-def probe_settings(gamma: int) -> list[tuple[float, int]]:
-    """(q, k) of the four probes: {0.3, 0.15} × {γ, ⌈γ/4⌉} (⌈γ/4⌉ = γ − 1 when equal)."""
+def probe_settings(gamma: int, probe_q: tuple[float, ...] = PROBE_Q) -> list[tuple[float, int]]:
+    """(q, k) of the four probes: planner.probe_q ({0.3, 0.15} by default) × {γ, ⌈γ/4⌉}
+    (⌈γ/4⌉ = γ − 1 when equal)."""
     if gamma < 2:
         raise ConfigError(rank_message(gamma))
     k_small = max(1, math.ceil(gamma / 4))
     if k_small == gamma:
         k_small = gamma - 1
-    return [(q, k) for k in (gamma, k_small) for q in PROBE_Q]
+    return [(q, k) for k in (gamma, k_small) for q in probe_q]
+
+
+def check_probe_budget(cfg: ExperimentConfig, method_cls: Any) -> None:
+    """With planner.max_epsilon: refuse a run whose probe rounds alone (4 × probe_rounds
+    rounds at planner.probe_q) take some client's ε(privacy.delta) past its budget, as the
+    run's own accounting counts them (`fedlora.federation.privacy.rounds_epsilons`)."""
+    from fedlora.federation.privacy import rounds_epsilons
+
+    p = cfg.planner
+    if not p.max_epsilon:
+        return
+    n = cfg.data.n_clients
+    rates = [q for q, _ in probe_settings(max(cfg.lora.rank, 2), p.probe_q)]
+    eps = rounds_epsilons(cfg, method_cls, [rates[j] for j in probe_schedule(p.probe_rounds)])
+    if eps is None:
+        return
+    budgets = np.broadcast_to(np.asarray(p.max_epsilon, dtype=float), (n,))
+    over = [i for i in range(n) if not eps[i] <= budgets[i]]
+    if not over:
+        return
+    i = max(over, key=lambda j: eps[j] - budgets[j])
+    raise ConfigError(
+        f"planner.probe_q = {list(p.probe_q)} with planner.probe_rounds = {p.probe_rounds} "
+        f"spends ε = {eps[i]:.3g} on client {i} before the plan (privacy.noise_multiplier = "
+        f"{cfg.privacy.noise_multiplier:g}, privacy.delta = {cfg.privacy.delta:g}), over "
+        f"planner.max_epsilon = {budgets[i]:g}: lower the probe rates or rounds, or raise the "
+        "noise"
+    )
 
 
 def rank_message(gamma: object) -> str:
@@ -120,7 +149,7 @@ def _initial_state(ctx: RoundContext) -> dict[str, Any]:
     n, gamma = len(ctx.a), ctx.cfg.lora.rank
     settings = [
         {"q": [q] * n, "k": [k] * n, "source": f"probe {i + 1}"}
-        for i, (q, k) in enumerate(probe_settings(gamma))
+        for i, (q, k) in enumerate(probe_settings(gamma, ctx.cfg.planner.probe_q))
     ]
     return {
         "settings": settings,
