@@ -6,7 +6,6 @@ and the planner arm, the summary reads them; `--commit` commits each run's files
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from fedlora.cli import main as fedlora_main
 from fedlora.system.privacy import epsilon, noise_multiplier_for_epsilon, sum_noise_multiplier
 from rdp_reference import poisson_epsilon_reference
-from tiny_runs import DATA
+from tiny_runs import DATA, load_script
 
 dp_accounting = pytest.importorskip("dp_accounting")
 needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -60,12 +59,7 @@ predictions = true
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "privacy_cohort", ROOT / "research/privacy_cohort/privacy_cohort.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("research/privacy_cohort/privacy_cohort.py")
 
 
 def _in_process(args: list[str]) -> None:

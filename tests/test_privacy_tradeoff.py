@@ -5,7 +5,6 @@ verdict line; σ that differs from the rule's numbers is refused before any run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from fedlora.cli import main as fedlora_main
 from fedlora.system.privacy import noise_multiplier_for_epsilon
-from tiny_runs import DATA
+from tiny_runs import DATA, load_script
 
 pytest.importorskip("dp_accounting")
 needs_data = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -56,12 +55,7 @@ predictions = true
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "privacy_tradeoff", ROOT / "research/privacy_tradeoff/privacy_tradeoff.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("research/privacy_tradeoff/privacy_tradeoff.py")
 
 
 def _in_process(args: list[str]) -> None:

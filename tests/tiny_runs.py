@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 
@@ -52,3 +54,12 @@ TINY_FOUR_CLIENTS = [
     "training.checkpoint_every=1",
     "output.progress=false",
 ]
+
+
+def load_script(relative: str) -> ModuleType:
+    """A research script (not a package module) loaded by its path from the repository root."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
