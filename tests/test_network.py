@@ -597,7 +597,7 @@ def test_engine_applies_the_outage_floor_to_the_fading_gains():
 
 def test_proposed_plans_with_the_fading_aware_upload_time():
     from fedlora.config import load_config
-    from fedlora.federation.methods.proposed_replan import planning_t_full
+    from fedlora.federation.methods.proposed_plan import planning_t_full
     from fedlora.system.network import planning_time_factor
 
     clients = {"t_full": np.array([2.0, 3.0]), "snr_db": np.array([5.0, 15.0])}

@@ -13,7 +13,7 @@ import numpy as np
 
 from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
-from fedlora.federation.methods.proposed_replan import plan_for, planning_t_full
+from fedlora.federation.methods.proposed_plan import plan_for, planning_t_full
 from fedlora.federation.runfiles import ClientRow
 
 

@@ -33,7 +33,7 @@ from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
 from fedlora.federation.methods.base import RoundContext, RoundPlan
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.metrics_file import append_metrics, restore_metrics
-from fedlora.federation.privacy import account_round, budget_stop, prepare_round
+from fedlora.federation.privacy import account_round, budget_stop, prepare_round, spent_rdp
 from fedlora.federation.profiles import write_clients_csv
 from fedlora.federation.progress import (
     Progress,
@@ -206,7 +206,9 @@ def _round_loop(
     hooks, plan, train, record, report, checkpoint. Returns the stop reason."""
     cfg = run.cfg
     metrics_path = run.run_dir / "metrics.jsonl"
-    hooks = RoundContext(cfg, run.fed.a, run.profiles, run.run_dir, log)  # the method's hooks
+    hooks = RoundContext(  # the method's hooks
+        cfg, run.fed.a, run.profiles, run.run_dir, log, lambda: spent_rdp(run.method, progress)
+    )
     while progress.round < cfg.training.rounds:
         early = stop_before_round(cfg, progress)
         if early:

@@ -8,6 +8,7 @@ to a method as ``method.privacy``; a method's `server_step` calls its ``clip`` b
 
     prepare_round  the clipping rule's state as the last round left it (a resume)
     budget_stop    whether the next round would take a client's ε past planner.max_epsilon
+    spent_rdp      the RDP every client has spent so far (an in-run plan keeps the rest)
     account_round  the round in the run's `PrivacyLedger` (kept in `Progress`, so checkpoints
                    carry it; rounds the ledger misses were released without noise) and the
                    metrics line's fields the mechanism names (`log_fields`): ``epsilon``
@@ -40,6 +41,7 @@ __all__ = [
     "finite_or_none",
     "make_privacy",
     "rounds_epsilons",
+    "spent_rdp",
 ]
 
 
@@ -87,6 +89,16 @@ def budget_stop(method: Any, progress: Any) -> str | None:
         f"privacy budget: round {progress.round + 1} would take client {i}'s ε(δ) to "
         f"{eps[i]:.4g} > planner.max_epsilon = {budgets[i]:g}; the run stops within it"
     )
+
+
+def spent_rdp(method: Any, progress: Any) -> np.ndarray | None:
+    """(N, orders) the RDP every client has spent in the rounds so far (the run's ledger in
+    `progress`), for a plan that must keep what is left of planner.max_epsilon; None without
+    a mechanism that accepts a budget, or without a budget."""
+    dp = getattr(method, "privacy", None)
+    if dp is None or not dp.budget or not dp.accepts_budget:
+        return None
+    return restore_ledger(dp.n_clients, dp.sigma, progress).rdp()
 
 
 def account_round(method: Any, sent: Any, progress: Any) -> dict[str, Any]:

@@ -136,10 +136,29 @@ def histories_epsilons(
 
 def columns_epsilons(columns: Sequence[dict], delta: float, n_clients: int) -> np.ndarray:
     """Every client's ε(δ) from a ledger's event columns (`fedlora.system.privacy_ledger`:
-    each {"kind", "sigma", "rates" (N,), "counts" (N,)}): client n's RDP is the sum over the
-    columns of counts[n] times the event's RDP at rates[n], one cached vector per distinct
-    rate, then `_to_epsilon`; numpy over the clients. No event: 0; an event with σ = 0 or
-    released without noise: inf."""
+    each {"kind", "sigma", "rates" (N,), "counts" (N,)}): `columns_rdp`, then `_to_epsilon`;
+    numpy over the clients. No event: 0; an event with σ = 0 or released without noise: inf."""
+    rdp, exposed, unbounded = _columns_rdp(columns, n_clients)
+    eps = _to_epsilon(rdp, delta)
+    eps[unbounded] = math.inf
+    eps[~exposed] = 0.0
+    return eps
+
+
+def columns_rdp(columns: Sequence[dict], n_clients: int) -> np.ndarray:
+    """(N, orders) every client's Rényi DP so far at dp-accounting's default orders
+    (`rdp_orders`), from a ledger's event columns: client n's row is the sum over the columns
+    of counts[n] times the event's RDP at rates[n], one cached vector per distinct rate; inf
+    for a client exposed to a round with σ = 0 or released without noise. What a privacy
+    budget has left: composing T more rounds adds T·RDP of each (`rdp_to_epsilon`)."""
+    rdp, _, unbounded = _columns_rdp(columns, n_clients)
+    rdp[unbounded] = math.inf
+    return rdp
+
+
+def _columns_rdp(
+    columns: Sequence[dict], n_clients: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rdp = np.zeros((n_clients, len(_orders())))
     exposed = np.zeros(n_clients, dtype=bool)
     unbounded = np.zeros(n_clients, dtype=bool)
@@ -154,10 +173,23 @@ def columns_epsilons(columns: Sequence[dict], delta: float, n_clients: int) -> n
         values, back = np.unique(np.asarray(c["rates"])[on], return_inverse=True)
         table = np.stack([_event_rdp(c["kind"], float(v), c["sigma"], n_clients) for v in values])
         rdp[on] += np.asarray(c["counts"])[on][:, None] * table[back]
-    eps = _to_epsilon(rdp, delta)
-    eps[unbounded] = math.inf
-    eps[~exposed] = 0.0
-    return eps
+    return rdp, exposed, unbounded
+
+
+def rdp_to_epsilon(rdp: np.ndarray, delta: float) -> np.ndarray:
+    """ε(δ) of every row of `rdp` (clients × `rdp_orders()`), as dp-accounting converts it."""
+    return _to_epsilon(np.atleast_2d(np.asarray(rdp, dtype=float)), delta)
+
+
+def rdp_orders() -> np.ndarray:
+    """dp-accounting's default RDP orders (the columns of `columns_rdp`)."""
+    return _orders()
+
+
+def poisson_round_rdp(q: float, sigma: float) -> np.ndarray:
+    """One round's RDP of the Poisson-subsampled Gaussian at rate q (rounded to `RATE_DIGITS`
+    as the ledger and `history_epsilon` round it; cached, read-only)."""
+    return _event_rdp("poisson", round(float(q), RATE_DIGITS), float(sigma), 0)
 
 
 def _to_epsilon(rdp: np.ndarray, delta: float) -> np.ndarray:
@@ -204,25 +236,38 @@ def poisson_epsilon(q: float, sigma: float, rounds: int, delta: float) -> float:
 
 
 def max_poisson_rate(
-    budget: float, sigma: float, rounds: int, delta: float, *, q_min: float = 1e-6
+    budget: float,
+    sigma: float,
+    rounds: int,
+    delta: float,
+    *,
+    q_min: float = 1e-6,
+    spent_rdp: np.ndarray | None = None,
 ) -> float:
     """The largest q in (0, 1] whose `rounds` rounds keep ε(δ) <= `budget` (ε grows with q):
     1 when q = 1 does, 0 when not even `q_min` does; else the root of ε(q) = budget in log q
-    (Brent, to 1e-4), stepped down until it keeps the budget."""
+    (Brent, to 1e-4), stepped down until it keeps the budget. `spent_rdp` (orders,): the
+    RDP the client has already spent (`columns_rdp`'s row), composed before the rounds."""
     from scipy.optimize import brentq
 
-    if rounds <= 0 or poisson_epsilon(1.0, sigma, rounds, delta) <= budget:
+    if spent_rdp is None:
+
+        def eps(q: float) -> float:
+            return poisson_epsilon(q, sigma, rounds, delta)
+    else:
+        spent = np.asarray(spent_rdp, dtype=float)
+
+        def eps(q: float) -> float:
+            rdp = spent + max(rounds, 0) * poisson_round_rdp(q, sigma)
+            return float(rdp_to_epsilon(rdp, delta)[0])
+
+    if (rounds <= 0 and spent_rdp is None) or eps(1.0) <= budget:
         return 1.0
-    if poisson_epsilon(q_min, sigma, rounds, delta) > budget:
+    if eps(q_min) > budget:
         return 0.0
-    root = brentq(
-        lambda t: poisson_epsilon(math.exp(t), sigma, rounds, delta) - budget,
-        math.log(q_min),
-        0.0,
-        xtol=1e-4,
-    )
+    root = brentq(lambda t: eps(math.exp(t)) - budget, math.log(q_min), 0.0, xtol=1e-4)
     t = root
-    while t > math.log(q_min) and poisson_epsilon(math.exp(t), sigma, rounds, delta) > budget:
+    while t > math.log(q_min) and eps(math.exp(t)) > budget:
         t -= 1e-4
     return math.exp(t)
 

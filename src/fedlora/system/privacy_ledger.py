@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlora.system.privacy import RATE_DIGITS, UNPROTECTED, columns_epsilons
+from fedlora.system.privacy import RATE_DIGITS, UNPROTECTED, columns_epsilons, columns_rdp
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,11 @@ class PrivacyLedger:
         """Every client's ε(δ) so far, each round at its own σ (`columns_epsilons`: numpy over
         the clients, each distinct (kind, rate, σ) accounted once)."""
         return columns_epsilons(self.columns, delta, self.n).tolist()
+
+    def rdp(self) -> np.ndarray:
+        """(N, orders) every client's Rényi DP so far (`columns_rdp`; inf for a client exposed
+        without noise): what a plan made now composes its rounds after."""
+        return columns_rdp(self.columns, self.n)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -118,6 +118,9 @@ class RoundContext:
     profiles: ClientProfiles
     run_dir: Path
     log: Callable[[str], Any]
+    # (N, orders) the RDP every client has spent so far (`columns_rdp`), None without a
+    # privacy budget's mechanism: an in-run plan keeps what is left of planner.max_epsilon
+    privacy_rdp: Callable[[], np.ndarray | None] | None = None
 
 
 def build_options(cls: type[Method], table: Mapping[str, Any]) -> Any:

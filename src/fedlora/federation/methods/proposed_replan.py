@@ -22,8 +22,9 @@ resumed run replays the same fits and plans bit for bit.
 `Proposed`'s round hooks (`Method.before_round`, `Method.after_round`, called by the round
 loop for every method) drive an `InRunPlanner` when its plan says it calibrates in-run:
 `before_round` gives the round's q and k, `after_round` records the round and fits and plans
-when due. The separate calibration (`fedlora.federation.calibration`) shares `probe_settings`,
-`plan_for` and `planning_t_full`.
+when due. The separate calibration (`fedlora.federation.calibration`) shares `probe_settings`;
+both plan with `fedlora.federation.methods.proposed_plan` (`plan_for`, within
+planner.max_epsilon after what the run has already spent: `RoundContext.privacy_rdp`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 from fedlora.config.experiment import ExperimentConfig
 from fedlora.errors import ConfigError
 from fedlora.federation.methods.base import RoundContext
+from fedlora.federation.methods.proposed_plan import plan_for, planning_t_full
 from fedlora.federation.runfiles import write_plan
 
 PROBE_Q = (0.3, 0.15)  # planner.probe_q's default
@@ -207,7 +209,8 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
             t_full=t_full,
             constants=fit.constants,
         )
-        q, k, _ = plan_for(cfg, problem, fit.constants, options, a)
+        spent = ctx.privacy_rdp() if ctx.privacy_rdp is not None else None
+        q, k, details = plan_for(cfg, problem, fit.constants, options, a, spent)
     except ConfigError as e:
         entry["error"] = str(e)
         if initial:  # no usable fit: the probe with the least time per unit of progress
@@ -233,6 +236,7 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
             "expected_round_time_s": float(
                 np.dot(q, sketched_round_weights(problem, np.asarray(k), options))
             ),
+            **({"privacy": details["privacy"]} if "privacy" in details else {}),
         },
         current_objective=None if not math.isfinite(current) else float(current),
         predicted_gain=float(gain),
@@ -276,49 +280,6 @@ def _best_probe(ctx: RoundContext, st, rates, a, tau, t_full, options) -> int:
         if t / rho < best:
             best, best_j = t / rho, j
     return best_j
-
-
-def plan_for(cfg: ExperimentConfig, problem: Any, constants: Any, options: Any, a: np.ndarray):
-    """(q, k, details) of `planner.optimize`: both (multi-start), q only with k from method.k, or k
-    only with q from method.q (Figures 2 and 3). Shared with the separate calibration."""
-    from fedlora.system.planner.alternation import multi_start
-    from fedlora.system.planner.kstep import greedy_k
-    from fedlora.system.planner.qstep import q_step
-
-    n, gamma = problem.n, problem.gamma
-    if cfg.planner.optimize == "qk":
-        result = multi_start(problem, constants, options)
-        return (
-            result.q,
-            result.k,
-            {
-                "iterations": result.iterations,
-                "stop_reason": result.stop_reason,
-                "start": result.start,
-                "starts": result.starts,
-            },
-        )
-    from fedlora.federation.methods.strategies import resolve_k, resolve_q
-    from fedlora.system.seeding import derive_rng
-
-    if cfg.planner.optimize == "q":
-        k = resolve_k(cfg.method.k, n=n, gamma=gamma, rng=derive_rng(cfg.training.seed, "strategy"))
-        return q_step(problem, constants, k, options).q, np.asarray(k), {}
-    q = resolve_q(cfg.method.q, a=a, q_fixed=cfg.method.q_fixed)  # given: max_weight not applied
-    return np.asarray(q), greedy_k(problem, constants, q, options), {}
-
-
-def planning_t_full(cfg: ExperimentConfig, clients: dict[str, np.ndarray]) -> np.ndarray:
-    """t_full for the planner: with Rayleigh fading, the mean-SNR time times the expected
-    factor of fading (`fedlora.system.client_profiles.planning_time_factor`; the ergodic rate
-    when there is no outage floor, the exact mean with one); unchanged without fading or
-    channel data."""
-    snr = clients.get("snr_db")
-    if cfg.network.fading != "rayleigh" or snr is None or not np.all(np.isfinite(snr)):
-        return clients["t_full"]
-    from fedlora.system.client_profiles import planning_time_factor
-
-    return clients["t_full"] * planning_time_factor(snr, cfg.network.fading_floor)
 
 
 def _write_plan_file(ctx: RoundContext, st: dict[str, Any]) -> None:

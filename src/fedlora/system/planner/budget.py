@@ -28,9 +28,15 @@ from typing import Any
 import numpy as np
 
 from fedlora.errors import ConfigError, bad_value
+from fedlora.system.planner.budget_spent import spent_rate_bounds
 from fedlora.system.planner.objective import expected_rounds
 from fedlora.system.planner.problem import PlanOptions, PlanProblem
-from fedlora.system.privacy import max_poisson_rate, poisson_epsilon
+from fedlora.system.privacy import (
+    max_poisson_rate,
+    poisson_epsilon,
+    poisson_round_rdp,
+    rdp_to_epsilon,
+)
 
 MAX_FIXED_POINT_STEPS = 40
 PATIENCE = 3  # after the first consistent T, stop after this many steps without a lower P2
@@ -49,8 +55,14 @@ def client_budgets(problem: PlanProblem, options: PlanOptions) -> np.ndarray:
     return np.full(problem.n, float(budgets))
 
 
-def rate_bounds(budgets: np.ndarray, options: PlanOptions, rounds: int) -> np.ndarray:
-    """u_n(T): the largest q_n whose `rounds` rounds keep ε_n(δ) within budget_n."""
+def rate_bounds(
+    budgets: np.ndarray, options: PlanOptions, rounds: int, spent: np.ndarray | None = None
+) -> np.ndarray:
+    """u_n(T): the largest q_n whose `rounds` rounds keep ε_n(δ) within budget_n; with
+    `spent` (N, orders: the RDP each client has already spent, `columns_rdp`), the rounds
+    composed after it (`spent_rate_bounds`)."""
+    if spent is not None:
+        return spent_rate_bounds(budgets, options.noise_multiplier, rounds, options.delta, spent)
     cache: dict[float, float] = {}
     for b in budgets:
         if b not in cache:
@@ -58,9 +70,16 @@ def rate_bounds(budgets: np.ndarray, options: PlanOptions, rounds: int) -> np.nd
     return np.array([cache[b] for b in budgets])
 
 
-def epsilons(q: np.ndarray, options: PlanOptions, rounds: int) -> list[float]:
-    """Every client's ε(δ) after `rounds` rounds at its rate q_n."""
-    return [poisson_epsilon(float(x), options.noise_multiplier, rounds, options.delta) for x in q]
+def epsilons(
+    q: np.ndarray, options: PlanOptions, rounds: int, spent: np.ndarray | None = None
+) -> list[float]:
+    """Every client's ε(δ) after `rounds` rounds at its rate q_n (after `spent`, if given)."""
+    if spent is None:
+        return [
+            poisson_epsilon(float(x), options.noise_multiplier, rounds, options.delta) for x in q
+        ]
+    rdp = np.stack([poisson_round_rdp(float(x), options.noise_multiplier) for x in q])
+    return rdp_to_epsilon(spent + rounds * rdp, options.delta).tolist()
 
 
 def rounds_mu(
@@ -102,15 +121,8 @@ def _rounds(result: Any) -> int:
     return max(1, math.ceil(r - 1e-9))
 
 
-def plan_within_budget(
-    problem: PlanProblem, options: PlanOptions, solve: Callable[[PlanOptions], Any]
-) -> Any:
-    """The plan of `solve(options)` (a `PlanResult`) with every client's ε within
-    `options.max_epsilon` at its planned rounds (the module docstring); `options.max_epsilon
-    = 0`: `solve(options)` itself. The result's `privacy` holds each client's bound, ε and
-    budget, the rounds T and the steps taken."""
-    if not options.max_epsilon:
-        return solve(options)
+def _check_budget_noise(problem: PlanProblem, options: PlanOptions) -> None:
+    """A budget needs noise (σ > 0) and δ < 1/N."""
     if options.noise_multiplier <= 0:
         raise bad_value(
             "privacy.noise_multiplier", options.noise_multiplier, "> 0 with planner.max_epsilon"
@@ -122,11 +134,29 @@ def plan_within_budget(
             f"must be < 1/N = {1 / problem.n:.3g} with a budget: a δ of 1/N or more allows "
             "publishing one client's whole data (and makes every ε about 0)",
         )
+
+
+def plan_within_budget(
+    problem: PlanProblem,
+    options: PlanOptions,
+    solve: Callable[[PlanOptions], Any],
+    spent_rdp: np.ndarray | None = None,
+) -> Any:
+    """The plan of `solve(options)` (a `PlanResult`) with every client's ε within
+    `options.max_epsilon` at its planned rounds (the module docstring); `options.max_epsilon
+    = 0`: `solve(options)` itself. `spent_rdp` (N, orders): the RDP each client has already
+    spent in the run (`fedlora.system.privacy.columns_rdp`): the planned rounds are composed
+    after it, so the plan keeps what is left of the budget (`budget_spent`). The result's
+    `privacy` holds each client's bound, ε (the spent part included) and budget, the rounds T
+    and the steps taken (and ``spent_epsilon``, each client's ε before the plan)."""
+    if not options.max_epsilon:
+        return solve(options)
+    _check_budget_noise(problem, options)
     budgets = client_budgets(problem, options)
     free = dataclasses.replace(options, max_epsilon=0.0, q_max=(), max_rounds=0.0)
     result = solve(free)
     rounds = _rounds(result)
-    bounds = rate_bounds(budgets, options, rounds)
+    bounds = rate_bounds(budgets, options, rounds, spent_rdp)
     best: tuple[Any, int, np.ndarray] | None = None
     if np.all(result.q <= bounds * (1 + 1e-12)):  # the plan without budget keeps it
         best = (result, rounds, bounds)
@@ -146,8 +176,10 @@ def plan_within_budget(
             i = int(np.argmin(bounds))
             raise ConfigError(
                 f"planner.max_epsilon = {options.max_epsilon}: client {i} cannot keep ε <= "
-                f"{budgets[i]:g} over {rounds} rounds at any rate (privacy.noise_multiplier = "
-                f"{options.noise_multiplier:g}); raise the budget or the noise"
+                f"{budgets[i]:g} over {rounds} rounds at any rate"
+                + (" after the ε it has already spent" if spent_rdp is not None else "")
+                + f" (privacy.noise_multiplier = {options.noise_multiplier:g}); raise the "
+                "budget or the noise"
             )
         bounded = dataclasses.replace(
             free, q_max=tuple(float(u) for u in bounds), max_rounds=float(rounds)
@@ -165,7 +197,7 @@ def plan_within_budget(
         else:
             misses += best is not None
             rounds = max(rounds + 1, needed)
-        bounds = rate_bounds(budgets, options, rounds)
+        bounds = rate_bounds(budgets, options, rounds, spent_rdp)
     result, rounds, bounds = best
     final = _rounds(result)
     return dataclasses.replace(
@@ -177,7 +209,16 @@ def plan_within_budget(
             "rounds": final,
             "bound_rounds": rounds,
             "q_max": bounds.tolist(),
-            "epsilon": epsilons(result.q, options, final),
+            "epsilon": epsilons(result.q, options, final, spent_rdp),
             "fixed_point_steps": steps,
+            **_spent_field(spent_rdp, options),
         },
     )
+
+
+def _spent_field(spent_rdp: np.ndarray | None, options: PlanOptions) -> dict[str, Any]:
+    """``spent_epsilon``: each client's ε(δ) before the plan (none without `spent_rdp`)."""
+    if spent_rdp is None:
+        return {}
+    eps = rdp_to_epsilon(spent_rdp, options.delta)
+    return {"spent_epsilon": [float(x) if math.isfinite(x) else None for x in eps]}
