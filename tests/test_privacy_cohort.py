@@ -129,6 +129,8 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
         json.loads(x)["round"] for x in (runs / "check/predictions.jsonl").read_text().splitlines()
     ] == [0, 2]
 
+    monkeypatch.setattr(bench, "STAGE4_PROBE_Q", (0.3, 0.15))  # probes over the budget
+    monkeypatch.setattr(bench, "STAGE4_PROBE_ROUNDS", 1)
     assert bench.main(["run", *where]) == 0
     for label, (clipping, eps) in bench.DP_ARMS.items():
         summary = json.loads((out / label / "summary.json").read_text())
@@ -142,12 +144,18 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
     probes = [("poisson", 0.3, 2), ("poisson", 0.15, 2)]
     assert note["status"] == "not run" and note["probe_epsilon"] == epsilon(probes, sigma8, 1e-5)
     assert note["probe_epsilon"] > 8 and not (out / "planner-eps8").exists()
-    # at a σ whose probes fit, the planner arm runs for the uniform arm's simulated time
+    # at a σ whose probes fit, the planner arm runs for the uniform arm's simulated time, with
+    # the amendment's probe rates
     monkeypatch.setitem(bench.RULE_SIGMA, (2, 8.0), 5.0)
+    monkeypatch.setattr(bench, "STAGE4_PROBE_Q", (0.02, 0.01))
     assert bench.main(["run", *where, "--only", "planner-eps8"]) == 0
     planner = json.loads((out / "planner-eps8/run_info.json").read_text())
     uniform = json.loads((out / "fixed-eps8/summary.json").read_text())
     assert planner["time_budget_s"] == uniform["sim_time_s"] and planner["sigma"] == 5.0
+    assert planner["probe_epsilon"] == epsilon(
+        [("poisson", 0.02, 2), ("poisson", 0.01, 2)], 5.0, 1e-5
+    )
+    assert "probe_q = [0.02, 0.01]" in (out / "planner-eps8/config.toml").read_text()
     p_summary = json.loads((out / "planner-eps8/summary.json").read_text())
     assert p_summary["privacy"]["largest_epsilon"] <= 8.0
     committed = _git(tmp_path, "log", "--name-only", "--format=")
@@ -170,6 +178,13 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
         )
         assert f"| {label} | 2 |" in md
     assert "planner_vs_uniform" in doc["comparisons"] and "## Stage 4" in md
+    # amendment 2: the summary says whether the planner planned (its fits, from its metrics)
+    lines = (out / "planner-eps8/metrics.jsonl").read_text().splitlines()
+    entries = [json.loads(x)["planner"] for x in lines if '"planner"' in x]
+    assert len(doc["planner_fits"]) == len(entries) >= 1
+    for fit, entry in zip(doc["planner_fits"], entries, strict=True):
+        assert fit["round"] == entry["round"] and f"after round {fit['round']} (" in md
+        assert fit["adopted"] == entry["adopted"]
     cpu = [json.loads(p.read_text())["cpu_s"] for p in out.glob("*/run_info.json")]
     assert len(cpu) == 7 and doc["cpu_hours"] == round(sum(cpu) / 3600, 3)
 

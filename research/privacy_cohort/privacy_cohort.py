@@ -38,7 +38,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: `research`
 from fedlora.config import load_config  # noqa: E402
 from fedlora.errors import ConfigError, DataError  # noqa: E402
-from fedlora.federation.methods.proposed_replan import PROBE_Q  # noqa: E402
 from fedlora.llm.eval_stats import paired_change  # noqa: E402
 from fedlora.system.privacy import (  # noqa: E402
     epsilon,
@@ -73,6 +72,9 @@ DP_ARMS = {
 PLANNER = "planner-eps8"
 UNIFORM = "fixed-eps8"
 PLANNER_ROUND_CAP = 3  # × R: the planner arm's round cap (its time budget stops it first)
+# amendment 2: the planner arm's in-run probes (planner.probe_q, planner.probe_rounds)
+STAGE4_PROBE_Q = (0.02, 0.01)
+STAGE4_PROBE_ROUNDS = 2
 
 
 def execute(args: list[str]) -> None:
@@ -242,12 +244,11 @@ def run_stage(ctx: dict, labels: list[str]) -> int:
     return 0
 
 
-def probe_epsilon(base: str, sigma: float) -> float:
-    """ε(δ) of `proposed`'s in-run probes alone: every client at each rate of PROBE_Q for
-    2 × planner.probe_rounds rounds (two k per rate), fedlora's accounting at σ."""
-    cfg = load_config(base, COMMON)
-    n = 2 * cfg.planner.probe_rounds
-    return epsilon([("poisson", q, n) for q in PROBE_Q], sigma, DELTA)
+def probe_epsilon(sigma: float) -> float:
+    """ε(δ) of `proposed`'s in-run probes alone: every client at each rate of STAGE4_PROBE_Q
+    for 2 × STAGE4_PROBE_ROUNDS rounds (two k per rate), fedlora's accounting at σ."""
+    n = 2 * STAGE4_PROBE_ROUNDS
+    return epsilon([("poisson", q, n) for q in STAGE4_PROBE_Q], sigma, DELTA)
 
 
 def planner_arm(ctx: dict, stage: dict) -> int:
@@ -260,10 +261,10 @@ def planner_arm(ctx: dict, stage: dict) -> int:
     if not landed(ctx["out"], UNIFORM):
         raise DataError(f"{UNIFORM} has not landed: the planner arm's time budget is its time")
     dp, extra = dp_overrides("fixed", 8.0, stage)
-    spent = probe_epsilon(ctx["base"], extra["sigma"])
+    spent = probe_epsilon(extra["sigma"])
     if spent > 8.0:
         reason = (
-            f"proposed's in-run probes (every client at q = {', '.join(map(str, PROBE_Q))}) "
+            f"proposed's in-run probes (every client at q = {', '.join(map(str, STAGE4_PROBE_Q))}) "
             f"alone spend ε = {spent:.3g} > 8 at σ = {extra['sigma']}: the run would stop for "
             "its budget during the probes, before any plan (rule, stage 4)"
         )
@@ -282,6 +283,8 @@ def planner_arm(ctx: dict, stage: dict) -> int:
         f"training.time_budget_s={budget}",
         'method.name="proposed"',
         "planner.max_epsilon=8.0",
+        f"planner.probe_q=[{STAGE4_PROBE_Q[0]}, {STAGE4_PROBE_Q[1]}]",
+        f"planner.probe_rounds={STAGE4_PROBE_ROUNDS}",
         *dp,
     ]
     extra.update(time_budget_s=budget, max_epsilon=8.0, probe_epsilon=spent)

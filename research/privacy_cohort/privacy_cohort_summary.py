@@ -121,6 +121,55 @@ def compare_arms(runs: dict) -> dict:
     return doc
 
 
+def planner_fits(run_dir: Path) -> list[dict]:
+    """Every fit of the planner arm's in-run planner (its metrics' ``planner`` entries): the
+    round, the kind, whether a plan was adopted, the fallback or error, the plan's q range and
+    its ε with the probes' (amendment 2: the summary says whether it planned)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    fits = []
+    for line in path.read_text().splitlines():
+        entry = json.loads(line).get("planner")
+        if not entry:
+            continue
+        plan = entry.get("plan") or {}
+        privacy = plan.get("privacy") or {}
+        fits.append(
+            {
+                "round": entry.get("round"),
+                "kind": entry.get("kind"),
+                "adopted": bool(entry.get("adopted")),
+                "fallback": entry.get("fallback"),
+                "error": entry.get("error"),
+                "q_range": [min(plan["q"]), max(plan["q"])] if plan.get("q") else None,
+                "largest_planned_epsilon": max(privacy["epsilon"]) if privacy else None,
+                "spent_epsilon": max(privacy.get("spent_epsilon") or [0]) if privacy else None,
+            }
+        )
+    return fits
+
+
+def fits_md(fits: list[dict]) -> str:
+    """The planner arm's fits, one line each (none: nothing)."""
+    if not fits:
+        return ""
+    lines = ["", "The planner arm's fits (its metrics.jsonl):", ""]
+    for f in fits:
+        if f["q_range"] is not None:
+            what = (
+                f"plan {'adopted' if f['adopted'] else 'kept the current one'}, q in "
+                f"[{f['q_range'][0]:.4g}, {f['q_range'][1]:.4g}], ε spent before it "
+                f"{f['spent_epsilon']:.3g}, planned largest ε {f['largest_planned_epsilon']:.3g}"
+            )
+        else:
+            what = f"no plan ({f['error']})" + (
+                f"; fell back to {f['fallback']}" if f["fallback"] else ""
+            )
+        lines.append(f"- after round {f['round']} ({f['kind']}): {what}")
+    return "\n".join(lines) + "\n"
+
+
 def write_summary(out: Path, labels: list[str]) -> int:
     runs = {NODP: no_dp_run(out), **{label: load_run(out / label) for label in labels}}
     done = [r for r in runs.values() if r is not None]
@@ -131,9 +180,8 @@ def write_summary(out: Path, labels: list[str]) -> int:
     planner = json.loads(note.read_text()) if note.is_file() else None
     path = out / "stage1.json"
     stage1 = json.loads(path.read_text()) if path.is_file() else None
-    (out / "summary.md").write_text(
-        summary_md(runs, comparisons, stage1, (planner or {}).get("reason", ""))
-    )
+    md = summary_md(runs, comparisons, stage1, (planner or {}).get("reason", ""))
+    (out / "summary.md").write_text(md + fits_md(planner_fits(out / PLANNER)))
     drop = ("ids", "before", "correct")
     clean = {
         label: {"status": "not run"} if r is None else {k: v for k, v in r.items() if k not in drop}
@@ -150,6 +198,7 @@ def write_summary(out: Path, labels: list[str]) -> int:
         "runs": clean,
         "comparisons": comparisons,
         "planner_not_run": planner,
+        "planner_fits": planner_fits(out / PLANNER),
         # every landed run's CPU time (both stage-1 runs included)
         "cpu_hours": round(sum(cpu_seconds(out)) / 3600, 3),
     }
