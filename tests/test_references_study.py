@@ -4,7 +4,6 @@ directory written by hand (gains and differences by hand; arms that are not pair
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,13 +13,10 @@ from scipy import stats
 
 from fedlora.config import dump_toml, load_config
 from fedlora.errors import DataError
+from tiny_runs import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "references_study", ROOT / "research/references/references_study.py"
-)
-study = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(study)
+study = load_script("research/references/references_study.py")
 
 
 def test_fieller_set_is_where_the_paired_t_test_of_x_minus_rho_y_does_not_reject():

@@ -3,21 +3,17 @@ its marker, its newest checkpoint only) and untracked again once the run has fin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[1] / "research" / "study_planner" / "study_planner.py"
+from tiny_runs import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("study_planner_park", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("research/study_planner/study_planner.py")
 
 
 def _git(repo: Path, *argv: str) -> str:

@@ -336,13 +336,12 @@ def test_tiny_runs_count_calibration_share_the_grid_and_resume(tiny_study):
 
 
 def test_bench_runner_refuses_an_unfixed_protocol_and_reports(tmp_path, capsys):
-    import importlib.util
     from pathlib import Path
 
+    from tiny_runs import load_script
+
     path = Path(__file__).parents[1] / "research" / "study_planner" / "study_planner.py"
-    spec = importlib.util.spec_from_file_location("study_planner_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("research/study_planner/study_planner.py")
     # the committed config is valid and its protocol fixed
     assert bench.main(["check"]) == 0
     assert "protocol_fixed = false" not in capsys.readouterr().out
