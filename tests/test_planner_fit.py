@@ -129,15 +129,78 @@ def test_flat_rates_fall_back_to_the_floors_instead_of_planning_q_to_zero():
 
 
 def test_c_with_one_q_in_the_data_is_not_identified():
+    # one Y in the data: C = 1/Y (A = D = 0) fits every row exactly, whatever the rates, and
+    # nnls lands there with A at round-off (2.4e-13 here; this fit used to pass as A > 0 and
+    # get C floored): refused, naming the cause
     a = np.full(4, 0.25)
     settings = [(np.full(4, 0.3), np.full(4, k)) for k in (8, 4, 2)]
     yz = np.array([_yz(a, *s) for s in settings])
     rates = [(1 - 0.5 * y - TRUE.D * z) / TRUE.A for y, z in yz]  # C absorbed: one Y
-    fit = constrained_fit(rates, yz[:, 0], yz[:, 1])
-    assert "takes one value" in fit.floors.get("C", "takes one value")
-    assert fit.constants.C >= 0.1 / yz[:, 0].max()
+    with pytest.raises(ConfigError, match="share one sampling rate .* not identified"):
+        constrained_fit(rates, yz[:, 0], yz[:, 1])
 
 
 def test_fit_refuses_rates_without_information():
     with pytest.raises(ConfigError, match="positive progress rate"):
         constrained_fit([np.nan, -1.0, 0.5], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+
+
+# The pilot's fit after round 24 (study_planner, proposed-inrun seed 7, docs: plandiag): the
+# q = 0.15 probes' rates came out negative, the two kept rows (probes 1 and 3) share
+# Y = Σa²/q at q = 0.3; nnls returned A = 3.6e-14, C = 1/Y (the vertex), which passed A > 0
+PILOT_R24 = {
+    "rates": [0.040855459384025065, -0.027570643055225524, 0.027196365172251644,
+              -0.046902797832557644],
+    "counts": [2, 2, 18, 2],
+    "y": [1.092697718861724, 2.185395437723448, 1.092697718861724, 2.185395437723448],
+    "z": [1.092697718861724, 2.185395437723448, 17.483163501787583, 34.96632700357517],
+}  # fmt: skip
+
+
+def test_a_zero_up_to_round_off_with_one_sampling_rate_is_refused_naming_the_cause():
+    from scipy.optimize import nnls
+
+    p = PILOT_R24
+    # the raw nnls solution is the vertex with A at round-off (what the old check let through)
+    keep = np.asarray(p["rates"]) > 0
+    sw = np.sqrt(np.asarray(p["counts"], float)[keep])
+    design = np.column_stack([np.asarray(p[c])[keep] for c in ("rates", "y", "z")])
+    x, _ = nnls(design * sw[:, None], sw)
+    assert 0 < x[0] * max(p["rates"]) <= 1e-9
+    assert x[1] == pytest.approx(1 / p["y"][0], rel=1e-9)
+    with pytest.raises(ConfigError) as err:
+        constrained_fit(p["rates"], p["y"], p["z"], weights=p["counts"])
+    text = str(err.value)
+    assert "0 up to round-off" in text
+    assert "share one sampling rate" in text and "not identified" in text
+    assert "raise planner.probe_rounds" in text
+
+
+def test_a_exactly_zero_with_one_sampling_rate_names_the_cause():
+    # pilot round 8's rates (probes 1 and 3 kept, one Y): nnls gives A = 0 exactly
+    p = dict(PILOT_R24, rates=[0.09096236616466714, -0.11406944636879571,
+                               0.20019397179939138, -0.13340160114612729], counts=[2, 2, 2, 2])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"fit: A = 0 with A, C, D >= 0: the settings with "
+                                          r"positive progress share one sampling rate"):  # fmt: skip
+        constrained_fit(p["rates"], p["y"], p["z"], weights=p["counts"])
+
+
+def test_a_zero_with_several_sampling_rates_keeps_its_message():
+    # Y varies, but the faster settings are the noisier ones: the rows are explained by C·Y
+    # alone (ρ grows with Y), A = 0; the message stays the "no information" one
+    y, z = [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]
+    with pytest.raises(ConfigError, match=r"A = 0 with A, C, D >= 0 \(the progress rates carry"):
+        constrained_fit([0.1, 0.2, 0.3], y, z)
+
+
+def test_tiny_rates_still_fit_the_threshold_is_on_a_times_rho():
+    # rates ~ 1e-7 (A ~ 1e6 rounds): the progress term A·ρ is still a real share of B, so the
+    # fit is kept with the same numbers (the round-off test is on A·ρ, not on A)
+    a = np.full(4, 0.25)
+    settings = [(np.full(4, q), np.full(4, k)) for k in (8, 2) for q in (0.3, 0.15)]
+    yz = np.array([_yz(a, *s) for s in settings])
+    c, d = 0.5 / yz[:, 0].max(), 0.3 / yz[:, 1].max()
+    rates = [(1 - c * y - d * z) / 1e6 for y, z in yz]
+    fit = constrained_fit(rates, yz[:, 0], yz[:, 1])
+    assert [fit.raw[x] for x in "ACD"] == pytest.approx([1e6, c, d], rel=1e-6)
+    assert fit.floors == {}

@@ -16,7 +16,10 @@ one linear row A·ρ + C·Y + D·Z = 1.
       without bound before Y reaches max Y / φ: the planner cannot take q → 0.
     - D (sketching): the same with Z: not identified when Z/Y takes a single value or D = 0;
       floor D >= φ·B / max Z.
-    - A: must come out > 0 (else the rates carry no information: a ConfigError).
+    - A: must come out > 0 beyond round-off, A·max ρ > 1e-9 (else a ConfigError: the rates
+      carry no information; when the rows with ρ > 0 share one Y, i.e. one sampling rate, the
+      only exact non-negative fit is the vertex C = 1/Y, A = D = 0, and the error says so:
+      A, C, D are not identified, more probe rounds are needed).
 
     Every floor that was applied is named, with the reason, in `FitResult.floors`.
 `progress_rates(log_losses, setting_of_round)`
@@ -40,6 +43,10 @@ from fedlora.system.planner.problem import Constants
 
 FLOOR_SHARE = 0.1  # φ: share of B the variance (or sketch) term takes at the data's largest Y (Z)
 _SPREAD = 1e-9  # relative spread below which a column is "one value"
+# A·max ρ at or below which A counts as 0: A·ρ_i is the progress term's share of B = 1 in row
+# i, so a fit that gives it at most 1e-9 of B explains the rows by C·Y + D·Z alone; NNLS's
+# round-off on such rows is ~1e-15 (1e-14 seen: A·ρ ~ 1e-15), a real fit's share is O(0.1..1)
+_ROUNDOFF = 1e-9
 
 
 @dataclass(frozen=True)
@@ -91,11 +98,8 @@ def constrained_fit(
     design = np.column_stack([rho, y, z]) * sw[:, None]
     x, _ = nnls(design, sw)
     resid = float(np.sqrt(np.sum((design @ x - sw) ** 2) / np.sum(w)))
-    if not x[0] > 0:
-        raise ConfigError(
-            "fit: A = 0 with A, C, D >= 0 (the progress rates carry no information about the "
-            "rounds); raise the probe rounds"
-        )
+    if not x[0] * float(rho.max()) > _ROUNDOFF:  # A = 0, exactly or up to round-off
+        raise ConfigError(_no_progress_term(float(x[0]), y))
     a_, c_, d_ = (float(v) for v in x)
     floors: dict[str, str] = {}
     c_floor = floor_share / float(y.max())
@@ -115,6 +119,21 @@ def constrained_fit(
         raw={"A": float(x[0]), "B": 1.0, "C": float(x[1]), "D": float(x[2])},
         floors=floors,
         residual=resid,
+    )
+
+
+def _no_progress_term(a_raw: float, y: np.ndarray) -> str:
+    """Why a fit with A = 0 (up to round-off) is refused, naming the cause."""
+    a_text = "A = 0" if a_raw == 0 else f"A = {a_raw:.3g}, 0 up to round-off,"
+    if np.ptp(y) <= _SPREAD * float(np.max(np.abs(y))):
+        return (
+            f"fit: {a_text} with A, C, D >= 0: the settings with positive progress share one "
+            f"sampling rate (one Y = Σa²/q = {float(y[0]):.4g}), so A, C, D are not identified "
+            f"(the only non-negative fit is the vertex C = 1/Y); raise planner.probe_rounds"
+        )
+    return (
+        f"fit: {a_text} with A, C, D >= 0 (the progress rates carry no information about the "
+        "rounds); raise the probe rounds"
     )
 
 
