@@ -27,6 +27,9 @@ one linear row A·ρ + C·Y + D·Z = 1.
     log L_r = α − Σ_j ρ_j·n_j(r), n_j(r) = rounds of setting j before round r (rounds without
     a loss, e.g. empty rounds, count in n_j but give no equation). ρ_j = 1/R_j with R_j the
     rounds per unit decrease of log-loss: the rate Theorem 1's R is the inverse of.
+`progress_rates_by_client(client_log_losses, setting_of_round)`
+    The same rates from each participant's own log-loss with an intercept per client
+    (`planner.fit_client_offsets`): the round's participant mix is not read as progress.
 """
 
 from __future__ import annotations
@@ -175,3 +178,54 @@ def progress_rates(
     sol, *_ = np.linalg.lstsq(m[:, cols], t, rcond=None)
     rates[np.flatnonzero(seen)] = sol[1:]
     return rates, counts
+
+
+def progress_rates_by_client(
+    client_log_losses: Sequence[Sequence[Sequence[float]] | None],
+    setting_of_round: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ρ_j, rounds_j, SE(ρ_j)) per setting from each participant's own log-loss: least squares
+    of log L_{r,c} = α_c − Σ_j ρ_j·n_j(r) with an intercept α_c per client c (the within-client
+    estimator: each client's rows minus their mean), so the round's participant mix (clients
+    differ in loss level) is not read as progress.
+
+    `client_log_losses[r]` holds round r's (client, log-loss) pairs (None or empty: no loss
+    that round); `setting_of_round[r]` is as in `progress_rates`, and so is rounds_j. A client
+    seen once contributes nothing. ρ_j is nan where the rows do not determine it (no loss seen
+    after setting j, or setting j's rounds confounded with others within every client); SE_j
+    from the residual scatter (nan without residual degrees of freedom)."""
+    s = np.asarray(setting_of_round, dtype=np.int64)
+    n_settings = int(s.max()) + 1 if s.size else 0
+    counts = np.zeros(n_settings)
+    who, rows, target = [], [], []
+    for r, pairs in enumerate(client_log_losses):
+        for client, value in pairs or ():
+            if value is not None and math.isfinite(value):
+                who.append(int(client))
+                rows.append(-counts.copy())
+                target.append(float(value))
+        counts[s[r]] += 1
+    rates, se = np.full(n_settings, np.nan), np.full(n_settings, np.nan)
+    if not rows:
+        return rates, counts, se
+    m, t, who_a = np.asarray(rows), np.asarray(target), np.asarray(who)
+    groups = np.unique(who_a)
+    for c in groups:  # within-client: a constant column of one client becomes exact zeros
+        at = who_a == c
+        m[at] -= m[at].mean(axis=0)
+        t[at] -= t[at].mean()
+    seen = np.flatnonzero(np.any(m != 0, axis=0))
+    if seen.size == 0:
+        return rates, counts, se
+    x = m[:, seen]
+    pinv = np.linalg.pinv(x)
+    sol = pinv @ t
+    proj = pinv @ x  # e_j lies in the row space of x iff ρ_j is determined by the rows
+    ok = np.linalg.norm(proj - np.eye(seen.size), axis=0) <= 1e-8
+    rates[seen[ok]] = sol[ok]
+    dof = t.size - groups.size - int(np.linalg.matrix_rank(x))
+    if dof > 0:
+        sigma2 = float(np.sum((x @ sol - t) ** 2)) / dof
+        cov = sigma2 * (pinv @ pinv.T)  # (XᵀX)⁺ = X⁺X⁺ᵀ
+        se[seen[ok]] = np.sqrt(np.maximum(np.diag(cov)[ok], 0.0))
+    return rates, counts, se
