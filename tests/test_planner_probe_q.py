@@ -124,3 +124,22 @@ def test_probes_within_the_budget_run():
         Proposed.check_run(load_config(None, [*DP, "planner.probe_q=[0.02, 0.01]",
                                               "planner.probe_rounds=1",
                                               f"planner.max_epsilon={eps * 0.99}"]))  # fmt: skip
+
+
+def test_probe_cycles_count_in_the_budget_check():
+    from fedlora.federation.methods.proposed import Proposed
+
+    # 1 round per setting at q = 0.02, 0.01: within ε = 8 for one cycle; a budget between
+    # one cycle's ε and three cycles' is refused with planner.probe_cycles = 3 (every cycle
+    # the run may probe), naming the key and the three cycles' ε
+    one, three = _ledger_eps([(0.02, 2), (0.01, 2)]), _ledger_eps([(0.02, 6), (0.01, 6)])
+    assert one < three
+    budget = (one + three) / 2
+    base = [*DP, "planner.probe_q=[0.02, 0.01]", "planner.probe_rounds=1",
+            f"planner.max_epsilon={budget}"]  # fmt: skip
+    Proposed.check_run(load_config(None, base))
+    with pytest.raises(ConfigError) as e:
+        Proposed.check_run(load_config(None, [*base, "planner.probe_cycles=3"]))
+    msg = str(e.value)
+    assert "planner.probe_rounds = 1 and planner.probe_cycles = 3 spends" in msg
+    assert f"ε = {three:.3g} on client 0" in msg

@@ -18,16 +18,20 @@ from research.study_planner import replay_inrun
 from tiny_runs import DATA, TINY_FOUR_CLIENTS
 
 
-def _model_run(run_dir: Path, rounds: int = 16) -> list[dict]:
+def _model_run(run_dir: Path, rounds: int = 16, extra: tuple[str, ...] = (),
+               stall: bool = False, offsets: bool = False) -> list[dict]:  # fmt: skip
     """A run directory written by a real `InRunPlanner` whose losses follow Theorem 1's model
     for the (q, k) in force (A = 40, D = 0.002; C 0.02, then 0.3 from round 9: the re-plan
-    after round 12 is adopted), every client taking part every round."""
+    after round 12 is adopted), every client taking part every round. `stall`: in rounds 1-8
+    the q = 0.15 probes' loss rises; `offsets`: a random half of the clients take part, each
+    with its own loss level (logged as client_losses)."""
     from fedlora.federation.methods.base import RoundContext
     from fedlora.federation.methods.proposed import Proposed
     from fedlora.federation.runfiles import ClientRow, write_clients
 
     cfg = load_config(None, ["method.name=proposed", "data.n_clients=10", "lora.rank=8",
-                             "planner.probe_rounds=2", "planner.replan_every=4"])  # fmt: skip
+                             "planner.probe_rounds=2", "planner.replan_every=4",
+                             *extra])  # fmt: skip
     rng = np.random.default_rng(0)
     a = np.full(10, 0.1)
     tau, t_full = rng.uniform(0.5, 3, 10), rng.uniform(1e6, 1e7, 10)
@@ -42,11 +46,17 @@ def _model_run(run_dir: Path, rounds: int = 16) -> list[dict]:
         method.before_round(ctx, r)
         q, k = method.q, method.k
         c = 0.02 if r < 8 else 0.3
+        who = sorted(rng.permutation(10)[:5].tolist()) if offsets else list(range(10))
         line = {"round": r + 1, "sim_time_s": float(r), "train_loss": math.exp(level),
-                "participants": list(range(10)), "k": [int(x) for x in k]}  # fmt: skip
+                "participants": who, "k": [int(k[i]) for i in who]}  # fmt: skip
+        if offsets:
+            losses = [math.exp(level + 0.08 * i - 0.4) for i in who]
+            line["train_loss"] = float(np.mean(losses))
+            line["client_losses"] = [[i, x] for i, x in zip(who, losses)]
         method.after_round(ctx, r, line)
         lines.append(line)
-        level -= (1.0 - c * float(np.sum(0.01 / q)) - 0.002 * float(np.sum(0.64 / q / k**2))) / 40
+        rate = (1.0 - c * float(np.sum(0.01 / q)) - 0.002 * float(np.sum(0.64 / q / k**2))) / 40
+        level -= -0.01 if stall and r < 8 and q[0] < 0.2 else rate  # stalled: rises by 0.01
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return lines
 
@@ -86,6 +96,29 @@ def test_overrides_and_window_change_the_replayed_planner_not_the_rounds(tmp_pat
     windowed = replay_inrun.replay(replay_inrun.load_run(tmp_path), window=4)
     assert sum(windowed[1]["entry"]["rounds_per_setting"]) == 4  # the re-fit after round 12
     assert sum(windowed[0]["entry"]["rounds_per_setting"]) == 8  # the calibration: all probes
+
+
+def test_replay_follows_probe_cycles_and_client_offsets(tmp_path):
+    # a second probe cycle (the first one's fit is refused: one sampling rate) and rates from
+    # per-client losses: every logged entry reproduced, the re-probe included
+    extra = ("planner.probe_cycles=2", "planner.fit_client_offsets=true")
+    lines = _model_run(tmp_path, 24, extra, stall=True, offsets=True)
+    logged = {m["round"]: m["planner"] for m in lines if "planner" in m}
+    assert sorted(logged) == [8, 16, 20, 24] and logged[8]["reprobe"] == "probe cycle 2 of 2"
+    assert logged[16]["cycle"] == 2 and "plan" in logged[16]
+    records = replay_inrun.replay(replay_inrun.load_run(tmp_path))
+    assert [r["round"] for r in records] == [8, 16, 20, 24]
+    assert [replay_inrun.matches(r) for r in records] == [True] * 4
+    assert replay_inrun.main([str(tmp_path), "--check"]) == 0
+    # the same rounds with the mean-loss rates: other rates (the participant mix is read as
+    # progress); a run without client_losses cannot be replayed with the offsets
+    plain = replay_inrun.replay(
+        replay_inrun.load_run(tmp_path, ["planner.fit_client_offsets=false"])
+    )
+    assert plain[1]["entry"]["rates"] != records[1]["entry"]["rates"]
+    (tmp_path / "b").mkdir()
+    _model_run(tmp_path / "b")
+    assert replay_inrun.main([str(tmp_path / "b"), "--set", "planner.fit_client_offsets=true"]) == 2
 
 
 @pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")

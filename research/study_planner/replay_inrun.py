@@ -25,6 +25,11 @@ lower bounds lo_n = a_n²·N·c_n/B at k = γ (docs/paper.md, row 9).
         --set planner.q_lower_bound=none [--window 64] [--json OUT.json]
 
 ``--check`` exits 1 unless every replayed entry equals the logged one (without overrides).
+
+Runs made with ``planner.probe_cycles`` > 1 (the probes ran again after a failed fit: the
+logged ``reprobe``) and ``planner.fit_client_offsets = true`` (rates from each round's
+``client_losses``, `progress_rates_by_client`) are replayed as they ran;
+``--set planner.fit_client_offsets=true`` needs a run that logged ``client_losses``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: `research`
 
+from research.study_planner.replay_rates import (  # noqa: E402 (after the path)
+    client_rates,
+    pad,
+    rate_errors,
+    yz_of,
+)
+
 
 @dataclass
 class RunLog:
@@ -54,6 +66,7 @@ class RunLog:
     tau: np.ndarray
     t_full: np.ndarray  # the planner's t_full (`planning_t_full`)
     losses: list[float | None]  # train_loss of rounds 1..R
+    client_losses: list[list | None]  # client_losses of rounds 1..R (fit_client_offsets)
     ks: list[tuple[list[int], list[int]]]  # (participants, their k) of rounds 1..R
     logged: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -89,6 +102,7 @@ def load_run(run_dir: Path, overrides: list[str] | tuple[str, ...] = ()) -> RunL
         tau=np.array([r.tau_full_s for r in rows], dtype=float),
         t_full=planning_t_full(cfg, {"t_full": t_full, "snr_db": snr}),
         losses=[m.get("train_loss") for m in lines],
+        client_losses=[m.get("client_losses") for m in lines],
         ks=[(list(m.get("participants", [])), list(m.get("k", []))) for m in lines],
         logged={m["round"]: m["planner"] for m in lines if "planner" in m},
     )
@@ -105,7 +119,7 @@ def ran_course(run: RunLog) -> tuple[list[dict[str, Any]], list[int]]:
         {"q": [q] * n, "k": [k] * n} for q, k in probe_settings(cfg.lora.rank, cfg.planner.probe_q)
     ]
     schedule = probe_schedule(cfg.planner.probe_rounds)
-    current, of_round = 0, []
+    current, of_round, cycle = 0, [], list(schedule)
     for i, (who, ks) in enumerate(run.ks):
         idx = schedule[i] if i < len(schedule) else current
         of_round.append(idx)
@@ -113,37 +127,13 @@ def ran_course(run: RunLog) -> tuple[list[dict[str, Any]], list[int]]:
         if want != ks:
             raise ConfigError(f"round {i + 1}: k {ks} of clients {who}, setting {idx} has {want}")
         entry = run.logged.get(i + 1)
+        if entry and entry.get("reprobe"):  # planner.probe_cycles: the probes ran again
+            schedule = schedule + cycle
         if entry and entry.get("adopted"):
             if "plan" in entry:
                 settings.append({"q": entry["plan"]["q"], "k": entry["plan"]["k"]})
             current = entry["setting"]
     return settings, of_round
-
-
-def rate_errors(log_losses: list[float | None], of_round: list[int]) -> tuple[float, np.ndarray]:
-    """(σ, SE(ρ_j)): the residual scatter of log L_r in `progress_rates`' least squares and the
-    standard error of each setting's rate (nan where not estimable)."""
-    counts = np.zeros(max(of_round) + 1)
-    rows, target = [], []
-    for r, value in enumerate(log_losses):
-        if value is not None and math.isfinite(value):
-            rows.append(np.concatenate([[1.0], -counts]))
-            target.append(value)
-        counts[of_round[r]] += 1
-    se = np.full(counts.size, np.nan)
-    m, t = np.asarray(rows), np.asarray(target)
-    if m.ndim != 2 or len(rows) < 2:
-        return math.nan, se
-    seen = np.flatnonzero(np.any(m[:, 1:] != 0, axis=0))
-    x = m[:, np.concatenate([[0], 1 + seen])]
-    dof = x.shape[0] - x.shape[1]
-    if dof <= 0:
-        return math.nan, se
-    sol, *_ = np.linalg.lstsq(x, t, rcond=None)
-    sigma = float(np.sqrt(np.sum((x @ sol - t) ** 2) / dof))
-    cov = sigma**2 * np.linalg.pinv(x.T @ x)
-    se[seen] = np.sqrt(np.diag(cov)[1:])
-    return sigma, se
 
 
 def refit(
@@ -154,9 +144,11 @@ def refit(
     *,
     initial: bool,
     window: int = 0,
+    cycle: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(entry, diagnostics): `_refit` of `proposed_replan` from the rounds `of_round` (their
-    losses in `run`), the entry as the run logs it; `window` > 0: the last `window` rounds."""
+    losses in `run`), the entry as the run logs it; `window` > 0: the last `window` rounds;
+    `cycle`: the probe cycle a calibration fit ends (planner.probe_cycles > 1)."""
     from fedlora.errors import ConfigError
     from fedlora.system.planner.fit import constrained_fit, progress_rates
     from fedlora.system.planner.problem import PlanOptions
@@ -164,21 +156,32 @@ def refit(
     cfg, gamma = run.cfg, run.cfg.lora.rank
     logs = [math.log(x) if x is not None and x > 0 else None for x in run.losses[: len(of_round)]]
     start = max(0, len(of_round) - window) if window and not initial else 0
-    rates, counts = progress_rates(logs[start:], of_round[start:])
-    rates, counts = _pad(rates, math.nan, len(settings)), _pad(counts, 0.0, len(settings))
-    arrays = [(np.asarray(s["q"], float), np.asarray(s["k"], np.int64)) for s in settings]
-    yz = np.array([_yz(run.a, q, k, gamma) for q, k in arrays])
-    options = PlanOptions.from_config(cfg.planner, cfg.network, cfg.privacy)
     sigma, se = rate_errors(logs[start:], of_round[start:])
+    if cfg.planner.fit_client_offsets:
+        rates, counts, se = client_rates(run.client_losses, of_round, start)
+        sigma = math.nan
+    else:
+        rates, counts = progress_rates(logs[start:], of_round[start:])
+    rates, counts = pad(rates, math.nan, len(settings)), pad(counts, 0.0, len(settings))
+    arrays = [(np.asarray(s["q"], float), np.asarray(s["k"], np.int64)) for s in settings]
+    yz = np.array([yz_of(run.a, q, k, gamma) for q, k in arrays])
+    options = PlanOptions.from_config(cfg.planner, cfg.network, cfg.privacy)
     entry: dict[str, Any] = {
         "kind": "calibration" if initial else "replan",
         "rates": [None if not math.isfinite(x) else float(x) for x in rates],
         "rounds_per_setting": [int(c) for c in counts],
     }
+    if cfg.planner.fit_client_offsets:
+        entry["rate_se"] = [
+            None if not math.isfinite(x) else float(x) for x in pad(se, math.nan, len(settings))
+        ]
+        entry["rates_from"] = "client losses, per-client intercepts"
+    if cycle is not None:
+        entry["cycle"] = cycle
     diag: dict[str, Any] = {
         "window_start": start,
         "sigma_log_loss": sigma,
-        "rate_se": [float(x) for x in _pad(se, math.nan, len(settings))],
+        "rate_se": [float(x) for x in pad(se, math.nan, len(settings))],
         "Y": [float(v) for v in yz[:, 0]],
         "Z": [float(v) for v in yz[:, 1]],
     }
@@ -194,7 +197,10 @@ def refit(
         q, k, _ = plan_for(cfg, problem, fit.constants, options, run.a)
     except ConfigError as e:
         entry["error"] = str(e)
-        if initial:
+        if cycle is not None and cycle < cfg.planner.probe_cycles:
+            entry["adopted"] = False
+            entry["reprobe"] = f"probe cycle {cycle + 1} of {cfg.planner.probe_cycles}"
+        elif initial:
             best = _best_probe(run, settings, rates, options)
             entry.update(adopted=True, setting=best)
             entry["fallback"] = f"probe {best + 1} (least time per progress)"
@@ -235,17 +241,6 @@ def _add_plan(run, entry, fit, problem, options, plan, cur, initial) -> None:
         margin=float(run.cfg.planner.replan_margin),
         adopted=bool(initial or gain > run.cfg.planner.replan_margin),
     )
-
-
-def _pad(x: np.ndarray, value: float, size: int) -> np.ndarray:
-    out = np.full(size, value)
-    out[: min(size, x.size)] = x[:size]
-    return out
-
-
-def _yz(a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> tuple[float, float]:
-    a2 = a**2
-    return float(np.sum(a2 / q)), float(np.sum(a2 / q * gamma**2 / k.astype(float) ** 2))
 
 
 def _problem(run: RunLog, constants: Any) -> Any:
@@ -300,17 +295,20 @@ def replay(run: RunLog, window: int = 0) -> list[dict[str, Any]]:
     from fedlora.federation.methods.proposed_replan import probe_schedule
 
     settings, of_round = ran_course(run)
-    n_probe = len(probe_schedule(run.ran_cfg.planner.probe_rounds))
+    cycle_len = len(probe_schedule(run.ran_cfg.planner.probe_rounds))
+    n_probe = cycle_len * (1 + sum(bool(e.get("reprobe")) for e in run.logged.values()))
     every = run.cfg.planner.replan_every
     out = []
-    for done in range(n_probe, len(of_round) + 1):
-        initial = done == n_probe
-        if not (initial or (every and (done - n_probe) % every == 0)):
+    for done in range(cycle_len, len(of_round) + 1):
+        initial = done <= n_probe and done % cycle_len == 0  # the end of a probe cycle
+        if not (initial or (done > n_probe and every and (done - n_probe) % every == 0)):
             continue
+        multi = initial and run.cfg.planner.probe_cycles > 1
         # the settings known then: the probes and the plans adopted before (each ran at once)
         known = settings[: max(3, max(of_round[:done])) + 1]
         cur = 0 if initial else of_round[done - 1]
-        entry, diag = refit(run, known, of_round[:done], cur, initial=initial, window=window)
+        entry, diag = refit(run, known, of_round[:done], cur, initial=initial, window=window,
+                            cycle=done // cycle_len if multi else None)  # fmt: skip
         entry["round"] = done
         out.append({"round": done, "entry": entry, "diag": diag, "logged": run.logged.get(done)})
     return out

@@ -44,12 +44,18 @@ class PlannerConfig:
     probe_rounds: int = 4  # in-run: rounds per probe setting (4 settings, palindromic order)
     # in-run: the probes' two sampling rates q, high then low (each probed at k = γ and ⌈γ/4⌉)
     probe_q: tuple[float, ...] = (0.3, 0.15)
+    # in-run: when the fit after a probe cycle fails, run the probes again (another full
+    # palindromic cycle) and refit, up to this many cycles in all; 1 = fall back at once
+    probe_cycles: int = 1
     # a_n/q_n <= max_weight for every planned q (0 = no bound); 1 = no sampled client counts
     # more than the whole federation
     max_weight: float = 1.0
     # share φ of B the variance (sketch) term takes at the data's largest Y (Z): the floor of
     # C (D) when the data do not identify it
     fit_floor_share: float = 0.1
+    # in-run: the progress rates from each participant's own training loss with a per-client
+    # intercept (the round's participant mix taken out), not from the round's mean loss
+    fit_client_offsets: bool = False
     replan_every: int = 0  # in-run: refit and re-plan every R rounds after the probes; 0 = off
     replan_margin: float = 0.05  # adopt a new plan only if its predicted time is this much lower
     # privacy budget: every client's ε(privacy.delta) at the planned rounds stays below this
@@ -88,6 +94,9 @@ class PlannerConfig:
         check_number(
             "planner.fit_floor_share", self.fit_floor_share, lo=0, hi=1, lo_open=True, hi_open=True
         )
+        check_int("planner.probe_cycles", self.probe_cycles, lo=1)
+        if not isinstance(self.fit_client_offsets, bool):
+            raise bad_value("planner.fit_client_offsets", self.fit_client_offsets, "true or false")
         check_int("planner.replan_every", self.replan_every, lo=0)
         check_number("planner.replan_margin", self.replan_margin, lo=0)
         if self.replan_every and self.calibration != "in-run":
@@ -95,6 +104,7 @@ class PlannerConfig:
                 f"planner.replan_every = {self.replan_every} needs planner.calibration = "
                 f"'in-run' (got {self.calibration!r}): the refit uses the run's own probe rounds"
             )
+        _check_in_run_only(self)
         budgets = self.max_epsilon if isinstance(self.max_epsilon, tuple) else (self.max_epsilon,)
         for i, e in enumerate(budgets):
             name = "planner.max_epsilon" + (f"[{i}]" if isinstance(self.max_epsilon, tuple) else "")
@@ -102,6 +112,20 @@ class PlannerConfig:
         if not isinstance(self.calibration_in_budget, bool):
             raise bad_value(
                 "planner.calibration_in_budget", self.calibration_in_budget, "true or false"
+            )
+
+
+def _check_in_run_only(p: PlannerConfig) -> None:
+    """planner.probe_cycles > 1 and planner.fit_client_offsets = true are in-run options."""
+    for name, value, off in (
+        ("probe_cycles", p.probe_cycles, 1),
+        ("fit_client_offsets", p.fit_client_offsets, False),
+    ):
+        if value != off and p.calibration != "in-run":
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(
+                f"planner.{name} = {shown} needs planner.calibration = 'in-run' (got "
+                f"{p.calibration!r}): it changes how the run's own probe rounds are fitted"
             )
 
 

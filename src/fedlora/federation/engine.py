@@ -307,5 +307,9 @@ def _one_round(run: Run, trainer: Trainer, plan: RoundPlan, progress: Progress) 
     if run.method.privacy is not None and run.method.privacy.noise_alone(trained):
         apply_aggregate(run, RoundPlan(plan.round, ()), to_numpy(run.lora.global_state()), [])
     close_round(run, cost_plan, progress, line, train_loss)
+    if trained is not None and trained.states and run.method.logs_client_losses:
+        line["client_losses"] = [
+            [t.client, float(x)] for t, x in zip(trained.plan.tasks, trained.losses)
+        ]
     line.update(trainer.line_fields(trained), **account_round(run.method, cost_plan, progress))
     return line

@@ -189,6 +189,10 @@ class Method:
     # True: evaluation scores every client's own adapter (kept in the run's client memory) and
     # reports their mean and spread (`local`); False: the global adapter
     evaluates_clients = False
+    # True: the round loop adds ``client_losses`` [[client, training loss], ...] (the trained
+    # participants', whose mean is ``train_loss``) to each round's metrics line before
+    # `after_round` sees it (`proposed` in-run with planner.fit_client_offsets)
+    logs_client_losses = False
     # What the privacy and Flower layers ask of a method (they hold no list of method names;
     # `registry.check_method_config` and the Flower runtime read these). The defaults are the
     # safe ones: a method that declares nothing refuses differential privacy and secure

@@ -96,6 +96,7 @@ class Proposed(Sketched):
         k = resolve_k(k_spec, n=ctx.a.size, gamma=ctx.gamma, rng=ctx.rng)
         method = cls(a=ctx.a, q=q, k=k, gamma=ctx.gamma)
         method.in_run = plan is not None and plan.in_run
+        method.logs_client_losses = method.in_run and ctx.cfg.planner.fit_client_offsets
         return method
 
 

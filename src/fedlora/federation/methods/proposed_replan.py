@@ -8,7 +8,12 @@ slows down linearly does not favour the early probes. After the last probe round
 constants are fitted from the run's rounds so far (`fedlora.system.planner.progress_rates`:
 log L_r = α − Σ_j ρ_j·n_j(r); `constrained_fit`: A, C, D >= 0, floors where not identified)
 and the run goes on with the plan for the adapter it has. The probes are ordinary rounds:
-their simulated time is on the run's clock.
+their simulated time is on the run's clock. If that fit fails (a ConfigError: e.g. the
+settings with positive progress share one sampling rate) and ``planner.probe_cycles`` allows,
+the probe schedule repeats (another full palindromic cycle) and the fit is retried after it;
+after the last cycle, the probe with the least time per progress is the fallback. With
+``planner.fit_client_offsets`` the rates come from each participant's own loss (the metrics
+line's ``client_losses``) with a per-client intercept (`progress_rates_by_client`).
 
 With ``planner.replan_every = R`` the fit is redone every R rounds after the probes from every
 round so far (each round's (q, k) is a setting of the fit), the plan is recomputed, and it
@@ -58,8 +63,9 @@ def probe_settings(gamma: int, probe_q: tuple[float, ...] = PROBE_Q) -> list[tup
 
 def check_probe_budget(cfg: ExperimentConfig, method_cls: Any) -> None:
     """With planner.max_epsilon: refuse a run whose probe rounds alone (4 × probe_rounds
-    rounds at planner.probe_q) take some client's ε(privacy.delta) past its budget, as the
-    run's own accounting counts them (`fedlora.federation.privacy.rounds_epsilons`)."""
+    rounds at planner.probe_q, × planner.probe_cycles: every cycle it may run) take some
+    client's ε(privacy.delta) past its budget, as the run's own accounting counts them
+    (`fedlora.federation.privacy.rounds_epsilons`)."""
     from fedlora.federation.privacy import rounds_epsilons
 
     p = cfg.planner
@@ -67,7 +73,8 @@ def check_probe_budget(cfg: ExperimentConfig, method_cls: Any) -> None:
         return
     n = cfg.data.n_clients
     rates = [q for q, _ in probe_settings(max(cfg.lora.rank, 2), p.probe_q)]
-    eps = rounds_epsilons(cfg, method_cls, [rates[j] for j in probe_schedule(p.probe_rounds)])
+    schedule = probe_schedule(p.probe_rounds) * p.probe_cycles  # every cycle it may run
+    eps = rounds_epsilons(cfg, method_cls, [rates[j] for j in schedule])
     if eps is None:
         return
     budgets = np.broadcast_to(np.asarray(p.max_epsilon, dtype=float), (n,))
@@ -77,7 +84,8 @@ def check_probe_budget(cfg: ExperimentConfig, method_cls: Any) -> None:
     i = max(over, key=lambda j: eps[j] - budgets[j])
     raise ConfigError(
         f"planner.probe_q = {list(p.probe_q)} with planner.probe_rounds = {p.probe_rounds} "
-        f"spends ε = {eps[i]:.3g} on client {i} before the plan (privacy.noise_multiplier = "
+        + (f"and planner.probe_cycles = {p.probe_cycles} " if p.probe_cycles > 1 else "")
+        + f"spends ε = {eps[i]:.3g} on client {i} before the plan (privacy.noise_multiplier = "
         f"{cfg.privacy.noise_multiplier:g}, privacy.delta = {cfg.privacy.delta:g}), over "
         f"planner.max_epsilon = {budgets[i]:g}: lower the probe rates or rounds, or raise the "
         "noise"
@@ -132,6 +140,9 @@ class InRunPlanner:
         loss = line.get("train_loss")
         st["of_round"].append(int(st["in_force"]))
         st["log_loss"].append(math.log(loss) if loss is not None and loss > 0 else None)
+        if "client_log_loss" in st:  # planner.fit_client_offsets: each participant's log-loss
+            pairs = line.get("client_losses") or []
+            st["client_log_loss"].append([[int(c), math.log(x)] for c, x in pairs if x > 0])
         done, n_probe = round_index + 1, len(st["schedule"])
         every = ctx.cfg.planner.replan_every
         if done == n_probe:
@@ -153,7 +164,7 @@ def _initial_state(ctx: RoundContext) -> dict[str, Any]:
         {"q": [q] * n, "k": [k] * n, "source": f"probe {i + 1}"}
         for i, (q, k) in enumerate(probe_settings(gamma, ctx.cfg.planner.probe_q))
     ]
-    return {
+    state = {
         "settings": settings,
         "schedule": probe_schedule(ctx.cfg.planner.probe_rounds),
         "of_round": [],  # setting index of every finished round
@@ -161,6 +172,9 @@ def _initial_state(ctx: RoundContext) -> dict[str, Any]:
         "current": 0,  # the setting in force after the probes
         "history": [],  # every fit and plan (also in metrics.jsonl)
     }
+    if ctx.cfg.planner.fit_client_offsets:  # every round's [[client, log-loss], ...]
+        state["client_log_loss"] = []
+    return state
 
 
 def _problem_inputs(ctx: RoundContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -178,7 +192,7 @@ def _yz(a: np.ndarray, q: np.ndarray, k: np.ndarray, gamma: int) -> tuple[float,
 def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str, Any]:
     """Fit from every round so far, plan, and adopt the plan (always after the probes; after
     a re-plan only if its predicted time gain exceeds planner.replan_margin)."""
-    from fedlora.system.planner.fit import constrained_fit, progress_rates
+    from fedlora.system.planner.fit import constrained_fit
     from fedlora.system.planner.objective import (
         expected_rounds,
         p2_objective,
@@ -189,14 +203,12 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
     cfg, gamma = ctx.cfg, ctx.cfg.lora.rank
     a, tau, t_full = _problem_inputs(ctx)
     settings = [(np.asarray(s["q"], float), np.asarray(s["k"], np.int64)) for s in st["settings"]]
-    rates, counts = progress_rates(st["log_loss"], st["of_round"])
     yz = np.array([_yz(a, q, k, gamma) for q, k in settings])
     options = PlanOptions.from_config(cfg.planner, cfg.network, cfg.privacy)
-    entry: dict[str, Any] = {
-        "kind": "calibration" if initial else "replan",
-        "rates": [None if not math.isfinite(x) else float(x) for x in rates],
-        "rounds_per_setting": [int(c) for c in counts],
-    }
+    entry: dict[str, Any] = {"kind": "calibration" if initial else "replan"}
+    rates, counts = _rates(st, entry)
+    if initial and cfg.planner.probe_cycles > 1:
+        entry["cycle"] = len(st["schedule"]) // len(probe_schedule(cfg.planner.probe_rounds))
     try:
         fit = constrained_fit(
             rates, yz[:, 0], yz[:, 1], weights=counts, floor_share=cfg.planner.fit_floor_share
@@ -213,11 +225,12 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
         q, k, details = plan_for(cfg, problem, fit.constants, options, a, spent)
     except ConfigError as e:
         entry["error"] = str(e)
-        if initial:  # no usable fit: the probe with the least time per unit of progress
-            st["current"] = _best_probe(ctx, st, rates, a, tau, t_full, options)
-            entry["adopted"] = True
-            entry["setting"] = st["current"]
-            entry["fallback"] = f"probe {st['current'] + 1} (least time per progress)"
+        if initial and entry.get("cycle", 1) < cfg.planner.probe_cycles:  # probe once more
+            st["schedule"] = st["schedule"] + probe_schedule(cfg.planner.probe_rounds)
+            entry["adopted"] = False
+            entry["reprobe"] = f"probe cycle {entry['cycle'] + 1} of {cfg.planner.probe_cycles}"
+        elif initial:  # no usable fit: the probe with the least time per unit of progress
+            _fall_back(st, entry, _best_probe(ctx, st, rates, a, tau, t_full, options))
         else:
             entry["adopted"] = False
         return entry
@@ -254,6 +267,32 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
         st["current"] = len(st["settings"]) - 1
         entry["setting"] = st["current"]
     return entry
+
+
+def _fall_back(st: dict[str, Any], entry: dict[str, Any], probe: int) -> None:
+    """No usable fit after the last probe cycle: probe `probe` goes into force."""
+    st["current"] = probe
+    entry["adopted"] = True
+    entry["setting"] = probe
+    entry["fallback"] = f"probe {probe + 1} (least time per progress)"
+
+
+def _rates(st: dict[str, Any], entry: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Each setting's progress rate and rounds from the run's rounds so far, into `entry`:
+    from the rounds' mean loss, or (planner.fit_client_offsets) from each participant's own
+    loss with a per-client intercept, with the rates' standard errors."""
+    from fedlora.system.planner.fit import progress_rates, progress_rates_by_client
+
+    if "client_log_loss" in st:
+        rates, counts, se = progress_rates_by_client(st["client_log_loss"], st["of_round"])
+    else:
+        (rates, counts), se = progress_rates(st["log_loss"], st["of_round"]), None
+    entry["rates"] = [None if not math.isfinite(x) else float(x) for x in rates]
+    entry["rounds_per_setting"] = [int(c) for c in counts]
+    if se is not None:
+        entry["rate_se"] = [None if not math.isfinite(x) else float(x) for x in se]
+        entry["rates_from"] = "client losses, per-client intercepts"
+    return rates, counts
 
 
 def _best_probe(ctx: RoundContext, st, rates, a, tau, t_full, options) -> int:
@@ -306,7 +345,7 @@ def _write_plan_file(ctx: RoundContext, st: dict[str, Any]) -> None:
 def _describe(entry: dict[str, Any]) -> str:
     head = f"planner ({entry['kind']}, after round {entry['round']}): "
     if "error" in entry:
-        tail = entry.get("fallback", "plan kept")
+        tail = entry.get("fallback") or entry.get("reprobe") or "plan kept"
         return head + f"no fit ({entry['error']}); {tail}"
     c = entry["fit"]["constants"]
     floors = entry["fit"]["floors"]

@@ -34,7 +34,13 @@ from fedlora.system.planner.alternation import (
 )
 from fedlora.system.planner.budget import plan_within_budget, rate_bounds
 from fedlora.system.planner.estimate import calibration_fit, estimate_constants
-from fedlora.system.planner.fit import FLOOR_SHARE, FitResult, constrained_fit, progress_rates
+from fedlora.system.planner.fit import (
+    FLOOR_SHARE,
+    FitResult,
+    constrained_fit,
+    progress_rates,
+    progress_rates_by_client,
+)
 from fedlora.system.planner.kstep import greedy_k
 from fedlora.system.planner.objective import (
     expected_rounds,
@@ -73,6 +79,7 @@ __all__ = [
     "FitResult",
     "constrained_fit",
     "progress_rates",
+    "progress_rates_by_client",
     "A_SUM_TOLERANCE",
     "COMM_COSTS",
     "COMP_COSTS",

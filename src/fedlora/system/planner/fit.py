@@ -16,7 +16,10 @@ one linear row A·ρ + C·Y + D·Z = 1.
       without bound before Y reaches max Y / φ: the planner cannot take q → 0.
     - D (sketching): the same with Z: not identified when Z/Y takes a single value or D = 0;
       floor D >= φ·B / max Z.
-    - A: must come out > 0 (else the rates carry no information: a ConfigError).
+    - A: must come out > 0 beyond round-off, A·max ρ > 1e-9 (else a ConfigError: the rates
+      carry no information; when the rows with ρ > 0 share one Y, i.e. one sampling rate, the
+      only exact non-negative fit is the vertex C = 1/Y, A = D = 0, and the error says so:
+      A, C, D are not identified, more probe rounds are needed).
 
     Every floor that was applied is named, with the reason, in `FitResult.floors`.
 `progress_rates(log_losses, setting_of_round)`
@@ -24,6 +27,9 @@ one linear row A·ρ + C·Y + D·Z = 1.
     log L_r = α − Σ_j ρ_j·n_j(r), n_j(r) = rounds of setting j before round r (rounds without
     a loss, e.g. empty rounds, count in n_j but give no equation). ρ_j = 1/R_j with R_j the
     rounds per unit decrease of log-loss: the rate Theorem 1's R is the inverse of.
+`progress_rates_by_client(client_log_losses, setting_of_round)`
+    The same rates from each participant's own log-loss with an intercept per client
+    (`planner.fit_client_offsets`): the round's participant mix is not read as progress.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ from fedlora.system.planner.problem import Constants
 
 FLOOR_SHARE = 0.1  # φ: share of B the variance (or sketch) term takes at the data's largest Y (Z)
 _SPREAD = 1e-9  # relative spread below which a column is "one value"
+# A·max ρ at or below which A counts as 0: A·ρ_i is the progress term's share of B = 1 in row
+# i, so a fit that gives it at most 1e-9 of B explains the rows by C·Y + D·Z alone; NNLS's
+# round-off on such rows is ~1e-15 (1e-14 seen: A·ρ ~ 1e-15), a real fit's share is O(0.1..1)
+_ROUNDOFF = 1e-9
 
 
 @dataclass(frozen=True)
@@ -91,11 +101,8 @@ def constrained_fit(
     design = np.column_stack([rho, y, z]) * sw[:, None]
     x, _ = nnls(design, sw)
     resid = float(np.sqrt(np.sum((design @ x - sw) ** 2) / np.sum(w)))
-    if not x[0] > 0:
-        raise ConfigError(
-            "fit: A = 0 with A, C, D >= 0 (the progress rates carry no information about the "
-            "rounds); raise the probe rounds"
-        )
+    if not x[0] * float(rho.max()) > _ROUNDOFF:  # A = 0, exactly or up to round-off
+        raise ConfigError(_no_progress_term(float(x[0]), y))
     a_, c_, d_ = (float(v) for v in x)
     floors: dict[str, str] = {}
     c_floor = floor_share / float(y.max())
@@ -115,6 +122,21 @@ def constrained_fit(
         raw={"A": float(x[0]), "B": 1.0, "C": float(x[1]), "D": float(x[2])},
         floors=floors,
         residual=resid,
+    )
+
+
+def _no_progress_term(a_raw: float, y: np.ndarray) -> str:
+    """Why a fit with A = 0 (up to round-off) is refused, naming the cause."""
+    a_text = "A = 0" if a_raw == 0 else f"A = {a_raw:.3g}, 0 up to round-off,"
+    if np.ptp(y) <= _SPREAD * float(np.max(np.abs(y))):
+        return (
+            f"fit: {a_text} with A, C, D >= 0: the settings with positive progress share one "
+            f"sampling rate (one Y = Σa²/q = {float(y[0]):.4g}), so A, C, D are not identified "
+            f"(the only non-negative fit is the vertex C = 1/Y); raise planner.probe_rounds"
+        )
+    return (
+        f"fit: {a_text} with A, C, D >= 0 (the progress rates carry no information about the "
+        "rounds); raise the probe rounds"
     )
 
 
@@ -156,3 +178,54 @@ def progress_rates(
     sol, *_ = np.linalg.lstsq(m[:, cols], t, rcond=None)
     rates[np.flatnonzero(seen)] = sol[1:]
     return rates, counts
+
+
+def progress_rates_by_client(
+    client_log_losses: Sequence[Sequence[Sequence[float]] | None],
+    setting_of_round: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ρ_j, rounds_j, SE(ρ_j)) per setting from each participant's own log-loss: least squares
+    of log L_{r,c} = α_c − Σ_j ρ_j·n_j(r) with an intercept α_c per client c (the within-client
+    estimator: each client's rows minus their mean), so the round's participant mix (clients
+    differ in loss level) is not read as progress.
+
+    `client_log_losses[r]` holds round r's (client, log-loss) pairs (None or empty: no loss
+    that round); `setting_of_round[r]` is as in `progress_rates`, and so is rounds_j. A client
+    seen once contributes nothing. ρ_j is nan where the rows do not determine it (no loss seen
+    after setting j, or setting j's rounds confounded with others within every client); SE_j
+    from the residual scatter (nan without residual degrees of freedom)."""
+    s = np.asarray(setting_of_round, dtype=np.int64)
+    n_settings = int(s.max()) + 1 if s.size else 0
+    counts = np.zeros(n_settings)
+    who, rows, target = [], [], []
+    for r, pairs in enumerate(client_log_losses):
+        for client, value in pairs or ():
+            if value is not None and math.isfinite(value):
+                who.append(int(client))
+                rows.append(-counts.copy())
+                target.append(float(value))
+        counts[s[r]] += 1
+    rates, se = np.full(n_settings, np.nan), np.full(n_settings, np.nan)
+    if not rows:
+        return rates, counts, se
+    m, t, who_a = np.asarray(rows), np.asarray(target), np.asarray(who)
+    groups = np.unique(who_a)
+    for c in groups:  # within-client: a constant column of one client becomes exact zeros
+        at = who_a == c
+        m[at] -= m[at].mean(axis=0)
+        t[at] -= t[at].mean()
+    seen = np.flatnonzero(np.any(m != 0, axis=0))
+    if seen.size == 0:
+        return rates, counts, se
+    x = m[:, seen]
+    pinv = np.linalg.pinv(x)
+    sol = pinv @ t
+    proj = pinv @ x  # e_j lies in the row space of x iff ρ_j is determined by the rows
+    ok = np.linalg.norm(proj - np.eye(seen.size), axis=0) <= 1e-8
+    rates[seen[ok]] = sol[ok]
+    dof = t.size - groups.size - int(np.linalg.matrix_rank(x))
+    if dof > 0:
+        sigma2 = float(np.sum((x @ sol - t) ** 2)) / dof
+        cov = sigma2 * (pinv @ pinv.T)  # (XᵀX)⁺ = X⁺X⁺ᵀ
+        se[seen[ok]] = np.sqrt(np.maximum(np.diag(cov)[ok], 0.0))
+    return rates, counts, se
