@@ -225,7 +225,8 @@ def q_curve(
             f"infeasible: client {i} needs q_{i} > {lower[i]:.6g} >= 1 (q_lower_bound = "
             f"{options.q_lower_bound}: a_n = {problem.a[i]:.4g}, k_n = {int(k[i])}, "
             f"N = {n}, max_weight = {options.max_weight:g}); raise B or max_weight or lower "
-            "that client's weight a_n"
+            "that client's weight a_n, or set planner.q_lower_bound = 'none' (the q-step then "
+            "minimises P2 itself, needing only a finite round count)"
         )
     _check_upper(options, lower, upper)
     return QCurve(w, p, kappa, lower, "P3", constants, upper)
