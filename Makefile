@@ -30,7 +30,9 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests bench tools research
 
 test: lint
-	FEDLORA_DATA=$(DATA) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	# two workers (the 2-core CI); tests that start Flower, Ray or kill processes share one
+	# worker, one after another (tests/conftest.py: the "processes" group)
+	FEDLORA_DATA=$(DATA) HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 demo: $(STAMP)
 	FEDLORA_DATA=$(DATA) $(BIN)/fedlora run --config configs/demo.toml

@@ -9,6 +9,17 @@ import pytest
 import fedlora.llm.device
 import fedlora.llm.disk_cache
 
+# test files that start Flower or Ray processes, or kill processes they started: under
+# pytest-xdist (`make test`: -n 2 --dist loadgroup) they run on one worker, one after another,
+# so two Ray clusters or two superlinks never start side by side
+PROCESS_FILES = ("flower", "secagg", "reliability", "ray")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(word in item.path.name for word in PROCESS_FILES):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _bf16_probe_says_fp32() -> Iterator[None]:
