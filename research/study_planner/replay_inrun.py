@@ -215,11 +215,8 @@ def refit(
 
 def _add_plan(run, entry, fit, problem, options, plan, cur, initial) -> None:
     """The plan's fields of the entry, and whether it would be adopted (as `_refit`)."""
-    from fedlora.system.planner.objective import (
-        expected_rounds,
-        p2_objective,
-        sketched_round_weights,
-    )
+    from fedlora.federation.methods.proposed_replan import plan_entry
+    from fedlora.system.planner.objective import p2_objective
 
     q, k = plan
     new = p2_objective(problem, fit.constants, q, k, options)
@@ -227,15 +224,7 @@ def _add_plan(run, entry, fit, problem, options, plan, cur, initial) -> None:
     gain = 1.0 - new / current if math.isfinite(current) and current > 0 else 1.0
     entry.update(
         fit=fit.to_dict(),
-        plan={
-            "q": [float(x) for x in q],
-            "k": [int(x) for x in k],
-            "objective": float(new),
-            "expected_rounds": float(expected_rounds(problem, fit.constants, q, k)),
-            "expected_round_time_s": float(
-                np.dot(q, sketched_round_weights(problem, np.asarray(k), options))
-            ),
-        },
+        plan=plan_entry(problem, fit.constants, q, k, options, new, {}),
         current_objective=None if not math.isfinite(current) else float(current),
         predicted_gain=float(gain),
         margin=float(run.cfg.planner.replan_margin),

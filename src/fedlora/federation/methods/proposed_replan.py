@@ -194,9 +194,7 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
     a re-plan only if its predicted time gain exceeds planner.replan_margin)."""
     from fedlora.system.planner.fit import constrained_fit
     from fedlora.system.planner.objective import (
-        expected_rounds,
         p2_objective,
-        sketched_round_weights,
     )
     from fedlora.system.planner.problem import PlanOptions, PlanProblem
 
@@ -241,16 +239,7 @@ def _refit(ctx: RoundContext, st: dict[str, Any], *, initial: bool) -> dict[str,
     adopt = initial or gain > cfg.planner.replan_margin
     entry.update(
         fit=fit.to_dict(),
-        plan={
-            "q": [float(x) for x in q],
-            "k": [int(x) for x in k],
-            "objective": float(new),
-            "expected_rounds": float(expected_rounds(problem, fit.constants, q, k)),
-            "expected_round_time_s": float(
-                np.dot(q, sketched_round_weights(problem, np.asarray(k), options))
-            ),
-            **({"privacy": details["privacy"]} if "privacy" in details else {}),
-        },
+        plan=plan_entry(problem, fit.constants, q, k, options, new, details),
         current_objective=None if not math.isfinite(current) else float(current),
         predicted_gain=float(gain),
         margin=float(cfg.planner.replan_margin),
@@ -293,6 +282,25 @@ def _rates(st: dict[str, Any], entry: dict[str, Any]) -> tuple[np.ndarray, np.nd
         entry["rate_se"] = [None if not math.isfinite(x) else float(x) for x in se]
         entry["rates_from"] = "client losses, per-client intercepts"
     return rates, counts
+
+
+def plan_entry(
+    problem: Any, constants: Any, q: Any, k: Any, options: Any, objective: float, details: dict
+) -> dict[str, Any]:
+    """A plan as the `planner` entry records it: q, k, P2, expected rounds and round time (and
+    the budget's `privacy` when `plan_for` gave one). Shared with the replay tool."""
+    from fedlora.system.planner.objective import expected_rounds, sketched_round_weights
+
+    return {
+        "q": [float(x) for x in q],
+        "k": [int(x) for x in k],
+        "objective": float(objective),
+        "expected_rounds": float(expected_rounds(problem, constants, q, k)),
+        "expected_round_time_s": float(
+            np.dot(q, sketched_round_weights(problem, np.asarray(k), options))
+        ),
+        **({"privacy": details["privacy"]} if "privacy" in details else {}),
+    }
 
 
 def _best_probe(ctx: RoundContext, st, rates, a, tau, t_full, options) -> int:
