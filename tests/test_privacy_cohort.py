@@ -87,6 +87,12 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
     where = ["--out", str(out), "--runs", str(runs), "--base", str(base), "--commit"]
 
     assert bench.main(["run", *where]) == 2  # no stage1.json yet
+    assert bench.main(["stage1", *where, "--only", "fixed-eps8"]) == 2  # not a stage-1 run
+    assert bench.main(["run", *where, "--only", "stage1-h1"]) == 2
+    # one stage-1 run at a time (side by side on two cores): stage1.json waits for both
+    assert bench.main(["stage1", *where, "--only", "stage1-h2"]) == 0
+    assert (out / "stage1-h2/run_info.json").is_file() and not (out / "stage1-h1").exists()
+    assert not (out / "stage1.json").exists()
     assert bench.main(["stage1", *where]) == 0
     doc = json.loads((out / "stage1.json").read_text())
     assert [(r["H"], r["R"]) for r in doc["table"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]

@@ -142,11 +142,19 @@ def choose(table: list[dict]) -> dict | None:
     return min(learned, key=lambda row: (row["client_steps"], row["R"]), default=None)
 
 
-def stage1(ctx: dict) -> int:
+def stage1(ctx: dict, only: list[str] | None = None) -> int:
+    """Stage 1's runs (`only`: some of them, so that two can run side by side, one per core),
+    then, once both have landed, stage1.json."""
     for h in STAGE1_H:
+        if only and f"stage1-h{h}" not in only:
+            continue
         rounds = [f"training.local_steps={h}", f"training.rounds={max(STAGE1_ROUNDS)}"]
         rounds.append(f"training.eval_every={STAGE1_ROUNDS[0]}")
         run_one(f"stage1-h{h}", [*rounds, *NO_DP], ctx, {"stage": "stage1", "H": h})
+    missing = [f"stage1-h{h}" for h in STAGE1_H if not landed(ctx["out"], f"stage1-h{h}")]
+    if missing:
+        print(f"stage 1: waiting for {', '.join(missing)}; stage1.json is written when both land")
+        return 0
     table = learning_table(ctx["out"])
     chosen = choose(table)
     doc: dict = {"rule": "research/privacy_cohort/privacy_cohort.md", "table": table}
@@ -302,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default="runs/privacy_cohort", help="where the run directories go")
     ap.add_argument("--base", "--config", dest="base", default=BASE, help=f"base config ({BASE})")
     labels = [*DP_ARMS, PLANNER]
-    ap.add_argument("--only", nargs="+", choices=labels, help="these arms, in this order")
+    stage1_labels = [f"stage1-h{h}" for h in STAGE1_H]
+    ap.add_argument(
+        "--only", nargs="+", choices=[*labels, *stage1_labels], help="these runs, in this order"
+    )
     ap.add_argument("--commit", action="store_true", help="git-commit each finished run")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -320,9 +331,18 @@ def main(argv: list[str] | None = None) -> int:
 
             return write_summary(out, labels)
         out.mkdir(parents=True, exist_ok=True)
+        only = args.only or []
+        wrong = [x for x in only if (x in stage1_labels) != (args.stage == "stage1")]
+        if wrong:
+            print(
+                f"research/privacy_cohort/privacy_cohort.py {args.stage}: --only {wrong[0]} "
+                f"is not a run of this stage",
+                file=sys.stderr,
+            )
+            return 2
         if args.stage == "stage1":
-            return stage1(ctx)
-        return run_stage(ctx, args.only or labels)
+            return stage1(ctx, only)
+        return run_stage(ctx, only or labels)
     except (ConfigError, DataError) as e:
         print(f"research/privacy_cohort/privacy_cohort.py {args.stage}: {e}", file=sys.stderr)
         return 2
