@@ -10,11 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from fedlora.system.planner import Constants, PlanOptions, PlanProblem, plan
+from fedlora.system.planner import PlanOptions, plan
 from fedlora.system.planner.budget import plan_within_budget
 from fedlora.system.planner.budget_spent import EXACT_GROUPS, spent_rate_bounds
 from fedlora.system.privacy import columns_rdp, max_poisson_rate, poisson_round_rdp
 from fedlora.system.privacy_ledger import PrivacyLedger, RoundSetting
+from planner_cases import TWO_CLIENTS, drive_theorem1, model_free_proposed
 
 dpa = pytest.importorskip("dp_accounting")
 
@@ -109,14 +110,7 @@ def test_many_distinct_histories_use_the_grid_below_the_exact_bound(monkeypatch)
     budget_spent._grid.cache_clear()
 
 
-PROBLEM = PlanProblem(
-    gamma=2,
-    f_tot=1.0,
-    a=np.array([0.6, 0.4]),
-    tau_full_s=np.array([1.0, 0.3]),
-    t_full=np.array([0.5, 1.5]),
-    constants=Constants(30.0, 1.0, 0.1, 0.02),
-)
+PROBLEM = TWO_CLIENTS
 
 
 def test_a_plan_after_spent_rounds_keeps_what_is_left_of_the_budget():
@@ -150,49 +144,25 @@ def test_a_plan_after_spent_rounds_keeps_what_is_left_of_the_budget():
 
 
 def _in_run(tmp_path, ledger: PrivacyLedger | None):
-    """`proposed`'s in-run planner on 10 clients without a model (as tests/test_replan.py),
+    """`proposed`'s in-run planner on 10 clients without a model (tests/planner_cases.py),
     under a budget of ε = 7 at σ = 1; `ledger` (or none) is what the run has spent."""
-    from types import SimpleNamespace
-
-    from fedlora.config import load_config
-    from fedlora.federation.methods.base import RoundContext
-    from fedlora.federation.methods.proposed import Proposed
-
-    cfg = load_config(
-        None,
-        [
-            "method.name=proposed", "data.n_clients=10", "lora.rank=8", "planner.probe_rounds=2",
-            "planner.probe_q=[0.1, 0.05]", "privacy.mode=central", "privacy.noise_multiplier=1.0",
-            "privacy.clip_norm=1.0", "privacy.delta=1e-5", "planner.max_epsilon=7",
-        ],
+    return model_free_proposed(
+        tmp_path,
+        "planner.probe_q=[0.1, 0.05]", "privacy.mode=central", "privacy.noise_multiplier=1.0",
+        "privacy.clip_norm=1.0", "privacy.delta=1e-5", "planner.max_epsilon=7",
+        q0=0.1,
+        spent=None if ledger is None else ledger.rdp,
     )  # fmt: skip
-    rng = np.random.default_rng(0)
-    a = np.full(10, 0.1)
-    method = Proposed(a=a, q=np.full(10, 0.1), k=np.full(10, 8), gamma=8)
-    method.in_run = True
-    profiles = SimpleNamespace(tau_full_s=rng.uniform(0.5, 3, 10), t_full=rng.uniform(1e6, 1e7, 10),
-                               snr_db=np.full(10, np.nan))  # fmt: skip
-    spent = None if ledger is None else ledger.rdp
-    ctx = RoundContext(cfg, a, profiles, tmp_path, lambda msg: None, spent)
-    return method, ctx
 
 
 def _drive(method, ctx, ledger: PrivacyLedger, rounds: int) -> list[dict]:
     """Rounds whose loss follows Theorem 1's model (A, C, D = 40, 0.3, 0.002), each
     accounted in `ledger` at the round's rates before the planner sees it (as the engine)."""
-    level, lines = math.log(2.0), []
     setting = RoundSetting("central", 1.0, 1.0, "poisson")
-    for r in range(rounds):
-        method.before_round(ctx, r)
-        q, k = method.q, method.k
-        ledger.record(setting, "poisson", q)
-        line = {"round": r + 1, "train_loss": math.exp(level)}
-        method.after_round(ctx, r, line)
-        lines.append(line)
-        y = float(np.sum(0.01 / q))
-        z = float(np.sum(0.01 / q * 64 / k.astype(float) ** 2))
-        level -= (1.0 - 0.3 * y - 0.002 * z) / 40.0
-    return lines
+    return drive_theorem1(
+        method, ctx, rounds, lambda r: (40.0, 0.3, 0.002),
+        before_hooks=lambda q: ledger.record(setting, "poisson", q),
+    )  # fmt: skip
 
 
 def test_the_in_run_plan_keeps_what_the_probes_left_of_the_budget(tmp_path):

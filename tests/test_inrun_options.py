@@ -1,7 +1,7 @@
 """The in-run planner's opt-in options (docs/planner.md): `planner.probe_cycles` (the probes
 run again when the fit after them fails) and `planner.fit_client_offsets` (the progress rates
 from each participant's own loss, with a per-client intercept). Model-free runs driven by
-Theorem 1 (`test_replan._fake_run`), and a tiny model end to end with a bit-identical resume.
+Theorem 1 (`planner_cases.model_free_proposed`), and a tiny model end to end with a bit-identical resume.
 """
 
 from __future__ import annotations

@@ -13,20 +13,14 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.errors import ConfigError
-from fedlora.system.planner import Constants, PlanOptions, PlanProblem, plan
+from fedlora.system.planner import PlanOptions, plan
 from fedlora.system.planner.objective import expected_rounds, p2_objective
+from planner_cases import TWO_CLIENTS
 
 dpa = pytest.importorskip("dp_accounting")
 
 SIGMA, DELTA = 1.0, 1e-5
-PROBLEM = PlanProblem(
-    gamma=2,
-    f_tot=1.0,
-    a=np.array([0.6, 0.4]),
-    tau_full_s=np.array([1.0, 0.3]),
-    t_full=np.array([0.5, 1.5]),
-    constants=Constants(30.0, 1.0, 0.1, 0.02),
-)
+PROBLEM = TWO_CLIENTS  # tests/planner_cases.py
 
 
 def _one_round_rdp(q: float) -> tuple[np.ndarray, np.ndarray]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from fedlora.federation.calibration import prepare_proposed
 from fedlora.federation.methods.proposed_replan import probe_schedule
 from fedlora.federation.run import prepare_run_dir, run_experiment
 from fedlora.federation.run import run as run_entry
+from planner_cases import drive_theorem1, model_free_proposed
 
 DATA = os.environ.get("FEDLORA_DATA", str(Path(__file__).parents[2] / "shared/data/commonsense"))
 pytestmark = pytest.mark.skipif(not Path(DATA).is_dir(), reason="commonsense data not found")
@@ -115,45 +117,15 @@ def test_in_run_probes_fit_replan_and_bit_identical_resume(tmp_path):
 
 
 def _fake_run(tmp_path, *extra):
-    """A `proposed` method and what its round hooks see of a run (`RoundContext`), without a
-    model: 10 clients."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from fedlora.federation.methods.base import RoundContext
-    from fedlora.federation.methods.proposed import Proposed
-
-    cfg = load_config(None, ["method.name=proposed", "data.n_clients=10", "lora.rank=8",
-                             "planner.probe_rounds=2", *extra])  # fmt: skip
-    rng = np.random.default_rng(0)
-    a = np.full(10, 0.1)
-    method = Proposed(a=a, q=np.full(10, 0.3), k=np.full(10, 8), gamma=8)
-    method.in_run = True
-    profiles = SimpleNamespace(tau_full_s=rng.uniform(0.5, 3, 10), t_full=rng.uniform(1e6, 1e7, 10),
-                               snr_db=np.full(10, np.nan))  # fmt: skip
-    ctx = RoundContext(cfg, a, profiles, tmp_path, log=lambda msg: None)
+    """A `proposed` method and what its round hooks see of a run, without a model: 10
+    clients (tests/planner_cases.py)."""
+    method, ctx = model_free_proposed(tmp_path, *extra)
     return SimpleNamespace(ctx=ctx, method=method)
 
 
 def _drive(run, rounds, constants_at):
     """Rounds whose loss follows Theorem 1's model for the q, k in force (no noise)."""
-    import math
-
-    import numpy as np
-
-    level, lines = math.log(2.0), []
-    for r in range(rounds):
-        run.method.before_round(run.ctx, r)
-        q, k = run.method.q, run.method.k
-        A, C, D = constants_at(r)
-        y = float(np.sum(0.01 / q))
-        z = float(np.sum(0.01 / q * 64 / k.astype(float) ** 2))
-        line = {"round": r + 1, "train_loss": math.exp(level)}
-        run.method.after_round(run.ctx, r, line)
-        lines.append(line)
-        level -= (1.0 - C * y - D * z) / A
-    return lines
+    return drive_theorem1(run.method, run.ctx, rounds, constants_at)
 
 
 def test_in_run_fit_is_exact_and_a_consistent_world_keeps_the_plan(tmp_path):
