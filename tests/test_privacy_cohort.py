@@ -109,7 +109,7 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
         (out / "stage1.json").unlink()
         assert bench.main(["stage1", *where]) == 0
         doc = json.loads((out / "stage1.json").read_text())
-    assert doc["chosen"] == {"H": 1, "R": 2}
+    assert doc["chosen"] == {"H": 1, "R": 2, "run": "stage1-h1"} and doc["server"] == []
     lines = [json.loads(x) for x in (out / "stage1-h1/metrics.jsonl").read_text().splitlines()]
     norms = [n for x in lines[1:] for n in x["dp_update_norms"]]
     assert doc["clip_norm"] == float(f"{np.median(norms):.2g}") and doc["n_norms"] == len(norms)
@@ -193,6 +193,51 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
         assert fit["adopted"] == entry["adopted"]
     cpu = [json.loads(p.read_text())["cpu_s"] for p in out.glob("*/run_info.json")]
     assert len(cpu) == 7 and doc["cpu_hours"] == round(sum(cpu) / 3600, 3)
+
+
+@needs_data
+def test_stage1b_when_stage1_learns_nothing(bench, tmp_path, monkeypatch, capsys):
+    """Amendment 3: after stage 1 chose none, stage 1b runs the same grid with server
+    momentum; its choice, C and server keys go into every DP arm; the summary shows both
+    tables and reads the no-DP arm from stage 1b's run."""
+    monkeypatch.setattr(bench, "execute", _in_process)
+    monkeypatch.setattr(bench, "STAGE1_ROUNDS", (1, 2))
+    monkeypatch.setattr(bench, "STAGE1_H", (1,))  # one run per stage: cheaper, the same path
+    for e in (8.0, 2.0):
+        monkeypatch.setitem(bench.RULE_SIGMA, (2, e), 1.0)
+    base = tmp_path / "tiny.toml"
+    base.write_text(TINY_BASE)
+    out, runs = tmp_path / "results", tmp_path / "runs"
+    where = ["--out", str(out), "--runs", str(runs), "--base", str(base)]
+    assert bench.main(["stage1b", *where]) == 2  # not before stage 1
+    monkeypatch.setattr(bench, "choose", lambda table: None)
+    assert bench.main(["stage1", *where]) == 0
+    assert json.loads((out / "stage1.json").read_text())["chosen"] is None
+    assert bench.main(["run", *where]) == 2  # no choice yet
+    assert bench.main(["stage1b", *where, "--only", "stage1-h1"]) == 2  # not a run of 1b
+    monkeypatch.setattr(bench, "choose", lambda table: table[1])  # (H, R) = (1, 2)
+    assert bench.main(["stage1b", *where]) == 0
+    doc = json.loads((out / "stage1b.json").read_text())
+    assert doc["chosen"] == {"H": 1, "R": 2, "run": "stage1b-h1"}
+    assert doc["server"] == bench.STAGE1B_SERVER
+    config = (out / "stage1b-h1/config.toml").read_text()
+    assert 'server_optimizer = "avgm"' in config and "server_momentum = 0.9" in config
+    lines = [json.loads(x) for x in (out / "stage1b-h1/metrics.jsonl").read_text().splitlines()]
+    norms = [n for x in lines[1:] for n in x["dp_update_norms"]]
+    assert doc["clip_norm"] == float(f"{np.median(norms):.2g}")
+
+    assert bench.main(["run", *where, "--only", "fixed-eps8"]) == 0
+    config = (out / "fixed-eps8/config.toml").read_text()
+    assert 'server_optimizer = "avgm"' in config and f"clip_norm = {doc['clip_norm']}" in config
+    capsys.readouterr()
+    assert bench.main(["summary", "--out", str(out)]) == 0
+    md, summary = (out / "summary.md").read_text(), json.loads((out / "summary.json").read_text())
+    assert "## Stage 1 (no DP, plain averaging)" in md and "## Stage 1b" in md
+    assert summary["stage1b"]["chosen"]["run"] == "stage1b-h1"
+    nodp = summary["comparisons"]["fixed-eps8"]["vs_no_dp"]["gain"]
+    assert nodp == pytest.approx(
+        np.mean(_correct(out / "fixed-eps8", 2)) - np.mean(_correct(out / "stage1b-h1", 2))
+    )
 
 
 def _correct(run_dir: Path, round_: int, field: str = "correct") -> list:

@@ -10,6 +10,9 @@ with one torch thread on the CPU. Stages:
              20 rounds, ARC-e at rounds 0, 10, 20. The cheapest (H, R) in client-steps that
              learns (gain >= 2 points, paired 95% interval above 0), fewer rounds on a tie;
              its norms give fixed clipping's C and adaptive clipping's first C: stage1.json
+    stage1b  (amendment 3: only when stage 1 chose none) the same two runs and the same rule
+             with the server momentum of DP federated training (FedAvgM, μ = 0.9, η_s = 1):
+             stage1b.json; the chosen setting's server keys then go into every later run
     run      the four DP arms at (H, R), σ from the rule (recomputed: refused if it differs),
              then the planner arm at the uniform ε = 8 arm's simulated time, if
              `proposed`'s in-run probes fit within ε = 8 at that σ (else planner.json: why)
@@ -19,6 +22,7 @@ A run whose files are already in the results folder is skipped, so a killed stag
 `--commit` git-commits each finished run's result files (and stage1.json) as it lands.
 
     research/privacy_cohort/privacy_cohort.py stage1  --out results/privacy_cohort [--commit]
+    research/privacy_cohort/privacy_cohort.py stage1b --out results/privacy_cohort [--commit]
     research/privacy_cohort/privacy_cohort.py run     --out results/privacy_cohort [--commit]
     research/privacy_cohort/privacy_cohort.py summary --out results/privacy_cohort
     research/privacy_cohort/privacy_cohort.py sigma   # the rule's σ table, recomputed
@@ -56,6 +60,12 @@ NO_DP = ['privacy.mode="central"', "privacy.noise_multiplier=0", "privacy.clip_n
 STAGE1_H = (1, 2)
 STAGE1_ROUNDS = (10, 20)
 LEARN_GAIN = 0.02
+# amendment 3 (stage 1 chose none): the server momentum of DP federated training, one setting
+STAGE1B_SERVER = [
+    'method.server_optimizer="avgm"',
+    "method.server_lr=1.0",
+    "method.server_momentum=0.9",
+]
 # the rule's σ (computed before the runs, research/privacy_cohort/privacy_cohort.md): the
 # smallest σ to 3 decimals whose ε(δ) after R rounds of the Poisson-subsampled Gaussian at
 # q = 0.05 keeps the target, for each R stage 1 may choose
@@ -123,11 +133,11 @@ def two_digits(x: float) -> float:
 # ----------------------------------------------------------------------------- stage 1
 
 
-def learning_table(out: Path) -> list[dict]:
-    """Every (H, R) of stage 1: the gain at round R over round 0 on the same questions."""
+def learning_table(out: Path, prefix: str = "stage1") -> list[dict]:
+    """Every (H, R) of stage 1 (or 1b): the gain at round R over round 0 on the same questions."""
     table = []
     for h in STAGE1_H:
-        preds = read_predictions(out / f"stage1-h{h}")
+        preds = read_predictions(out / f"{prefix}-h{h}")
         first = preds[0][TASK]
         for r in STAGE1_ROUNDS:
             change = paired_change(first["correct"], preds[r][TASK]["correct"])
@@ -142,42 +152,65 @@ def choose(table: list[dict]) -> dict | None:
     return min(learned, key=lambda row: (row["client_steps"], row["R"]), default=None)
 
 
-def stage1(ctx: dict, only: list[str] | None = None) -> int:
+def stage1(ctx: dict, only: list[str] | None = None, prefix: str = "stage1") -> int:
     """Stage 1's runs (`only`: some of them, so that two can run side by side, one per core),
-    then, once both have landed, stage1.json."""
+    then, once both have landed, stage1.json. `prefix` "stage1b": amendment 3's runs, the same
+    with the server momentum STAGE1B_SERVER, into stage1b.json (only after stage 1 chose none)."""
+    server = STAGE1B_SERVER if prefix == "stage1b" else []
+    if server:
+        first = ctx["out"] / "stage1.json"
+        if not first.is_file() or json.loads(first.read_text())["chosen"] is not None:
+            raise DataError(f"{first}: stage 1b runs only after stage 1 chose no setting")
     for h in STAGE1_H:
-        if only and f"stage1-h{h}" not in only:
+        if only and f"{prefix}-h{h}" not in only:
             continue
         rounds = [f"training.local_steps={h}", f"training.rounds={max(STAGE1_ROUNDS)}"]
         rounds.append(f"training.eval_every={STAGE1_ROUNDS[0]}")
-        run_one(f"stage1-h{h}", [*rounds, *NO_DP], ctx, {"stage": "stage1", "H": h})
-    missing = [f"stage1-h{h}" for h in STAGE1_H if not landed(ctx["out"], f"stage1-h{h}")]
+        run_one(f"{prefix}-h{h}", [*rounds, *NO_DP, *server], ctx, {"stage": prefix, "H": h})
+    missing = [f"{prefix}-h{h}" for h in STAGE1_H if not landed(ctx["out"], f"{prefix}-h{h}")]
     if missing:
-        print(f"stage 1: waiting for {', '.join(missing)}; stage1.json is written when both land")
+        print(
+            f"{prefix}: waiting for {', '.join(missing)}; {prefix}.json is written when both land"
+        )
         return 0
-    table = learning_table(ctx["out"])
+    table = learning_table(ctx["out"], prefix)
     chosen = choose(table)
     doc: dict = {"rule": "research/privacy_cohort/privacy_cohort.md", "table": table}
-    doc.update(chosen=None, commit=git_commit())
+    doc.update(chosen=None, server=server, commit=git_commit())
     if chosen is not None:
-        lines = metrics_lines(ctx["out"] / f"stage1-h{chosen['H']}")
+        lines = metrics_lines(ctx["out"] / f"{prefix}-h{chosen['H']}")
         norms = {x["round"]: x["dp_update_norms"] or [] for x in lines if x["round"] >= 1}
         whole = [n for r in range(1, chosen["R"] + 1) for n in norms.get(r, [])]
         if not whole or not norms.get(1):
-            raise DataError(f"stage1-h{chosen['H']}: no update norms in rounds 1-{chosen['R']}")
-        doc["chosen"] = {"H": chosen["H"], "R": chosen["R"]}
+            raise DataError(f"{prefix}-h{chosen['H']}: no update norms in rounds 1-{chosen['R']}")
+        doc["chosen"] = {"H": chosen["H"], "R": chosen["R"], "run": f"{prefix}-h{chosen['H']}"}
         doc["clip_norm"] = two_digits(float(np.median(whole)))
         doc["first_clip_norm"] = two_digits(float(np.median(norms[1])))
         doc["n_norms"] = len(whole)
-    path = ctx["out"] / "stage1.json"
+    path = ctx["out"] / f"{prefix}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     if ctx["commit"]:
-        commit([path], "privacy_cohort: stage1.json")
+        commit([path], f"privacy_cohort: {prefix}.json")
     if chosen is None:
-        print("stage 1: no setting learns within the rule's bound; the study stops (rule)")
+        print(f"{prefix}: no setting learns within the rule's bound; the study stops (rule)")
         return 0
-    print(f"stage 1: H = {chosen['H']}, R = {chosen['R']}; C = {doc['clip_norm']}")
+    print(f"{prefix}: H = {chosen['H']}, R = {chosen['R']}; C = {doc['clip_norm']}")
     return 0
+
+
+def chosen_stage(out: Path) -> tuple[dict | None, str]:
+    """The setting every later run uses: stage 1's choice, else stage 1b's (amendment 3),
+    with its server keys; None when neither chose one. Raises when a needed file is missing."""
+    for prefix in ("stage1", "stage1b"):
+        path = out / f"{prefix}.json"
+        if not path.is_file():
+            raise DataError(f"{path} not found: run {prefix} first ((H, R) and C are fixed by it)")
+        doc = json.loads(path.read_text())
+        if doc["chosen"] is not None:
+            stage = {**doc["chosen"], "clip_norm": doc["clip_norm"]}
+            stage.update(first_clip_norm=doc["first_clip_norm"], server=doc.get("server", []))
+            return stage, prefix
+    return None, "stage1b"
 
 
 # ----------------------------------------------------------------------------- sigma
@@ -226,20 +259,16 @@ def dp_overrides(clipping: str, eps: float, stage: dict) -> tuple[list[str], dic
 
 
 def run_stage(ctx: dict, labels: list[str]) -> int:
-    path = ctx["out"] / "stage1.json"
-    if not path.is_file():
-        raise DataError(f"{path} not found: run stage1 first ((H, R) and C are fixed by it)")
-    doc = json.loads(path.read_text())
-    if doc["chosen"] is None:
-        print("stage 1 found no setting that learns: the study stops there (rule)")
+    stage, _ = chosen_stage(ctx["out"])
+    if stage is None:
+        print("stages 1 and 1b found no setting that learns: the study stops there (rule)")
         return 2
-    stage = {**doc["chosen"], "clip_norm": doc["clip_norm"]}
-    stage["first_clip_norm"] = doc["first_clip_norm"]
     bad = check_sigma(ctx["base"], stage["R"]) if ctx["rule_check"] else []
     if bad:
         print("refused: σ differs from research/privacy_cohort/privacy_cohort.md:", *bad)
         return 2
     steps = [f"training.local_steps={stage['H']}", f"training.rounds={stage['R']}"]
+    steps += stage["server"]
     for label in labels:
         if label == PLANNER:
             continue
@@ -293,6 +322,7 @@ def planner_arm(ctx: dict, stage: dict) -> int:
         "planner.max_epsilon=8.0",
         f"planner.probe_q=[{STAGE4_PROBE_Q[0]}, {STAGE4_PROBE_Q[1]}]",
         f"planner.probe_rounds={STAGE4_PROBE_ROUNDS}",
+        *stage["server"],
         *dp,
     ]
     extra.update(time_budget_s=budget, max_epsilon=8.0, probe_epsilon=spent)
@@ -305,12 +335,12 @@ def planner_arm(ctx: dict, stage: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("stage1", "run", "summary", "sigma"))
+    ap.add_argument("stage", choices=("stage1", "stage1b", "run", "summary", "sigma"))
     ap.add_argument("--out", default="results/privacy_cohort", help="the results folder")
     ap.add_argument("--runs", default="runs/privacy_cohort", help="where the run directories go")
     ap.add_argument("--base", "--config", dest="base", default=BASE, help=f"base config ({BASE})")
     labels = [*DP_ARMS, PLANNER]
-    stage1_labels = [f"stage1-h{h}" for h in STAGE1_H]
+    stage1_labels = [f"{p}-h{h}" for p in ("stage1", "stage1b") for h in STAGE1_H]
     ap.add_argument(
         "--only", nargs="+", choices=[*labels, *stage1_labels], help="these runs, in this order"
     )
@@ -332,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
             return write_summary(out, labels)
         out.mkdir(parents=True, exist_ok=True)
         only = args.only or []
-        wrong = [x for x in only if (x in stage1_labels) != (args.stage == "stage1")]
+        wrong = [x for x in only if not x.startswith(f"{args.stage}-h")]
+        wrong = (
+            wrong if args.stage.startswith("stage1") else [x for x in only if x in stage1_labels]
+        )
         if wrong:
             print(
                 f"research/privacy_cohort/privacy_cohort.py {args.stage}: --only {wrong[0]} "
@@ -340,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        if args.stage == "stage1":
-            return stage1(ctx, only)
+        if args.stage in ("stage1", "stage1b"):
+            return stage1(ctx, only, args.stage)
         return run_stage(ctx, only or labels)
     except (ConfigError, DataError) as e:
         print(f"research/privacy_cohort/privacy_cohort.py {args.stage}: {e}", file=sys.stderr)

@@ -95,14 +95,22 @@ def planner_verdict(pair: dict) -> str:
     return "no difference detected"
 
 
+STAGES = ("stage1", "stage1b")  # stage 1b: amendment 3, only after stage 1 chose none
+
+
+def stage_docs(out: Path) -> dict[str, dict]:
+    """stage1.json and stage1b.json, those that exist."""
+    paths = {prefix: out / f"{prefix}.json" for prefix in STAGES}
+    return {k: json.loads(p.read_text()) for k, p in paths.items() if p.is_file()}
+
+
 def no_dp_run(out: Path) -> dict | None:
-    path = out / "stage1.json"
-    if not path.is_file():
-        return None
-    chosen = json.loads(path.read_text())["chosen"]
-    if chosen is None:
-        return None
-    return load_run(out / f"stage1-h{chosen['H']}", chosen["R"])
+    """The no-DP arm: the chosen stage-1 (or 1b) run read at its round R."""
+    for prefix, doc in stage_docs(out).items():
+        chosen = doc["chosen"]
+        if chosen is not None:
+            return load_run(out / chosen.get("run", f"{prefix}-h{chosen['H']}"), chosen["R"])
+    return None
 
 
 def compare_arms(runs: dict) -> dict:
@@ -178,9 +186,8 @@ def write_summary(out: Path, labels: list[str]) -> int:
     comparisons = compare_arms(runs)
     note = out / "planner.json"
     planner = json.loads(note.read_text()) if note.is_file() else None
-    path = out / "stage1.json"
-    stage1 = json.loads(path.read_text()) if path.is_file() else None
-    md = summary_md(runs, comparisons, stage1, (planner or {}).get("reason", ""))
+    stages = stage_docs(out)
+    md = summary_md(runs, comparisons, stages, (planner or {}).get("reason", ""))
     (out / "summary.md").write_text(md + fits_md(planner_fits(out / PLANNER)))
     drop = ("ids", "before", "correct")
     clean = {
@@ -194,7 +201,7 @@ def write_summary(out: Path, labels: list[str]) -> int:
         "questions": len(first["ids"]) if done else None,
         "chance": first.get("chance"),
         "most_frequent_label": first.get("majority"),
-        "stage1": stage1,
+        **{prefix: stages.get(prefix) for prefix in STAGES},
         "runs": clean,
         "comparisons": comparisons,
         "planner_not_run": planner,
@@ -249,7 +256,7 @@ def run_row(label: str, r: dict | None, c: dict | None) -> str:
     )
 
 
-def summary_md(runs: dict, comparisons: dict, stage1: dict | None, planner_note: str = "") -> str:
+def summary_md(runs: dict, comparisons: dict, stages: dict, planner_note: str = "") -> str:
     lines = ["# Client-level DP at N = 1,000 clients: results", ""]
     lines.append(
         "Written by `research/privacy_cohort/privacy_cohort.py summary`; the rule is "
@@ -257,25 +264,38 @@ def summary_md(runs: dict, comparisons: dict, stage1: dict | None, planner_note:
         "questions and this seed only."
     )
     lines.append("")
-    if stage1 is not None:
-        lines += ["## Stage 1 (no DP): the gain over round 0", ""]
+    titles = {
+        "stage1": "Stage 1 (no DP, plain averaging)",
+        "stage1b": "Stage 1b (no DP, server momentum μ = 0.9, η_s = 1: amendment 3)",
+    }
+    for prefix, doc in stages.items():
+        lines += [f"## {titles[prefix]}: the gain over round 0", ""]
         lines += ["| H | R | client-steps | gain, points [95%] | McNemar p | learns |"]
         lines += ["|---|---|---|---|---|---|"]
-        for row in stage1["table"]:
+        for row in doc["table"]:
             lines.append(
                 f"| {row['H']} | {row['R']} | {row['client_steps']} | {_interval(row)} | "
                 f"{row['mcnemar_p']:.2g} | {'yes' if row['learns'] else 'no'} |"
             )
-        chosen = stage1["chosen"]
+        chosen = doc["chosen"]
         lines.append("")
         if chosen is None:
-            lines.append("**No setting learns within stage 1's bound: the study stops there.**")
-            return "\n".join(lines) + "\n"
+            if prefix == "stage1" and "stage1b" not in stages:
+                lines.append("No setting learns within stage 1's bound (stage 1b: amendment 3).")
+                return "\n".join(lines) + "\n"
+            elif prefix == "stage1b":
+                lines.append("**No setting learns within stages 1 and 1b: the study stops there.**")
+                return "\n".join(lines) + "\n"
+            else:
+                lines.append("No setting learns within stage 1's bound.")
+            lines.append("")
+            continue
         lines.append(
-            f"Chosen: H = {chosen['H']}, R = {chosen['R']}; fixed C = {stage1['clip_norm']}, "
-            f"adaptive clipping's first C = {stage1['first_clip_norm']}."
+            f"Chosen: H = {chosen['H']}, R = {chosen['R']}; fixed C = {doc['clip_norm']}, "
+            f"adaptive clipping's first C = {doc['first_clip_norm']}."
         )
         lines.append("")
+        break
     done = [r for r in runs.values() if r is not None]
     if done:
         b = done[0]
