@@ -5,6 +5,7 @@ round and task. Not part of the product: `fedlora` never imports the research tr
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -68,3 +69,17 @@ def read_predictions(run_dir: Path) -> dict[int, dict[str, dict]]:
         line = json.loads(raw)
         out.setdefault(line["round"], {})[line["task"]] = line
     return out
+
+
+def pct(x: float) -> str:
+    """A fraction as a percentage with one decimal: 0.508 -> "50.8"."""
+    return f"{100 * x:.1f}"
+
+
+def gain_interval(pair: dict) -> str:
+    """A paired change (`paired_change`'s gain and gain_ci95) in points with its interval:
+    "+2.4 [-1.8, +6.6]" ("[-]" when the interval is undefined)."""
+    lo, hi = pair["gain_ci95"]
+    if math.isnan(lo):
+        return f"{100 * pair['gain']:+.1f} [-]"
+    return f"{100 * pair['gain']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"

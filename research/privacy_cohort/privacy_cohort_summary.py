@@ -19,7 +19,7 @@ import numpy as np
 
 from fedlora.errors import DataError
 from fedlora.llm.eval_stats import paired_change
-from research.measure import read_predictions
+from research.measure import gain_interval, pct, read_predictions
 
 TASK = "arc-e"
 P_DECIDES = 0.05
@@ -218,17 +218,6 @@ def cpu_seconds(out: Path) -> list[float]:
     return [json.loads(p.read_text())["cpu_s"] for p in sorted(out.glob("*/run_info.json"))]
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
-
-
-def _interval(pair: dict) -> str:
-    lo, hi = pair["gain_ci95"]
-    if math.isnan(lo):
-        return f"{100 * pair['gain']:+.1f} [-]"
-    return f"{100 * pair['gain']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-
-
 def _num(x: float | None, fmt: str = ".4g") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -241,7 +230,7 @@ def run_row(label: str, r: dict | None, c: dict | None) -> str:
     if r["final_clip_norm"] is not None:
         clip += f"→{r['final_clip_norm']:.3g}"
     against = (
-        "-" if c is None else f"{_interval(c['vs_no_dp'])} (p {c['vs_no_dp']['mcnemar_p']:.2g})"
+        "-" if c is None else f"{gain_interval(c['vs_no_dp'])} (p {c['vs_no_dp']['mcnemar_p']:.2g})"
     )
     share = "-"
     if c is not None:
@@ -249,8 +238,8 @@ def run_row(label: str, r: dict | None, c: dict | None) -> str:
         share = f"{100 * c['share']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]"
     return (
         f"| {label} | {r['round']} | {r['sigma']:g} | {clip} | {_num(r['largest_epsilon'])} / "
-        f"{_num(r['median_epsilon'])} | {_pct(r['acc'][0])}→{_pct(r['acc'][1])} | "
-        f"{_interval(ch)} (p {ch['mcnemar_p']:.2g}) | {against} | {share} | "
+        f"{_num(r['median_epsilon'])} | {pct(r['acc'][0])}→{pct(r['acc'][1])} | "
+        f"{gain_interval(ch)} (p {ch['mcnemar_p']:.2g}) | {against} | {share} | "
         f"{'-' if c is None else c['verdict']} | {r['sim_time_s']:.0f} | "
         f"{r['wall_s']:.0f} / {r['cpu_s']:.0f} |"
     )
@@ -274,7 +263,7 @@ def summary_md(runs: dict, comparisons: dict, stages: dict, planner_note: str = 
         lines += ["|---|---|---|---|---|---|"]
         for row in doc["table"]:
             lines.append(
-                f"| {row['H']} | {row['R']} | {row['client_steps']} | {_interval(row)} | "
+                f"| {row['H']} | {row['R']} | {row['client_steps']} | {gain_interval(row)} | "
                 f"{row['mcnemar_p']:.2g} | {'yes' if row['learns'] else 'no'} |"
             )
         chosen = doc["chosen"]
@@ -300,8 +289,8 @@ def summary_md(runs: dict, comparisons: dict, stages: dict, planner_note: str = 
     if done:
         b = done[0]
         lines.append(
-            f"ARC-e, n = {len(b['ids'])} (the same in every run). Chance {_pct(b['chance'])}%; "
-            f"most-frequent label {_pct(b['majority'])}%. Intervals: paired normal 95% (the "
+            f"ARC-e, n = {len(b['ids'])} (the same in every run). Chance {pct(b['chance'])}%; "
+            f"most-frequent label {pct(b['majority'])}%. Intervals: paired normal 95% (the "
             "share: paired bootstrap over questions); p: exact two-sided McNemar."
         )
         lines.append("")
@@ -318,7 +307,7 @@ def summary_md(runs: dict, comparisons: dict, stages: dict, planner_note: str = 
         lines.append(f"Not run{': ' + planner_note if planner_note else ''}.")
     else:
         lines.append(
-            f"Planner − uniform at the common simulated-time budget: {_interval(pair)} points, "
+            f"Planner − uniform at the common simulated-time budget: {gain_interval(pair)} points, "
             f"McNemar p {pair['mcnemar_p']:.2g}: **{pair['verdict']}**."
         )
     return "\n".join(lines) + "\n"

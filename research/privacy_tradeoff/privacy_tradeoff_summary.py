@@ -10,14 +10,13 @@ same questions at the last evaluation, and the verdict on the FFA-LoRA claim.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 
 from fedlora.errors import DataError
 from fedlora.llm.eval_stats import paired_change
-from research.measure import read_predictions
+from research.measure import gain_interval, pct, read_predictions
 
 TASK = "arc-e"
 EPSILONS = (8, 2)
@@ -91,17 +90,6 @@ def overall(verdicts: list[str | None]) -> str:
     return "inconclusive"
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
-
-
-def _interval(pair: dict) -> str:
-    lo, hi = pair["gain_ci95"]
-    if math.isnan(lo):
-        return f"{100 * pair['gain']:+.1f} [-]"
-    return f"{100 * pair['gain']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-
-
 def _eps(r: dict) -> str:
     if r["sigma"] == 0 or r["max_epsilon"] is None:
         return "∞"
@@ -114,8 +102,8 @@ def run_row(label: str, r: dict | None) -> str:
     c = r["change"]
     return (
         f"| {label} | {r['sigma']:g} | {r['clip_norm']:g} | {_eps(r)} | "
-        f"{_pct(r['acc'][0])}→{_pct(r['acc'][1])} | {_interval(c)} | {c['gained']}/{c['lost']} "
-        f"| {c['mcnemar_p']:.2g} | {_pct(r['acc_norm'][0])}→{_pct(r['acc_norm'][1])} | "
+        f"{pct(r['acc'][0])}→{pct(r['acc'][1])} | {gain_interval(c)} | {c['gained']}/{c['lost']} "
+        f"| {c['mcnemar_p']:.2g} | {pct(r['acc_norm'][0])}→{pct(r['acc_norm'][1])} | "
         f"{r['mc_loss'][0]:.3f}→{r['mc_loss'][1]:.3f} | {r['sim_time_s']:.0f} | "
         f"{r['wall_s']:.0f} / {r['cpu_s']:.0f} | {r['load'][0]}→{r['load'][1]} |"
     )
@@ -177,8 +165,8 @@ def summary_md(runs: dict, comparisons: dict, secondary: dict, verdict: str) -> 
         b = done[0]
         lines.append(
             f"Questions: ARC-e, n = {b['n']} (the same in every run), evaluated at round 0 and "
-            f"round {b['last_round']}. Chance {_pct(b['chance'])}%; most-frequent label "
-            f"{_pct(b['majority'])}%. Intervals: paired normal 95%; p: exact two-sided McNemar."
+            f"round {b['last_round']}. Chance {pct(b['chance'])}%; most-frequent label "
+            f"{pct(b['majority'])}%. Intervals: paired normal 95%; p: exact two-sided McNemar."
         )
         lines.append("")
     lines += [
@@ -200,7 +188,7 @@ def summary_md(runs: dict, comparisons: dict, secondary: dict, verdict: str) -> 
             lines.append(f"| {e} | not run | | | |")
         else:
             lines.append(
-                f"| {e} | {_interval(c)} | {c['gained']}/{c['lost']} | {c['mcnemar_p']:.2g} | "
+                f"| {e} | {gain_interval(c)} | {c['gained']}/{c['lost']} | {c['mcnemar_p']:.2g} | "
                 f"{c['verdict']} |"
             )
     for e, c in comparisons.items():
@@ -212,6 +200,8 @@ def summary_md(runs: dict, comparisons: dict, secondary: dict, verdict: str) -> 
     lines += ["", f"**The FFA-LoRA claim (better than LoRA under DP): {verdict}** ({OVERALL})."]
     lines += ["", "Secondary (decides nothing): FFA-LoRA at sketched's σ against LoRA at ε:", ""]
     for e, c in secondary.items():
-        text = "not run" if c is None else f"{_interval(c)} points, McNemar p {c['mcnemar_p']:.2g}"
+        text = (
+            "not run" if c is None else f"{gain_interval(c)} points, McNemar p {c['mcnemar_p']:.2g}"
+        )
         lines.append(f"- ffa-sigma{e} − lora-eps{e}: {text}")
     return "\n".join(lines) + "\n"
