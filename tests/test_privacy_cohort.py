@@ -197,9 +197,10 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
 
 @needs_data
 def test_stage1b_when_stage1_learns_nothing(bench, tmp_path, monkeypatch, capsys):
-    """Amendment 3: after stage 1 chose none, stage 1b runs the same grid with server
-    momentum; its choice, C and server keys go into every DP arm; the summary shows both
-    tables and reads the no-DP arm from stage 1b's run."""
+    """Amendments 3 and 4: after stage 1 chose none, stage 1b runs the same grid with server
+    momentum; after it chose none, stage 1c continues its runs to more rounds; the choice, C
+    and server keys go into every DP arm; the summary shows every table and reads the no-DP
+    arm from the chosen run."""
     monkeypatch.setattr(bench, "execute", _in_process)
     monkeypatch.setattr(bench, "STAGE1_ROUNDS", (1, 2))
     monkeypatch.setattr(bench, "STAGE1_H", (1,))  # one run per stage: cheaper, the same path
@@ -215,17 +216,32 @@ def test_stage1b_when_stage1_learns_nothing(bench, tmp_path, monkeypatch, capsys
     assert json.loads((out / "stage1.json").read_text())["chosen"] is None
     assert bench.main(["run", *where]) == 2  # no choice yet
     assert bench.main(["stage1b", *where, "--only", "stage1-h1"]) == 2  # not a run of 1b
-    monkeypatch.setattr(bench, "choose", lambda table: table[1])  # (H, R) = (1, 2)
+    assert bench.main(["stage1c", *where]) == 2  # not before stage 1b
     assert bench.main(["stage1b", *where]) == 0
     doc = json.loads((out / "stage1b.json").read_text())
-    assert doc["chosen"] == {"H": 1, "R": 2, "run": "stage1b-h1"}
-    assert doc["server"] == bench.STAGE1B_SERVER
+    assert doc["chosen"] is None and doc["server"] == bench.STAGE1B_SERVER
     config = (out / "stage1b-h1/config.toml").read_text()
     assert 'server_optimizer = "avgm"' in config and "server_momentum = 0.9" in config
-    lines = [json.loads(x) for x in (out / "stage1b-h1/metrics.jsonl").read_text().splitlines()]
+    # amendment 4: stage 1b's run continued by a resume, its committed files untouched
+    monkeypatch.setattr(bench, "STAGE1C_ROUNDS", (1, 2, 3, 4))
+    kept = (out / "stage1b-h1/predictions.jsonl").read_text()
+    monkeypatch.setattr(bench, "choose", lambda table: table[3])  # (H, R) = (1, 4)
+    assert bench.main(["stage1c", *where]) == 0
+    assert (out / "stage1b-h1/predictions.jsonl").read_text() == kept
+    doc = json.loads((out / "stage1c.json").read_text())
+    assert doc["chosen"] == {"H": 1, "R": 4, "run": "stage1c-h1"}
+    assert [row["R"] for row in doc["table"]] == [1, 2, 3, 4]
+    info = json.loads((out / "stage1c-h1/run_info.json").read_text())
+    assert info["extends"] == "stage1b-h1"
+    extended = (out / "stage1c-h1/predictions.jsonl").read_text().splitlines()
+    assert extended[:3] == kept.splitlines() and len(extended) == 5  # rounds 0-2, then 3, 4
+    lines = [json.loads(x) for x in (out / "stage1c-h1/metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == [0, 1, 2, 3, 4]
     norms = [n for x in lines[1:] for n in x["dp_update_norms"]]
     assert doc["clip_norm"] == float(f"{np.median(norms):.2g}")
 
+    for e in (8.0, 2.0):
+        monkeypatch.setitem(bench.RULE_SIGMA, (4, e), 1.0)
     assert bench.main(["run", *where, "--only", "fixed-eps8"]) == 0
     config = (out / "fixed-eps8/config.toml").read_text()
     assert 'server_optimizer = "avgm"' in config and f"clip_norm = {doc['clip_norm']}" in config
@@ -233,10 +249,10 @@ def test_stage1b_when_stage1_learns_nothing(bench, tmp_path, monkeypatch, capsys
     assert bench.main(["summary", "--out", str(out)]) == 0
     md, summary = (out / "summary.md").read_text(), json.loads((out / "summary.json").read_text())
     assert "## Stage 1 (no DP, plain averaging)" in md and "## Stage 1b" in md
-    assert summary["stage1b"]["chosen"]["run"] == "stage1b-h1"
+    assert "## Stage 1c" in md and summary["stage1c"]["chosen"]["run"] == "stage1c-h1"
     nodp = summary["comparisons"]["fixed-eps8"]["vs_no_dp"]["gain"]
     assert nodp == pytest.approx(
-        np.mean(_correct(out / "fixed-eps8", 2)) - np.mean(_correct(out / "stage1b-h1", 2))
+        np.mean(_correct(out / "fixed-eps8", 4)) - np.mean(_correct(out / "stage1c-h1", 4))
     )
 
 
@@ -255,7 +271,7 @@ def _dp_accounting_epsilon(q: float, sigma: float, rounds: int) -> float:
     return acc.get_epsilon(1e-5)
 
 
-@pytest.mark.parametrize("rounds_eps", [(10, 8.0), (10, 2.0), (20, 8.0), (20, 2.0)])
+@pytest.mark.parametrize("rounds_eps", [(r, e) for r in (10, 20, 30, 40) for e in (8.0, 2.0)])
 def test_the_rules_sigma_is_the_smallest_that_keeps_the_target(bench, rounds_eps):
     """dp-accounting's RDP accountant, called directly: the rule's σ keeps ε(1e-5) <= the
     target after R rounds at q = 0.05, σ − 0.001 does not; the papers' formulas agree."""

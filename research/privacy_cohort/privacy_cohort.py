@@ -13,6 +13,8 @@ with one torch thread on the CPU. Stages:
     stage1b  (amendment 3: only when stage 1 chose none) the same two runs and the same rule
              with the server momentum of DP federated training (FedAvgM, μ = 0.9, η_s = 1):
              stage1b.json; the chosen setting's server keys then go into every later run
+    stage1c  (amendment 4: only when stage 1b chose none) stage 1b's two runs continued to
+             40 rounds (resumed), ARC-e also at 30 and 40, the same rule: stage1c.json
     run      the four DP arms at (H, R), σ from the rule (recomputed: refused if it differs),
              then the planner arm at the uniform ε = 8 arm's simulated time, if
              `proposed`'s in-run probes fit within ε = 8 at that σ (else planner.json: why)
@@ -60,6 +62,9 @@ NO_DP = ['privacy.mode="central"', "privacy.noise_multiplier=0", "privacy.clip_n
 STAGE1_H = (1, 2)
 STAGE1_ROUNDS = (10, 20)
 LEARN_GAIN = 0.02
+# amendment 4 (stage 1b chose none): stage 1b's two runs continued to 40 rounds (resumed)
+STAGE1C_ROUNDS = (10, 20, 30, 40)
+STAGE_PREFIXES = ("stage1", "stage1b", "stage1c")
 # amendment 3 (stage 1 chose none): the server momentum of DP federated training, one setting
 STAGE1B_SERVER = [
     'method.server_optimizer="avgm"',
@@ -70,6 +75,7 @@ STAGE1B_SERVER = [
 # smallest σ to 3 decimals whose ε(δ) after R rounds of the Poisson-subsampled Gaussian at
 # q = 0.05 keeps the target, for each R stage 1 may choose
 RULE_SIGMA = {(10, 8.0): 0.563, (10, 2.0): 1.034, (20, 8.0): 0.604, (20, 2.0): 1.1}
+RULE_SIGMA |= {(30, 8.0): 0.632, (30, 2.0): 1.153, (40, 8.0): 0.654, (40, 2.0): 1.2}  # amdt. 4
 ADAPTIVE = ["privacy.target_quantile=0.5", "privacy.clip_learning_rate=0.2"]
 COUNT_NOISE = 2.5  # σ_b = E[m]/20 (Andrew et al. 2021), E[m] = 50
 # label -> (clipping, ε); stage 4's planner arm and its uniform counterpart
@@ -139,7 +145,7 @@ def learning_table(out: Path, prefix: str = "stage1") -> list[dict]:
     for h in STAGE1_H:
         preds = read_predictions(out / f"{prefix}-h{h}")
         first = preds[0][TASK]
-        for r in STAGE1_ROUNDS:
+        for r in STAGE1C_ROUNDS if prefix == "stage1c" else STAGE1_ROUNDS:
             change = paired_change(first["correct"], preds[r][TASK]["correct"])
             learns = change["gain"] >= LEARN_GAIN - 1e-12 and change["gain_ci95"][0] > 0
             table.append({"H": h, "R": r, "client_steps": h * r, **change, "learns": learns})
@@ -156,13 +162,17 @@ def stage1(ctx: dict, only: list[str] | None = None, prefix: str = "stage1") -> 
     """Stage 1's runs (`only`: some of them, so that two can run side by side, one per core),
     then, once both have landed, stage1.json. `prefix` "stage1b": amendment 3's runs, the same
     with the server momentum STAGE1B_SERVER, into stage1b.json (only after stage 1 chose none)."""
-    server = STAGE1B_SERVER if prefix == "stage1b" else []
-    if server:
-        first = ctx["out"] / "stage1.json"
+    server = STAGE1B_SERVER if prefix in ("stage1b", "stage1c") else []
+    before = {"stage1b": "stage1", "stage1c": "stage1b"}.get(prefix)
+    if before:
+        first = ctx["out"] / f"{before}.json"
         if not first.is_file() or json.loads(first.read_text())["chosen"] is not None:
-            raise DataError(f"{first}: stage 1b runs only after stage 1 chose no setting")
+            raise DataError(f"{first}: {prefix} runs only after {before} chose no setting")
     for h in STAGE1_H:
         if only and f"{prefix}-h{h}" not in only:
+            continue
+        if prefix == "stage1c":
+            extend_one(h, ctx)
             continue
         rounds = [f"training.local_steps={h}", f"training.rounds={max(STAGE1_ROUNDS)}"]
         rounds.append(f"training.eval_every={STAGE1_ROUNDS[0]}")
@@ -198,10 +208,37 @@ def stage1(ctx: dict, only: list[str] | None = None, prefix: str = "stage1") -> 
     return 0
 
 
+def extend_one(h: int, ctx: dict) -> None:
+    """Amendment 4: stage 1b's run of H local steps continued from its round 20 to round
+    max(STAGE1C_ROUNDS), resumed in a copy of its run directory (`fedlora run --resume
+    --force training.rounds=...`: bit-identical to one longer run, checked before the
+    amendment); its files into out/stage1c-hH. The committed stage-1b files stay as they are."""
+    import shutil
+
+    label, out = f"stage1c-h{h}", ctx["out"]
+    if landed(out, label):
+        print(f"{label}: already in {out}, skipped", flush=True)
+        return
+    source, run_dir = ctx["runs"] / f"stage1b-h{h}", ctx["runs"] / label
+    if not run_dir.exists():
+        if not (source / "checkpoints").is_dir():
+            raise DataError(f"{source}: stage 1b's run (with its checkpoints) is needed")
+        shutil.copytree(source, run_dir)
+    rounds = f"training.rounds={max(STAGE1C_ROUNDS)}"
+    args = ["--resume", str(run_dir), "--force", rounds]
+    timing = measured(label, lambda: execute(args), run_dir, out / label)
+    info = {"label": label, "base": ctx["base"], "extends": f"stage1b-h{h}", "overrides": [rounds]}
+    info.update(stage="stage1c", H=h)
+    (out / label / "run_info.json").write_text(json.dumps({**info, **timing}, indent=1) + "\n")
+    if ctx["commit"]:
+        files = [out / label / f for f in (*RUN_FILES, "run_info.json")]
+        commit(files, f"privacy_cohort: {label} (stage1b-h{h} to round {max(STAGE1C_ROUNDS)})")
+
+
 def chosen_stage(out: Path) -> tuple[dict | None, str]:
     """The setting every later run uses: stage 1's choice, else stage 1b's (amendment 3),
     with its server keys; None when neither chose one. Raises when a needed file is missing."""
-    for prefix in ("stage1", "stage1b"):
+    for prefix in STAGE_PREFIXES:
         path = out / f"{prefix}.json"
         if not path.is_file():
             raise DataError(f"{path} not found: run {prefix} first ((H, R) and C are fixed by it)")
@@ -210,7 +247,7 @@ def chosen_stage(out: Path) -> tuple[dict | None, str]:
             stage = {**doc["chosen"], "clip_norm": doc["clip_norm"]}
             stage.update(first_clip_norm=doc["first_clip_norm"], server=doc.get("server", []))
             return stage, prefix
-    return None, "stage1b"
+    return None, STAGE_PREFIXES[-1]
 
 
 # ----------------------------------------------------------------------------- sigma
@@ -335,12 +372,12 @@ def planner_arm(ctx: dict, stage: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("stage1", "stage1b", "run", "summary", "sigma"))
+    ap.add_argument("stage", choices=(*STAGE_PREFIXES, "run", "summary", "sigma"))
     ap.add_argument("--out", default="results/privacy_cohort", help="the results folder")
     ap.add_argument("--runs", default="runs/privacy_cohort", help="where the run directories go")
     ap.add_argument("--base", "--config", dest="base", default=BASE, help=f"base config ({BASE})")
     labels = [*DP_ARMS, PLANNER]
-    stage1_labels = [f"{p}-h{h}" for p in ("stage1", "stage1b") for h in STAGE1_H]
+    stage1_labels = [f"{p}-h{h}" for p in STAGE_PREFIXES for h in STAGE1_H]
     ap.add_argument(
         "--only", nargs="+", choices=[*labels, *stage1_labels], help="these runs, in this order"
     )
@@ -373,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        if args.stage in ("stage1", "stage1b"):
+        if args.stage in STAGE_PREFIXES:
             return stage1(ctx, only, args.stage)
         return run_stage(ctx, only or labels)
     except (ConfigError, DataError) as e:

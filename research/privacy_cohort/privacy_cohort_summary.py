@@ -95,7 +95,7 @@ def planner_verdict(pair: dict) -> str:
     return "no difference detected"
 
 
-STAGES = ("stage1", "stage1b")  # stage 1b: amendment 3, only after stage 1 chose none
+STAGES = ("stage1", "stage1b", "stage1c")  # 1b, 1c: amendments 3, 4 (after none was chosen)
 
 
 def stage_docs(out: Path) -> dict[str, dict]:
@@ -256,6 +256,7 @@ def summary_md(runs: dict, comparisons: dict, stages: dict, planner_note: str = 
     titles = {
         "stage1": "Stage 1 (no DP, plain averaging)",
         "stage1b": "Stage 1b (no DP, server momentum μ = 0.9, η_s = 1: amendment 3)",
+        "stage1c": "Stage 1c (stage 1b's runs continued to 40 rounds: amendment 4)",
     }
     for prefix, doc in stages.items():
         lines += [f"## {titles[prefix]}: the gain over round 0", ""]
@@ -269,15 +270,15 @@ def summary_md(runs: dict, comparisons: dict, stages: dict, planner_note: str = 
         chosen = doc["chosen"]
         lines.append("")
         if chosen is None:
-            if prefix == "stage1" and "stage1b" not in stages:
-                lines.append("No setting learns within stage 1's bound (stage 1b: amendment 3).")
+            following = STAGES[STAGES.index(prefix) + 1 :]
+            if not following or following[0] not in stages:
+                done = ", ".join(x for x in STAGES if x in stages)
+                lines.append(
+                    f"**No setting learns within {done}: the study stops there** (unless an "
+                    "amendment adds the next stage)."
+                )
                 return "\n".join(lines) + "\n"
-            elif prefix == "stage1b":
-                lines.append("**No setting learns within stages 1 and 1b: the study stops there.**")
-                return "\n".join(lines) + "\n"
-            else:
-                lines.append("No setting learns within stage 1's bound.")
-            lines.append("")
+            lines += ["No setting learns within this stage's bound.", ""]
             continue
         lines.append(
             f"Chosen: H = {chosen['H']}, R = {chosen['R']}; fixed C = {doc['clip_norm']}, "
