@@ -172,6 +172,16 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
             assert f"results/{label}/{f}" in committed
     assert "results/stage1.json" in committed
     assert bench.main(["run", *where]) == 0  # every run landed: nothing reruns
+    # a run stopped part way (its results not copied yet) goes on from its checkpoint
+    seen: list[list[str]] = []
+    monkeypatch.setattr(bench, "execute", lambda args: (seen.append(args), _in_process(args)))
+    before = (out / "fixed-eps2/metrics.jsonl").read_text()
+    (out / "fixed-eps2/run_info.json").unlink()
+    assert bench.main(["run", *where, "--only", "fixed-eps2"]) == 0
+    assert seen == [["--resume", str(runs / "fixed-eps2")]]
+    assert (out / "fixed-eps2/metrics.jsonl").read_text() == before
+    assert json.loads((out / "fixed-eps2/run_info.json").read_text())["resumed"] is True
+    monkeypatch.setattr(bench, "execute", _in_process)
 
     capsys.readouterr()
     assert bench.main(["summary", "--out", str(out)]) == 0

@@ -20,7 +20,8 @@ with one torch thread on the CPU. Stages:
              `proposed`'s in-run probes fit within ε = 8 at that σ (else planner.json: why)
     summary  summary.md and summary.json (privacy_cohort_summary.py)
 
-A run whose files are already in the results folder is skipped, so a killed stage resumes;
+A run whose files are already in the results folder is skipped, and a run stopped part way
+goes on from its last checkpoint (`fedlora run --resume`), so a killed stage resumes;
 `--commit` git-commits each finished run's result files (and stage1.json) as it lands.
 
     research/privacy_cohort/privacy_cohort.py stage1  --out results/privacy_cohort [--commit]
@@ -120,8 +121,13 @@ def run_one(label: str, overrides: list[str], ctx: dict, extra: dict) -> None:
         return
     run_dir = ctx["runs"] / label
     args = ["--out", str(run_dir), "--overwrite", "--config", ctx["base"], *COMMON, *overrides]
+    resumed = (run_dir / "checkpoints").is_dir() and (run_dir / "config.toml").is_file()
+    if resumed:  # a run stopped part way (a session's end): go on from its last checkpoint
+        args = ["--resume", str(run_dir)]  # its config must be the same (fedlora refuses else)
     timing = measured(label, lambda: execute(args), run_dir, out / label)
     info = {"label": label, "base": ctx["base"], "overrides": [*COMMON, *overrides], **extra}
+    if resumed:
+        info["resumed"] = True  # wall_s, cpu_s: the part after the resume only
     (out / label / "run_info.json").write_text(json.dumps({**info, **timing}, indent=1) + "\n")
     if ctx["commit"]:
         files = [out / label / f for f in (*RUN_FILES, "run_info.json")]

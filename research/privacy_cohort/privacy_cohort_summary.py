@@ -59,6 +59,8 @@ def load_run(run_dir: Path, at_round: int | None = None) -> dict | None:
         "median_epsilon": float(np.median(eps)) if eps else None,
         "wall_s": info["wall_s"],
         "cpu_s": info["cpu_s"],
+        # timing of the part after a resume only (a stopped run, or stage 1c's continuation)
+        "timing_partial": bool(info.get("resumed") or info.get("extends")),
         "chance": lines[0]["eval_chance"][TASK],
         "majority": lines[0]["eval_majority"][TASK],
     }
@@ -241,7 +243,7 @@ def run_row(label: str, r: dict | None, c: dict | None) -> str:
         f"{_num(r['median_epsilon'])} | {pct(r['acc'][0])}→{pct(r['acc'][1])} | "
         f"{gain_interval(ch)} (p {ch['mcnemar_p']:.2g}) | {against} | {share} | "
         f"{'-' if c is None else c['verdict']} | {r['sim_time_s']:.0f} | "
-        f"{r['wall_s']:.0f} / {r['cpu_s']:.0f} |"
+        f"{r['wall_s']:.0f} / {r['cpu_s']:.0f}{' *' if r.get('timing_partial') else ''} |"
     )
 
 
@@ -302,6 +304,8 @@ def summary_md(runs: dict, comparisons: dict, stages: dict, planner_note: str = 
         "|---" * 12 + "|",
     ]
     lines += [run_row(label, r, comparisons.get(label)) for label, r in runs.items()]
+    if any(r is not None and r.get("timing_partial") for r in runs.values()):
+        lines += ["", "\\* wall and CPU seconds of the part after a resume only (run_info.json)."]
     pair = comparisons.get("planner_vs_uniform")
     lines += ["", "## Stage 4: the planner within ε ≤ 8 against uniform q = 0.05 (ε 8)", ""]
     if pair is None:
