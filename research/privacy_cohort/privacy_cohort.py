@@ -121,7 +121,8 @@ def run_one(label: str, overrides: list[str], ctx: dict, extra: dict) -> None:
         return
     run_dir = ctx["runs"] / label
     args = ["--out", str(run_dir), "--overwrite", "--config", ctx["base"], *COMMON, *overrides]
-    resumed = (run_dir / "checkpoints").is_dir() and (run_dir / "config.toml").is_file()
+    saved = run_dir / "checkpoints"
+    resumed = saved.is_dir() and any(saved.iterdir()) and (run_dir / "config.toml").is_file()
     if resumed:  # a run stopped part way (a session's end): go on from its last checkpoint
         args = ["--resume", str(run_dir)]  # its config must be the same (fedlora refuses else)
     timing = measured(label, lambda: execute(args), run_dir, out / label)
