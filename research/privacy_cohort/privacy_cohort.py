@@ -3,32 +3,19 @@ clipping at ε = 8 and 2, and the planner within planner.max_epsilon against uni
 (rule: research/privacy_cohort/privacy_cohort.md, committed before any of its runs).
 
 Every run is one `fedlora run` on the base config (research/privacy_cohort/privacy_cohort.toml)
-with one torch thread on the CPU. Stages:
+with one torch thread on the CPU. Stages (the rule says why each exists and what it decides):
 
-    stage1   no DP (central, σ = 0, a bound no update reaches: the run is the run without DP,
-             and it records every participant's update norm): H = 1 and H = 2 local steps,
-             20 rounds, ARC-e at rounds 0, 10, 20. The cheapest (H, R) in client-steps that
-             learns (gain >= 2 points, paired 95% interval above 0), fewer rounds on a tie;
-             its norms give fixed clipping's C and adaptive clipping's first C: stage1.json
-    stage1b  (amendment 3: only when stage 1 chose none) the same two runs and the same rule
-             with the server momentum of DP federated training (FedAvgM, μ = 0.9, η_s = 1):
-             stage1b.json; the chosen setting's server keys then go into every later run
-    stage1c  (amendment 4: only when stage 1b chose none) stage 1b's two runs continued to
-             40 rounds (resumed), ARC-e also at 30 and 40, the same rule: stage1c.json
-    run      the four DP arms at (H, R), σ from the rule (recomputed: refused if it differs),
-             then the planner arm at the uniform ε = 8 arm's simulated time, if
-             `proposed`'s in-run probes fit within ε = 8 at that σ (else planner.json: why)
+    stage1   no DP, H = 1 and 2 local steps, 20 rounds, ARC-e at 0, 10, 20: the cheapest
+             (H, R) that learns, and from its update norms the clip bounds: stage1.json
+    stage1b  (amendment 3, after stage 1 chose none) the same with server momentum
+    stage1c  (amendment 4, after stage 1b chose none) stage 1b's runs continued to 40 rounds
+    run      the four DP arms at the chosen setting, then the planner arm (or planner.json)
     summary  summary.md and summary.json (privacy_cohort_summary.py)
+    sigma    the rule's σ table, recomputed
 
-A run whose files are already in the results folder is skipped, and a run stopped part way
-goes on from its last checkpoint (`fedlora run --resume`), so a killed stage resumes;
-`--commit` git-commits each finished run's result files (and stage1.json) as it lands.
-
-    research/privacy_cohort/privacy_cohort.py stage1  --out results/privacy_cohort [--commit]
-    research/privacy_cohort/privacy_cohort.py stage1b --out results/privacy_cohort [--commit]
-    research/privacy_cohort/privacy_cohort.py run     --out results/privacy_cohort [--commit]
-    research/privacy_cohort/privacy_cohort.py summary --out results/privacy_cohort
-    research/privacy_cohort/privacy_cohort.py sigma   # the rule's σ table, recomputed
+A landed run is skipped and a run stopped part way goes on from its checkpoint, so a killed
+stage resumes; `--commit` git-commits each finished run's files as it lands. Usage:
+`privacy_cohort.py STAGE --out results/privacy_cohort [--only RUN...] [--commit]`.
 """
 
 from __future__ import annotations
@@ -112,24 +99,24 @@ def landed(out: Path, label: str) -> bool:
     return (out / label / "run_info.json").is_file()
 
 
-def run_one(label: str, overrides: list[str], ctx: dict, extra: dict) -> None:
-    """The run `label` from the base config with `overrides`; its files and run_info.json into
-    out/label; committed with --commit. A landed run is skipped."""
-    out = ctx["out"]
+def run_one(label: str, overrides: list[str], ctx: dict, extra: dict, args=None) -> None:
+    """The run `label` from the base config with `overrides` (or the `fedlora run` arguments
+    `args`); its files and run_info.json into out/label; committed with --commit. A landed
+    run is skipped; one stopped part way goes on from its last checkpoint."""
+    out, run_dir = ctx["out"], ctx["runs"] / label
     if landed(out, label):
         print(f"{label}: already in {out}, skipped", flush=True)
         return
-    run_dir = ctx["runs"] / label
-    args = ["--out", str(run_dir), "--overwrite", "--config", ctx["base"], *COMMON, *overrides]
-    saved = run_dir / "checkpoints"
-    resumed = saved.is_dir() and any(saved.iterdir()) and (run_dir / "config.toml").is_file()
-    if resumed:  # a run stopped part way (a session's end): go on from its last checkpoint
-        args = ["--resume", str(run_dir)]  # its config must be the same (fedlora refuses else)
+    if args is None:
+        overrides = [*COMMON, *overrides]
+        args = ["--out", str(run_dir), "--overwrite", "--config", ctx["base"], *overrides]
+        saved = run_dir / "checkpoints"
+        if saved.is_dir() and any(saved.iterdir()) and (run_dir / "config.toml").is_file():
+            args = ["--resume", str(run_dir)]  # the same config, or fedlora refuses
+            extra = {**extra, "resumed": True}  # wall_s, cpu_s: the part after the resume
     timing = measured(label, lambda: execute(args), run_dir, out / label)
-    info = {"label": label, "base": ctx["base"], "overrides": [*COMMON, *overrides], **extra}
-    if resumed:
-        info["resumed"] = True  # wall_s, cpu_s: the part after the resume only
-    (out / label / "run_info.json").write_text(json.dumps({**info, **timing}, indent=1) + "\n")
+    info = {"label": label, "base": ctx["base"], "overrides": overrides, **extra, **timing}
+    (out / label / "run_info.json").write_text(json.dumps(info, indent=1) + "\n")
     if ctx["commit"]:
         files = [out / label / f for f in (*RUN_FILES, "run_info.json")]
         commit(files, f"privacy_cohort: {label} ({ctx['base']})")
@@ -165,7 +152,7 @@ def choose(table: list[dict]) -> dict | None:
     return min(learned, key=lambda row: (row["client_steps"], row["R"]), default=None)
 
 
-def stage1(ctx: dict, only: list[str] | None = None, prefix: str = "stage1") -> int:
+def stage1_runs(ctx: dict, only: list[str] | None = None, prefix: str = "stage1") -> int:
     """Stage 1's runs (`only`: some of them, so that two can run side by side, one per core),
     then, once both have landed, stage1.json. `prefix` "stage1b": amendment 3's runs, the same
     with the server momentum STAGE1B_SERVER, into stage1b.json (only after stage 1 chose none)."""
@@ -216,30 +203,19 @@ def stage1(ctx: dict, only: list[str] | None = None, prefix: str = "stage1") -> 
 
 
 def extend_one(h: int, ctx: dict) -> None:
-    """Amendment 4: stage 1b's run of H local steps continued from its round 20 to round
-    max(STAGE1C_ROUNDS), resumed in a copy of its run directory (`fedlora run --resume
-    --force training.rounds=...`: bit-identical to one longer run, checked before the
-    amendment); its files into out/stage1c-hH. The committed stage-1b files stay as they are."""
+    """Amendment 4: stage 1b's run of H local steps continued to round max(STAGE1C_ROUNDS),
+    resumed in a copy of its run directory (bit-identical to one longer run, checked before
+    the amendment) into out/stage1c-hH; the committed stage-1b files stay as they are."""
     import shutil
 
-    label, out = f"stage1c-h{h}", ctx["out"]
-    if landed(out, label):
-        print(f"{label}: already in {out}, skipped", flush=True)
-        return
-    source, run_dir = ctx["runs"] / f"stage1b-h{h}", ctx["runs"] / label
-    if not run_dir.exists():
+    source, run_dir = ctx["runs"] / f"stage1b-h{h}", ctx["runs"] / f"stage1c-h{h}"
+    if not run_dir.exists() and not landed(ctx["out"], f"stage1c-h{h}"):
         if not (source / "checkpoints").is_dir():
             raise DataError(f"{source}: stage 1b's run (with its checkpoints) is needed")
         shutil.copytree(source, run_dir)
     rounds = f"training.rounds={max(STAGE1C_ROUNDS)}"
-    args = ["--resume", str(run_dir), "--force", rounds]
-    timing = measured(label, lambda: execute(args), run_dir, out / label)
-    info = {"label": label, "base": ctx["base"], "extends": f"stage1b-h{h}", "overrides": [rounds]}
-    info.update(stage="stage1c", H=h)
-    (out / label / "run_info.json").write_text(json.dumps({**info, **timing}, indent=1) + "\n")
-    if ctx["commit"]:
-        files = [out / label / f for f in (*RUN_FILES, "run_info.json")]
-        commit(files, f"privacy_cohort: {label} (stage1b-h{h} to round {max(STAGE1C_ROUNDS)})")
+    extra = {"stage": "stage1c", "H": h, "extends": f"stage1b-h{h}"}
+    run_one(f"stage1c-h{h}", [rounds], ctx, extra, ["--resume", str(run_dir), "--force", rounds])
 
 
 def chosen_stage(out: Path) -> tuple[dict | None, str]:
@@ -406,19 +382,13 @@ def main(argv: list[str] | None = None) -> int:
             return write_summary(out, labels)
         out.mkdir(parents=True, exist_ok=True)
         only = args.only or []
-        wrong = [x for x in only if not x.startswith(f"{args.stage}-h")]
-        wrong = (
-            wrong if args.stage.startswith("stage1") else [x for x in only if x in stage1_labels]
-        )
+        stage1 = args.stage in STAGE_PREFIXES
+        allowed = [f"{args.stage}-h{h}" for h in STAGE1_H] if stage1 else labels
+        wrong = [x for x in only if x not in allowed]
         if wrong:
-            print(
-                f"research/privacy_cohort/privacy_cohort.py {args.stage}: --only {wrong[0]} "
-                f"is not a run of this stage",
-                file=sys.stderr,
-            )
-            return 2
-        if args.stage in STAGE_PREFIXES:
-            return stage1(ctx, only, args.stage)
+            raise DataError(f"--only {wrong[0]} is not a run of this stage ({', '.join(allowed)})")
+        if stage1:
+            return stage1_runs(ctx, only, args.stage)
         return run_stage(ctx, only or labels)
     except (ConfigError, DataError) as e:
         print(f"research/privacy_cohort/privacy_cohort.py {args.stage}: {e}", file=sys.stderr)
