@@ -40,6 +40,7 @@ from fedlora.system.privacy import (  # noqa: E402
     sum_noise_multiplier,
 )
 from research.measure import RUN_FILES, git_commit, measured, read_predictions  # noqa: E402
+from research.privacy_cohort.privacy_cohort_summary import STAGES as STAGE_PREFIXES  # noqa: E402
 
 BASE = "research/privacy_cohort/privacy_cohort.toml"
 TASK = "arc-e"
@@ -52,7 +53,6 @@ STAGE1_ROUNDS = (10, 20)
 LEARN_GAIN = 0.02
 # amendment 4 (stage 1b chose none): stage 1b's two runs continued to 40 rounds (resumed)
 STAGE1C_ROUNDS = (10, 20, 30, 40)
-STAGE_PREFIXES = ("stage1", "stage1b", "stage1c")
 # amendment 3 (stage 1 chose none): the server momentum of DP federated training, one setting
 STAGE1B_SERVER = [
     'method.server_optimizer="avgm"',
@@ -134,7 +134,7 @@ def two_digits(x: float) -> float:
 
 
 def learning_table(out: Path, prefix: str = "stage1") -> list[dict]:
-    """Every (H, R) of stage 1 (or 1b): the gain at round R over round 0 on the same questions."""
+    """Every (H, R) of stage 1 (1b, 1c): the gain at round R over round 0 on the same questions."""
     table = []
     for h in STAGE1_H:
         preds = read_predictions(out / f"{prefix}-h{h}")
@@ -154,8 +154,9 @@ def choose(table: list[dict]) -> dict | None:
 
 def stage1_runs(ctx: dict, only: list[str] | None = None, prefix: str = "stage1") -> int:
     """Stage 1's runs (`only`: some of them, so that two can run side by side, one per core),
-    then, once both have landed, stage1.json. `prefix` "stage1b": amendment 3's runs, the same
-    with the server momentum STAGE1B_SERVER, into stage1b.json (only after stage 1 chose none)."""
+    then, once both have landed, stage1.json. `prefix` "stage1b" (amendment 3): the same with
+    the server momentum STAGE1B_SERVER; "stage1c" (amendment 4): stage 1b's runs continued
+    (`extend_one`); each into PREFIX.json, only after the stage before chose none."""
     server = STAGE1B_SERVER if prefix in ("stage1b", "stage1c") else []
     before = {"stage1b": "stage1", "stage1c": "stage1b"}.get(prefix)
     if before:
@@ -218,9 +219,9 @@ def extend_one(h: int, ctx: dict) -> None:
     run_one(f"stage1c-h{h}", [rounds], ctx, extra, ["--resume", str(run_dir), "--force", rounds])
 
 
-def chosen_stage(out: Path) -> tuple[dict | None, str]:
-    """The setting every later run uses: stage 1's choice, else stage 1b's (amendment 3),
-    with its server keys; None when neither chose one. Raises when a needed file is missing."""
+def chosen_stage(out: Path) -> dict | None:
+    """The setting every later run uses: the first choice of stages 1, 1b, 1c, with its clip
+    bounds and server keys; None when none chose one. Raises when a needed file is missing."""
     for prefix in STAGE_PREFIXES:
         path = out / f"{prefix}.json"
         if not path.is_file():
@@ -229,8 +230,8 @@ def chosen_stage(out: Path) -> tuple[dict | None, str]:
         if doc["chosen"] is not None:
             stage = {**doc["chosen"], "clip_norm": doc["clip_norm"]}
             stage.update(first_clip_norm=doc["first_clip_norm"], server=doc.get("server", []))
-            return stage, prefix
-    return None, STAGE_PREFIXES[-1]
+            return stage
+    return None
 
 
 # ----------------------------------------------------------------------------- sigma
@@ -279,9 +280,9 @@ def dp_overrides(clipping: str, eps: float, stage: dict) -> tuple[list[str], dic
 
 
 def run_stage(ctx: dict, labels: list[str]) -> int:
-    stage, _ = chosen_stage(ctx["out"])
+    stage = chosen_stage(ctx["out"])
     if stage is None:
-        print("stages 1 and 1b found no setting that learns: the study stops there (rule)")
+        print("stages 1, 1b and 1c found no setting that learns: the study stops there (rule)")
         return 2
     bad = check_sigma(ctx["base"], stage["R"]) if ctx["rule_check"] else []
     if bad:

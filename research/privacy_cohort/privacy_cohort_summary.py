@@ -101,17 +101,16 @@ STAGES = ("stage1", "stage1b", "stage1c")  # 1b, 1c: amendments 3, 4 (after none
 
 
 def stage_docs(out: Path) -> dict[str, dict]:
-    """stage1.json and stage1b.json, those that exist."""
+    """stage1.json, stage1b.json and stage1c.json, those that exist."""
     paths = {prefix: out / f"{prefix}.json" for prefix in STAGES}
     return {k: json.loads(p.read_text()) for k, p in paths.items() if p.is_file()}
 
 
 def no_dp_run(out: Path) -> dict | None:
-    """The no-DP arm: the chosen stage-1 (or 1b) run read at its round R."""
-    for prefix, doc in stage_docs(out).items():
-        chosen = doc["chosen"]
-        if chosen is not None:
-            return load_run(out / chosen.get("run", f"{prefix}-h{chosen['H']}"), chosen["R"])
+    """The no-DP arm: the chosen stage-1 (1b, 1c) run read at its round R."""
+    for doc in stage_docs(out).values():
+        if doc["chosen"] is not None:
+            return load_run(out / doc["chosen"]["run"], doc["chosen"]["R"])
     return None
 
 
