@@ -20,7 +20,7 @@ from fedlora.federation.methods.base import ClientTask, RoundPlan
 from fedlora.federation.methods.registry import check_method_config, method_class
 from fedlora.federation.privacy import make_privacy
 from fedlora.federation.privacy_mechanisms.base import PrivacyMechanism
-from fedlora.system.privacy import epsilon, max_poisson_rate, poisson_epsilon
+from fedlora.system.privacy import epsilon, max_poisson_rate, noise_over_signal, poisson_epsilon
 from fedlora.system.privacy_ledger import PrivacyLedger, RoundSetting
 
 SETTING = RoundSetting("central", 1.0, 1.0, "poisson")
@@ -146,6 +146,22 @@ def test_central_noise_has_standard_deviation_sigma_times_clip_on_the_trained_fa
     b_only = dp.noise(g, dict(g), _plan([1.0], "B"))
     assert np.all(b_only["m.lora_A"] == 0) and np.std(b_only["m.lora_B"]) > 0.25
     assert _privacy("central", 0.0, 0.2).noise(g, g, _plan([1.0])) is g  # σ = 0: none
+
+
+def test_the_noise_over_signal_is_z_sqrt_d_over_m_by_hand():
+    # the cohort of docs/privacy.md: σ 0.654, d = 245,760 entries, m = 50 -> 0.654·495.74/50
+    assert noise_over_signal(0.654, 245_760, 50.0) == pytest.approx(6.4843, rel=1e-4)
+    assert noise_over_signal(1.5, 100, 2.0) == 7.5 and noise_over_signal(0.5, 4, 4.0) == 0.25
+    assert noise_over_signal(0.0, 100, 0.0) == 0.0 and noise_over_signal(1.0, 100, 0.0) == math.inf
+    g = {"m.lora_A": np.zeros((2, 8), np.float32), "m.lora_B": np.zeros((8, 2), np.float32)}
+    dp = _privacy("central", 1.5, 0.2)  # sketched, 4 clients at q = 1 (the default): m = 4
+    method = type("M", (), {"q": np.ones(4)})()
+    assert dp.noise_note(method) is None  # before any noise
+    dp.noise(g, dict(g), _plan([1.0], "B"))  # B only: d = 16
+    assert "z·√d/m = 1.5·√16/4 = 1.5 (above 1" in dp.noise_note(method)
+    dp.noise(g, dict(g), _plan([1.0]))  # A and B: d = 32; m = 12 -> 1.5·√32/12 = 0.707
+    assert "= 0.707 (at most 1" in dp.noise_note(type("M", (), {"q": np.full(4, 3.0)})())
+    assert _privacy("local", 1.5, 0.2).noise_note(method) is None  # central DP's figure only
 
 
 def test_local_noise_on_the_weighted_update_has_the_same_deviation_on_sent_components():

@@ -5,6 +5,7 @@ reaches is the run without DP bit for bit; a resumed DP run draws the same noise
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -63,7 +64,8 @@ def _without_times(lines: list[dict]) -> list[dict]:
 def test_fedlora_run_with_central_privacy_records_every_clients_epsilon(tmp_path, capsys):
     out = tmp_path / "dp"
     assert main(["run", "-q", "--out", str(out), *TINY, *DP]) == 0
-    terminal = capsys.readouterr().out
+    captured = capsys.readouterr()
+    terminal = captured.out
     lines = _lines(out)
     assert "epsilon" not in lines[0]  # round 0: nothing released yet
     for r, line in enumerate(lines[1:], start=1):  # every client at its own q_n, r rounds
@@ -78,7 +80,11 @@ def test_fedlora_run_with_central_privacy_records_every_clients_epsilon(tmp_path
     segment = {"mode": "central", "noise_multiplier": 1.0, "clip_norm": 0.01, "sampling": "poisson"}
     assert summary["privacy"]["history"] == [{"rounds": [1, 3], **segment}]
     assert f"ε max {max(lines[-1]['epsilon']):.3g} (client 3)" in terminal
-    assert _adapter(out)  # the final checkpoint holds the adapter
+    adapter = _adapter(out)  # the final checkpoint holds the adapter
+    # the noise's line: d = every entry of A and B (the rounds train both), m = Σ q_n = 2.2
+    d = sum(v.numel() for k, v in adapter.items() if k.endswith((".lora_A", ".lora_B")))
+    expected = f"z·√d/m = 1·√{d:,}/2.2 = {math.sqrt(d) / 2.2:.3g} (above 1: the noise outweighs"
+    assert d > 0 and captured.err.count(expected) == 1  # once, after the first noised round
 
 
 @needs_data

@@ -209,6 +209,7 @@ def _round_loop(
     hooks = RoundContext(  # the method's hooks
         cfg, run.fed.a, run.profiles, run.run_dir, log, lambda: spent_rdp(run.method, progress)
     )
+    noted = False  # the privacy noise's line (`noise_note`) was logged
     while progress.round < cfg.training.rounds:
         early = stop_before_round(cfg, progress)
         if early:
@@ -225,6 +226,11 @@ def _round_loop(
         line = _one_round(run, trainer, plan, progress)
         synchronize(run.device)
         compute_s = time.perf_counter() - t0
+        if not noted and run.method.privacy is not None:  # once per invocation
+            note = run.method.privacy.noise_note(run.method)
+            noted = note is not None
+            if noted:
+                log(note)
         run.method.after_round(hooks, progress.round, line)
         record_round(metrics_path, progress, line, compute_s)
         trainer.report(line)

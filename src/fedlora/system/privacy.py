@@ -374,3 +374,17 @@ def next_clip(
     with b̃ the noised share of unclipped updates and γ the target quantile: C shrinks while
     more than γ of the updates fit within it and grows while fewer do."""
     return clip_norm * math.exp(-learning_rate * (unclipped_fraction - target_quantile))
+
+
+def noise_over_signal(
+    noise_multiplier: float, noised_entries: int, expected_participants: float
+) -> float:
+    """z·√d/m: the norm of central DP's noise on the round's sum, σ·C·√d over d noised
+    entries, relative to the most the clipped updates can add up to, m·C with m the expected
+    participants (all pointing the same way). Above 1 the noise outweighs the whole signal a
+    round can carry; z/m alone misses the √d (docs/privacy.md, "Which cohort"). m = 0: inf."""
+    if noise_multiplier == 0:
+        return 0.0
+    if expected_participants <= 0:
+        return math.inf
+    return noise_multiplier * math.sqrt(noised_entries) / expected_participants

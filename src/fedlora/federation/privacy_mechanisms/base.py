@@ -131,6 +131,7 @@ class PrivacyMechanism:
         m = cfg.method.clients_per_round
         self.uniform_rate = 1.0 if m == 0 else m / self.n_clients
         self.norms: list[float] = []  # ‖w_n Δ_n‖ before clipping, of the round's last `clip`
+        self.noised_entries = 0  # d: the entries the last noised round's noise went to
 
     @property
     def clip_norm(self) -> float:
@@ -200,6 +201,10 @@ class PrivacyMechanism:
         """The aggregate as released (the base: the clipping rule's release, no noise)."""
         self.clipping.release(plan.round)
         return new_state
+
+    def noise_note(self, method: Any) -> str | None:
+        """A line on the noise against the signal, once a round was noised (the base: None)."""
+        return None
 
     def noise_alone(self, trained: Any) -> bool:
         """True when a round whose aggregate has no update still needs the noise."""

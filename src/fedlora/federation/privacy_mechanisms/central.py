@@ -17,6 +17,7 @@ import numpy as np
 
 from fedlora.federation.privacy_mechanisms.base import Adapter, PrivacyMechanism, factor_keys
 from fedlora.federation.privacy_mechanisms.registry import register_privacy
+from fedlora.system.privacy import noise_over_signal
 from fedlora.system.privacy_ledger import PrivacyLedger
 from fedlora.system.seeding import derive_rng
 
@@ -38,10 +39,32 @@ class CentralPrivacy(PrivacyMechanism):
         factors = "".join(sorted({f for t in plan.tasks for f in t.trains})) or DEFAULT_FACTORS
         rng = derive_rng(self.seed, "privacy", plan.round)
         out = dict(new_state)
-        for k in sorted(factor_keys(global_state, factors)):
+        keys = sorted(factor_keys(global_state, factors))
+        self.noised_entries = sum(int(new_state[k].size) for k in keys)  # d of `noise_note`
+        for k in keys:
             x = new_state[k]
             out[k] = (x + rng.normal(0.0, self.noise_std, size=x.shape)).astype(x.dtype)
         return out
+
+    def noise_note(self, method: Any) -> str | None:
+        """After a noised round: the noise's norm against the clipped signal's most,
+        z·√d/m (`fedlora.system.privacy.noise_over_signal`) with d the entries the round
+        noised and m the expected participants; None before any noise."""
+        d = self.noised_entries
+        if not d:
+            return None
+        m = self.expected_participants(method)
+        ratio = noise_over_signal(self.sum_sigma, d, m)
+        verdict = (
+            "above 1: the noise outweighs everything a round's clipped updates can add; more "
+            "participants a round (or fewer trained entries) lower it"
+            if ratio > 1
+            else "at most 1: the clipped updates can outweigh the noise"
+        )
+        return (
+            f"privacy: noise norm σ·C·√d against at most m·C of clipped updates: z·√d/m = "
+            f"{self.sum_sigma:g}·√{d:,}/{m:.4g} = {ratio:.3g} ({verdict}; docs/privacy.md)"
+        )
 
     def noise_alone(self, trained: Any) -> bool:
         """An empty round still needs the noise when clients are sampled independently (an
