@@ -5,6 +5,8 @@ seeds, each run on a core of its own, and the rule's verdict over the seeds.
     .venv/bin/python research/cpu_protocol/protocol_v2.py summary --out results/protocol_v2
     .venv/bin/python research/cpu_protocol/protocol_v2.py run --seeds 0 --core 0 --runs runs/protocol_v3 \
         --out results/protocol_v3 --set training.rounds=200 training.eval_every=50
+    .venv/bin/python research/cpu_protocol/protocol_v2.py run --seeds 0 --core 0,1 --runs runs/demo_timed \
+        --out results/demo_timed --set model.threads=2      # the demo timed on both cores, quiet
 
 `run` writes runs/protocol_v2/seed<S> (the run) and OUT/seed<S>/ (config.toml, metrics.jsonl,
 predictions.jsonl, summary.json, clients.csv and run_info.json: wall and CPU seconds, load,
@@ -31,7 +33,7 @@ COMMON = ["model.device=cpu", "model.threads=1", "output.progress=false"]
 TASK = "arc-e"
 
 
-def run_seed(seed: int, core: int, runs: Path, out: Path, extra: list[str]) -> None:
+def run_seed(seed: int, core: str, runs: Path, out: Path, extra: list[str]) -> None:
     run_dir = runs / f"seed{seed}"
     argv = ["taskset", "-c", str(core), sys.executable, "-m", "fedlora.cli", "run"]
     argv += ["--config", CONFIG, "--out", str(run_dir), "--overwrite"]
@@ -113,7 +115,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=["run", "summary"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--core", type=int, default=0, help="the CPU core of the runs (taskset)")
+    ap.add_argument(
+        "--core", default="0", help="the CPU core(s) of the runs (taskset -c: 0, or 0,1 for two)"
+    )
     ap.add_argument("--runs", type=Path, default=Path("runs/protocol_v2"))
     ap.add_argument("--out", type=Path, default=Path("results/protocol_v2"))
     ap.add_argument(
