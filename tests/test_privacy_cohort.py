@@ -194,6 +194,15 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
         )
         assert f"| {label} | 2 |" in md
     assert "planner_vs_uniform" in doc["comparisons"] and "## Stage 4" in md
+    for eps in (8, 2):  # adaptive − fixed, paired on the same questions, reported
+        pair = doc["comparisons"][f"adaptive_vs_fixed_eps{eps}"]
+        assert pair["gain"] == pytest.approx(
+            np.mean(_correct(out / f"adaptive-eps{eps}", 2))
+            - np.mean(_correct(out / f"fixed-eps{eps}", 2))
+        )
+        assert f"Adaptive − fixed clipping at ε = {eps}, paired: " in md
+    share = doc["comparisons"]["fixed-eps8"]["share"]
+    assert f"fixed clipping keeps {100 * share:.0f}% [" in md
     # amendment 2: the summary says whether the planner planned (its fits, from its metrics)
     lines = (out / "planner-eps8/metrics.jsonl").read_text().splitlines()
     entries = [json.loads(x)["planner"] for x in lines if '"planner"' in x]
@@ -203,6 +212,7 @@ def test_stage1_then_the_arms_then_the_summary(bench, tmp_path, monkeypatch, cap
         assert fit["adopted"] == entry["adopted"]
     cpu = [json.loads(p.read_text())["cpu_s"] for p in out.glob("*/run_info.json")]
     assert len(cpu) == 7 and doc["cpu_hours"] == round(sum(cpu) / 3600, 3)
+    assert f"CPU-hours of every landed run (stage 1 included): {doc['cpu_hours']}" in md
 
 
 @needs_data
