@@ -35,7 +35,7 @@ TASK = "arc-e"
 
 def run_seed(seed: int, core: str, runs: Path, out: Path, extra: list[str]) -> None:
     run_dir = runs / f"seed{seed}"
-    argv = ["taskset", "-c", str(core), sys.executable, "-m", "fedlora.cli", "run"]
+    argv = ["taskset", "-c", core, sys.executable, "-m", "fedlora.cli", "run"]
     argv += ["--config", CONFIG, "--out", str(run_dir), "--overwrite"]
     overrides = [*COMMON, *extra, f"training.seed={seed}"]
     dest = out / f"seed{seed}"

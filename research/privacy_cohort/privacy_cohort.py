@@ -40,6 +40,7 @@ from fedlora.system.privacy import (  # noqa: E402
     sum_noise_multiplier,
 )
 from research.measure import RUN_FILES, git_commit, measured, read_predictions  # noqa: E402
+from research.privacy_cohort.privacy_cohort_summary import EPSILONS, PLANNER, UNIFORM  # noqa: E402
 from research.privacy_cohort.privacy_cohort_summary import STAGES as STAGE_PREFIXES  # noqa: E402
 
 BASE = "research/privacy_cohort/privacy_cohort.toml"
@@ -66,15 +67,13 @@ RULE_SIGMA = {(10, 8.0): 0.563, (10, 2.0): 1.034, (20, 8.0): 0.604, (20, 2.0): 1
 RULE_SIGMA |= {(30, 8.0): 0.632, (30, 2.0): 1.153, (40, 8.0): 0.654, (40, 2.0): 1.2}  # amdt. 4
 ADAPTIVE = ["privacy.target_quantile=0.5", "privacy.clip_learning_rate=0.2"]
 COUNT_NOISE = 2.5  # σ_b = E[m]/20 (Andrew et al. 2021), E[m] = 50
-# label -> (clipping, ε); stage 4's planner arm and its uniform counterpart
+# label -> (clipping, ε); stage 4's planner arm and its uniform counterpart: PLANNER, UNIFORM
 DP_ARMS = {
     "fixed-eps8": ("fixed", 8.0),
     "fixed-eps2": ("fixed", 2.0),
     "adaptive-eps8": ("adaptive", 8.0),
     "adaptive-eps2": ("adaptive", 2.0),
 }
-PLANNER = "planner-eps8"
-UNIFORM = "fixed-eps8"
 PLANNER_ROUND_CAP = 3  # × R: the planner arm's round cap (its time budget stops it first)
 # amendment 2: the planner arm's in-run probes (planner.probe_q, planner.probe_rounds)
 STAGE4_PROBE_Q = (0.02, 0.01)
@@ -254,7 +253,7 @@ def check_sigma(base: str, rounds: int) -> list[str]:
             f"{base}: method {cfg.method.name}, q {cfg.method.q}: the rule's is sketched, fixed"
         ]
     bad = []
-    for e in (8.0, 2.0):
+    for e in map(float, EPSILONS):
         want = noise_multiplier_for_epsilon(e, "poisson", cfg.method.q_fixed, rounds, DELTA)
         if RULE_SIGMA.get((rounds, e)) != want:
             bad.append(f"ε {e}, {rounds} rounds: the rule lists {RULE_SIGMA.get((rounds, e))}")

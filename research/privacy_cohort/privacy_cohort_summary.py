@@ -25,8 +25,8 @@ TASK = "arc-e"
 P_DECIDES = 0.05
 BOOTSTRAP = 2000
 NODP = "no-dp"
-PLANNER, UNIFORM = "planner-eps8", "fixed-eps8"
-EPSILONS = (8, 2)  # the trade-off's two budgets
+PLANNER, UNIFORM = "planner-eps8", "fixed-eps8"  # stage 4's planner arm and its uniform one
+EPSILONS = (8, 2)  # the trade-off's two budgets (the arms' labels end in eps8, eps2)
 
 
 def load_run(run_dir: Path, at_round: int | None = None) -> dict | None:

@@ -131,7 +131,6 @@ class PrivacyMechanism:
         m = cfg.method.clients_per_round
         self.uniform_rate = 1.0 if m == 0 else m / self.n_clients
         self.norms: list[float] = []  # ‖w_n Δ_n‖ before clipping, of the round's last `clip`
-        self.noised_entries = 0  # d: the entries the last noised round's noise went to
 
     @property
     def clip_norm(self) -> float:

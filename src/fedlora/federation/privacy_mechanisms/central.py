@@ -29,6 +29,7 @@ class CentralPrivacy(PrivacyMechanism):
     """The server's noise on the clipped, weighted sum."""
 
     accepts_budget = True
+    noised_entries = 0  # d: the entries the last noised round's noise went to (`noise_note`)
 
     def noise(self, global_state: Adapter, new_state: Adapter, plan: Any) -> Adapter:
         """The aggregate plus N(0, (σC)²) on every entry of the factors the round aggregates
@@ -40,7 +41,7 @@ class CentralPrivacy(PrivacyMechanism):
         rng = derive_rng(self.seed, "privacy", plan.round)
         out = dict(new_state)
         keys = sorted(factor_keys(global_state, factors))
-        self.noised_entries = sum(int(new_state[k].size) for k in keys)  # d of `noise_note`
+        self.noised_entries = sum(int(new_state[k].size) for k in keys)
         for k in keys:
             x = new_state[k]
             out[k] = (x + rng.normal(0.0, self.noise_std, size=x.shape)).astype(x.dtype)
