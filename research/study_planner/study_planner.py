@@ -8,6 +8,7 @@ each finished run in ledger.jsonl (a restart skips it) and writes the report
     .venv/bin/python research/study_planner/study_planner.py run    --out results/study_planner [--commit]
     .venv/bin/python research/study_planner/study_planner.py report --out results/study_planner
     .venv/bin/python research/study_planner/study_planner.py park   --out results/study_planner
+    .venv/bin/python research/study_planner/study_planner.py status --out results/study_planner
 
 `--config` takes another study config (the tests' tiny one); `--commit` git-commits each
 finished run directory (and the ledger, and rule.json) as it lands. One runner per core:
@@ -41,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     from research.study_planner.study_report import write_study_report
     from research.study_planner.study_runner import pilot_stage, run_stage, stderr_log
     from research.study_planner.study_spec import load_spec
+    from research.study_planner.study_status import render_status
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("check", "pilot", "run", "report", "park"))
+    ap.add_argument("stage", choices=("check", "pilot", "run", "report", "park", "status"))
     ap.add_argument("--out", type=Path, default=Path("results/study_planner"))
     ap.add_argument("--config", type=Path, default=CONFIG)
     ap.add_argument("--commit", action="store_true", help="git-commit each finished run")
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"parked {len(parked)} unfinished run(s): {', '.join(map(str, parked)) or '-'}")
             return 0
         spec = load_spec(args.config)
+        if args.stage == "status":  # reads files only: safe beside running runners
+            print(render_status(spec, args.out), end="")
+            return 0
         print(f"config valid, with every arm's overrides: {args.config}")
         if not spec.protocol_fixed:
             msg = (

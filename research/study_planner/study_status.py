@@ -1,0 +1,182 @@
+"""Where a study stands (`study_planner.py status`): every pilot job and analysed run with its
+state, rounds, simulated clock and metric curve read from its run directory, the learning
+criterion of each finished pilot run, and what is still to run. It reads files only (run
+directories, ledger.jsonl, rule.json) and changes nothing, so it is safe beside running
+runners; a parked or running run shows what it has written so far, no criterion applied.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedlora.studies.runs import load_run
+from research.study_planner import study_pilot
+from research.study_planner.study_rule import Learning, Metric, learning, metric_points
+from research.study_planner.study_runner import LEDGER_FILE, PILOT_DIR, RULE_FILE, finished
+from research.study_planner.study_spec import StudySpec
+
+FINISHED, PARTIAL, NOT_STARTED = "finished", "partial", "not started"
+
+
+@dataclass(frozen=True)
+class RunState:
+    """One job of the study as its directory shows it now."""
+
+    name: str  # relative to the study directory, e.g. pilot/fslora-x0.3-seed7
+    step: float | None  # the step size the job runs at (the rule's step key); None: analysed
+    state: str  # FINISHED, PARTIAL (started or parked) or NOT_STARTED
+    rounds: int | None  # the last round written
+    sim_time_s: float | None  # the simulated clock at that round
+    values: tuple[float, ...]  # the metric at each evaluation, round 0 first
+    criterion: Learning | None  # the pilot's learning criterion (finished pilot runs only)
+    compute_s: float | None  # CPU seconds the ledger records for the finished run
+
+
+def _read(run_dir: Path, metric: Metric) -> tuple[str, int | None, float | None, tuple]:
+    if finished(run_dir):
+        state = FINISHED
+    elif (run_dir / "config.toml").is_file():
+        state = PARTIAL
+    else:
+        return NOT_STARTED, None, None, ()
+    if not (run_dir / "metrics.jsonl").is_file():
+        return state, None, None, ()
+    run = load_run(run_dir)
+    last = run.lines[-1] if run.lines else {}
+    rounds = last.get("round")
+    clock = last.get("sim_time_s")
+    values = tuple(v for _, v in metric_points(run, metric))
+    return state, rounds, (None if clock is None else float(clock)), values
+
+
+def _ledger(out: Path) -> dict[str, float]:
+    """{run name: compute_s} of the ledger's finished runs (the last line of a name wins)."""
+    path = out / LEDGER_FILE
+    seconds: dict[str, float] = {}
+    if path.is_file():
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            try:
+                line = json.loads(raw)
+                seconds[line["run"]] = float(line["compute_s"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line of a killed runner
+    return seconds
+
+
+def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str], list[str]]:
+    """(the pilot's known jobs in the runner's order, the arms whose step-size grid is not
+    known yet because their run at the protocol's step has not finished, the pilot run
+    directories that are no job of this config: arms an amendment took out)."""
+    ledger = _ledger(out)
+    jobs, _ = study_pilot.pilot_jobs(spec, out, finished)
+    rows = []
+    for label, factor in jobs:
+        run_dir = study_pilot.pilot_dir(out, label, factor, spec.pilot_seed)
+        state, rounds, clock, values = _read(run_dir, spec.metric)
+        crit = None
+        if state == FINISHED:
+            pts = metric_points(load_run(run_dir), spec.metric)
+            crit = learning(
+                pts, spec.metric, spec.budget_s, spec.learn_min_gain, spec.learn_max_drop
+            )
+        name = run_dir.relative_to(out).as_posix()
+        step = spec.step_value(spec.pilot_labels[label]) * factor
+        rows.append(RunState(name, step, state, rounds, clock, values, crit, ledger.get(name)))
+    pending = [
+        label
+        for label in spec.pilot_labels
+        if spec.step_grid and not finished(study_pilot.pilot_dir(out, label, 1.0, spec.pilot_seed))
+    ]
+    known = {r.name for r in rows}
+    pilot_root = out / PILOT_DIR
+    others = sorted(
+        d.relative_to(out).as_posix()
+        for d in (pilot_root.iterdir() if pilot_root.is_dir() else ())
+        if d.is_dir() and d.relative_to(out).as_posix() not in known
+    )
+    return rows, pending, others
+
+
+def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
+    """Every analysed run (each seed, each arm and fixed-best) once rule.json exists; None
+    before the pilot has written it."""
+    if not (out / RULE_FILE).is_file():
+        return None
+    ledger = _ledger(out)
+    rows = []
+    for seed in spec.seeds:
+        for label in spec.labels:
+            run_dir = out / f"{label}-seed{seed}"
+            state, rounds, clock, values = _read(run_dir, spec.metric)
+            name = run_dir.relative_to(out).as_posix()
+            rows.append(RunState(name, None, state, rounds, clock, values, None, ledger.get(name)))
+    return rows
+
+
+def _scale(metric: Metric) -> tuple[float, str]:
+    """Accuracies in percent (one decimal), losses as they are (three decimals)."""
+    return (100.0, "{:.1f}") if metric.field in ("acc", "acc_norm") else (1.0, "{:.3f}")
+
+
+def _row(r: RunState, metric: Metric, with_step: bool) -> str:
+    scale, fmt = _scale(metric)
+    curve = ", ".join(fmt.format(v * scale) for v in r.values) or "-"
+    rounds = "-" if r.rounds is None else str(r.rounds)
+    clock = "-" if r.sim_time_s is None else f"{r.sim_time_s:.1f}"
+    if r.criterion is None:
+        verdict = "-"
+    else:
+        gain = fmt.format(r.criterion.gain_at_budget * scale)
+        verdict = f"{'yes' if r.criterion.learned else 'no'} ({gain} at B)"
+    cpu = "-" if r.compute_s is None else f"{r.compute_s:.0f}"
+    step = [f"{r.step:g}"] if with_step else []
+    return "| " + " | ".join([r.name, *step, r.state, rounds, clock, curve, verdict, cpu]) + " |"
+
+
+def render_status(spec: StudySpec, out: Path) -> str:
+    """The study's state as markdown (what `study_planner.py status` prints)."""
+    rows, pending, others = pilot_states(spec, out)
+    metric = spec.metric
+    scale = _scale(metric)[0]
+    unit, points = (" (%)", " points") if scale == 100.0 else ("", "")
+    lines = [
+        f"# {out}: {spec.source}",
+        "",
+        f"Metric {metric.text}{unit} at each evaluation (round 0 first); budget B = "
+        f"{spec.budget_s:g} s of simulated time; pilot seed {spec.pilot_seed}. Learns: gain at "
+        f"B >= {spec.learn_min_gain * scale:g}{points} and no evaluation more than "
+        f"{spec.learn_max_drop * scale:g}{points} below round 0 (finished runs only).",
+        "",
+        "## Pilot",
+        "",
+        "| run | step | state | rounds | clock (s) | curve | learns | CPU s |",
+        "|---|---|---|---|---|---|---|---|",
+        *(_row(r, metric, with_step=True) for r in rows),
+        "",
+    ]
+    done = sum(r.state == FINISHED for r in rows)
+    lines.append(f"{done} of {len(rows)} known pilot jobs finished.")
+    if pending:
+        lines.append(
+            "Step-size grid not known yet (its run at the protocol's step is unfinished): "
+            + ", ".join(pending)
+            + "."
+        )
+    if others:
+        lines.append("Pilot directories that are no job of this config: " + ", ".join(others) + ".")
+    analysed = analysed_states(spec, out)
+    lines += ["", "## Analysed runs", ""]
+    if analysed is None:
+        lines.append(f"{RULE_FILE} is not written yet: the analysed runs start after the pilot.")
+    else:
+        lines += [
+            "| run | state | rounds | clock (s) | curve | learns | CPU s |",
+            "|---|---|---|---|---|---|---|",
+            *(_row(r, metric, with_step=False) for r in analysed),
+            "",
+            f"{sum(r.state == FINISHED for r in analysed)} of {len(analysed)} analysed runs "
+            "finished.",
+        ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,131 @@
+"""`study_planner.py status`: the study's state read from its files, checked by hand on a
+tiny v2 study whose runs are written by a fake run function (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tomllib
+
+from research.study_planner.study_runner import pilot_stage
+from research.study_planner.study_spec import spec_from_dict
+from research.study_planner.study_status import (
+    FINISHED,
+    NOT_STARTED,
+    PARTIAL,
+    analysed_states,
+    pilot_states,
+    render_status,
+)
+from study_tiny import TINY_STUDY
+
+V2_KEYS = """
+budget_s = 6.0
+target_gain = 0.03
+hold_evals = 2
+pilot_all_arms = true
+learn_min_gain = 0.02
+learn_max_drop = 0.05
+step_grid = [0.3, 3.0]
+"""
+LEARNS = [(0, 0.50), (2, 0.54), (4, 0.55), (6, 0.56)]
+FLAT = [(0, 0.50), (2, 0.50), (4, 0.49), (6, 0.51)]
+
+
+def v2_spec():
+    text = TINY_STUDY.replace('metric = "arc-e/loss"', 'metric = "arc-e/acc"' + V2_KEYS)
+    return spec_from_dict(tomllib.loads(text), "tiny-v2")
+
+
+def fake(cfg, run_dir, *, resume):
+    """fixed-0.5 never learns (so its grid runs); every other job learns."""
+    flat = run_dir.name.startswith("fixed-0.5")
+    lines = [
+        {"round": 10 * i, "sim_time_s": t, "eval": {"arc-e": v}}
+        for i, (t, v) in enumerate(FLAT if flat else LEARNS)
+    ]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (run_dir / "config.toml").write_text("")
+    (run_dir / "summary.json").write_text(json.dumps({"sim_time_s": 6.0, "rounds": 30}))
+    return {}
+
+
+def test_status_before_any_run_lists_every_job_as_not_started(tmp_path):
+    spec = v2_spec()
+    rows, pending, others = pilot_states(spec, tmp_path)
+    assert [r.name for r in rows] == [
+        "pilot/fixed-full-seed5",
+        "pilot/fixed-0.5-seed5",
+        "pilot/fslora-seed5",
+        "pilot/proposed-separate-seed5",
+    ]
+    assert all(r.state == NOT_STARTED and r.values == () for r in rows)
+    assert pending == ["fixed-full", "fixed-0.5", "fslora", "proposed-separate"]
+    assert others == [] and analysed_states(spec, tmp_path) is None
+
+
+def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):
+    spec = v2_spec()
+    lr = spec.config([]).training.lr
+    pilot_stage(spec, tmp_path, run_fn=fake, log=lambda _: None)
+    # a grid run killed mid-way: its summary gone, its metrics cut after round 10
+    cut = tmp_path / "pilot" / "fixed-0.5-x3-seed5"
+    (cut / "summary.json").unlink()
+    (cut / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(x) + "\n"
+            for x in [
+                {"round": 0, "sim_time_s": 0.0, "eval": {"arc-e": 0.5}},
+                {"round": 10, "sim_time_s": 2.5},
+            ]
+        )
+    )
+    (tmp_path / "pilot" / "gone-arm-seed5").mkdir()  # an arm an amendment took out
+    rows, pending, others = pilot_states(spec, tmp_path)
+    by = {r.name: r for r in rows}
+    assert set(by) == {
+        "pilot/fixed-full-seed5",
+        "pilot/fixed-0.5-seed5",
+        "pilot/fixed-0.5-x0.3-seed5",
+        "pilot/fixed-0.5-x3-seed5",
+        "pilot/fslora-seed5",
+        "pilot/proposed-separate-seed5",
+    }
+    full = by["pilot/fixed-full-seed5"]
+    assert (full.state, full.rounds, full.sim_time_s) == (FINISHED, 30, 6.0)
+    assert full.values == (0.50, 0.54, 0.55, 0.56)
+    assert full.criterion.learned and full.criterion.gain_at_budget == pytest.approx(0.06)
+    flat = by["pilot/fixed-0.5-seed5"]
+    assert not flat.criterion.learned
+    assert flat.criterion.gain_at_budget == pytest.approx(0.01)
+    assert flat.criterion.worst_drop == pytest.approx(0.01)
+    part = by["pilot/fixed-0.5-x3-seed5"]
+    assert (part.state, part.rounds, part.sim_time_s, part.values) == (PARTIAL, 10, 2.5, (0.5,))
+    assert part.criterion is None and part.step == pytest.approx(3 * lr)
+    assert by["pilot/fixed-0.5-x0.3-seed5"].step == pytest.approx(0.3 * lr)
+    assert pending == [] and others == ["pilot/gone-arm-seed5"]
+    text = render_status(spec, tmp_path)
+    assert (
+        f"| pilot/fixed-full-seed5 | {lr:g} | finished | 30 | 6.0 | 50.0, 54.0, 55.0, 56.0 | yes (6.0 at B) |"
+        in text
+    )
+    assert "| pilot/fixed-0.5-seed5 |" in text and "| no (1.0 at B) |" in text
+    assert "| pilot/fixed-0.5-x3-seed5 |" in text and "| partial | 10 | 2.5 | 50.0 | - |" in text
+    assert "5 of 6 known pilot jobs finished." in text
+    assert "no job of this config: pilot/gone-arm-seed5." in text
+    assert "0 of 6 analysed runs finished." in text  # the pilot wrote rule.json
+
+
+def test_status_lists_every_analysed_run_once_the_rule_exists(tmp_path):
+    spec = v2_spec()
+    (tmp_path / "rule.json").write_text("{}")
+    fake(None, tmp_path / "fslora-seed1", resume=False)
+    rows = analysed_states(spec, tmp_path)
+    names = [r.name for r in rows]
+    assert len(names) == len(spec.seeds) * len(spec.labels) == 6
+    assert names[0] == "fslora-seed0" and names[-1] == "fixed-best-seed1"
+    done = [r.name for r in rows if r.state == FINISHED]
+    assert done == ["fslora-seed1"]
+    assert "1 of 6 analysed runs finished." in render_status(spec, tmp_path)
