@@ -276,3 +276,55 @@ def test_not_worse_by_margin_by_hand():
     # a loss: lower is better, so +0.05 is worse by 0.05
     assert not_worse_by_margin(PairedDiff(0.05, 0.02, None, 3), 0.02, False) == sr.NOT_HELD
     assert not_worse_by_margin(PairedDiff(0.0, None, None, 1), 0.02, True) == sr.INCONCLUSIVE
+
+
+def _learns_at(factor_of_label):
+    """A run function: each label learns only at its step factor (x1 unless given), and
+    writes the lr it ran at into config.toml (what the step check reads)."""
+    base = v2_spec().config([]).training.lr
+    calls = []
+
+    def fake(cfg, run_dir, *, resume):
+        label = run_dir.name.rsplit("-seed", 1)[0].split("-x")[0]
+        calls.append(run_dir.name)
+        ok = cfg.training.lr == pytest.approx(factor_of_label.get(label, 1.0) * base)
+        curve = [(0, 0.5), (2, 0.54), (4, 0.55), (6, 0.56)] if ok else [(0, 0.5), (6, 0.5)]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lines = [
+            {"round": r, "sim_time_s": t, "eval": {"arc-e": v}} for r, (t, v) in enumerate(curve)
+        ]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (run_dir / "config.toml").write_text(f"[training]\nlr = {cfg.training.lr!r}\n")
+        (run_dir / "summary.json").write_text(json.dumps({"sim_time_s": 6.0, "rounds": 3}))
+        return {}
+
+    return fake, calls, base
+
+
+def test_an_arm_whose_pilot_finished_runs_before_rule_json_at_the_step_the_rule_gives(tmp_path):
+    spec = v2_spec()
+    fake, calls, lr = _learns_at({"fslora": 3.0})  # fslora learns only at 3x the step
+    assert pilot_stage(spec, tmp_path, run_fn=fake, log=print, only=["fslora"]) is None
+    assert not (tmp_path / "rule.json").exists()  # the other arms' pilots have not run
+    with pytest.raises(ConfigError, match="name with --arms"):
+        run_stage(spec, tmp_path, run_fn=fake, log=print)
+    with pytest.raises(ConfigError, match="fixed-best: it waits for"):
+        run_stage(spec, tmp_path, run_fn=fake, log=print, arms_only=["fixed-best"])
+    with pytest.raises(ConfigError, match=r"proposed-separate: .*x1 have not finished"):
+        run_stage(spec, tmp_path, run_fn=fake, log=print, arms_only=["proposed-separate"])
+    calls.clear()
+    run_stage(spec, tmp_path, run_fn=fake, log=print, arms_only=["fslora"], seeds=[0])
+    assert calls == ["fslora-seed0"]
+    saved = tomllib.loads((tmp_path / "fslora-seed0" / "config.toml").read_text())
+    assert saved["training"]["lr"] == pytest.approx(3 * lr)
+    # the rest of the pilot: rule.json gives fslora the same factor, so its run is kept
+    rule = pilot_stage(spec, tmp_path, run_fn=fake, log=print)
+    assert rule["steps"]["fslora"] == 3.0
+    calls.clear()
+    out = run_stage(spec, tmp_path, run_fn=fake, log=print, seeds=[0])
+    assert "fslora-seed0" not in calls and out[0] == "skipped"
+    # a run saved under another step than the rule's is refused, naming the key and values
+    (tmp_path / "fslora-seed1").mkdir()
+    (tmp_path / "fslora-seed1" / "config.toml").write_text(f"[training]\nlr = {lr!r}\n")
+    with pytest.raises(ConfigError, match=r"fslora-seed1/config.toml: training.lr = 0.05"):
+        run_stage(spec, tmp_path, run_fn=fake, log=print, seeds=[1])

@@ -16,7 +16,7 @@ from typing import Any
 
 from fedlora.errors import ConfigError
 from fedlora.studies.runs import load_run
-from research.study_planner.study_rule import derive_rule_v2, learning, metric_points
+from research.study_planner.study_rule import choose_step, derive_rule_v2, learning, metric_points
 from research.study_planner.study_spec import StudySpec
 
 
@@ -64,6 +64,26 @@ def pilot_jobs(spec: StudySpec, out: Path, finished: Any) -> tuple[list[tuple[st
         if not crit.learned:
             jobs += [(label, f) for f in spec.step_grid]
     return jobs, complete
+
+
+def arm_factor(spec: StudySpec, out: Path, label: str, finished: Any) -> tuple[float | None, str]:
+    """(the step factor rule.json will give `label`, "") once every pilot run of that arm has
+    finished, else (None, what it waits for). An arm's factor depends on its own pilot runs
+    only (`choose_step`, as `derive_rule_v2` calls it), so its analysed runs may start before
+    the other arms' pilots end; fixed-best is known only from every fixed rule's pilot."""
+    jobs, _ = pilot_jobs(spec, out, finished)
+    mine = [f for lab, f in jobs if lab == label]
+    waiting = [f"x{f:g}" for f in mine if not finished(pilot_dir(out, label, f, spec.pilot_seed))]
+    if waiting:
+        return None, f"its pilot run(s) {', '.join(waiting)} have not finished"
+    trials = {
+        f: metric_points(load_run(pilot_dir(out, label, f, spec.pilot_seed)), spec.metric)
+        for f in mine
+    }
+    factor, _ = choose_step(
+        trials, spec.metric, spec.budget_s, spec.learn_min_gain, spec.learn_max_drop
+    )
+    return factor, ""
 
 
 def derive(spec: StudySpec, out: Path, jobs: list[tuple[str, float]]) -> dict[str, Any]:

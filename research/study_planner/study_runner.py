@@ -16,12 +16,15 @@ config.toml but no such summary is resumed; anything else is started (again).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from fedlora.errors import ConfigError, DataError
 from fedlora.studies.runs import load_run
@@ -325,20 +328,29 @@ def run_stage(
 ) -> list[str]:
     """Every arm on every analysed seed, with the rule's budget and common grid; returns each
     job's outcome (skipped/resumed/started) in order. `seeds` / `arms_only`: run just these
-    (one runner per core; each job's config does not depend on which runner runs it)."""
-    rule = read_rule(out)
-    budget = rule["budget_s"]
+    (one runner per core; each job's config does not depend on which runner runs it).
+
+    Before rule.json exists (protocol v2), `arms_only` may name arms whose own pilot has
+    finished: their step factor is the one the rule will record (`study_pilot.arm_factor`),
+    so their analysed runs need not wait for the other arms' pilots. Every run already
+    started is checked against the step the rule gives it."""
+    if (out / RULE_FILE).is_file() or not spec.pilot_all_arms:
+        rule = read_rule(out)
+        fixed_best = rule["fixed_best"]
+        if fixed_best not in spec.fixed_rules:
+            raise ConfigError(
+                f"{out / RULE_FILE}: fixed_best {fixed_best!r} is not a fixed rule of the study "
+                f"config (allowed: {', '.join(spec.fixed_rules)})"
+            )
+        arms = {**spec.arms, FIXED_BEST: spec.fixed_rules[fixed_best]}
+        steps = dict(rule.get("steps", {}))  # protocol v2: each arm's chosen step factor
+        steps[FIXED_BEST] = steps.get(fixed_best, 1.0)
+        budget, grid_s = rule["budget_s"], rule["grid_s"]
+    else:
+        arms, steps = _early_arms(spec, out, arms_only)
+        budget, grid_s = spec.budget_s, spec.budget_s / spec.grid_points  # as study_fields
     # every arm stops at the round that spends B
-    common = study_pilot.budget_overrides(budget, rule["grid_s"], ANALYSED_ROUND_CAP)
-    fixed_best = rule["fixed_best"]
-    if fixed_best not in spec.fixed_rules:
-        raise ConfigError(
-            f"{out / RULE_FILE}: fixed_best {fixed_best!r} is not a fixed rule of the study "
-            f"config (allowed: {', '.join(spec.fixed_rules)})"
-        )
-    arms = {**spec.arms, FIXED_BEST: spec.fixed_rules[fixed_best]}
-    steps = dict(rule.get("steps", {}))  # protocol v2: each arm's chosen step factor
-    steps[FIXED_BEST] = steps.get(fixed_best, 1.0)
+    common = study_pilot.budget_overrides(budget, grid_s, ANALYSED_ROUND_CAP)
     arms = {
         lab: [*ov, *study_pilot.step_override(spec, ov, steps.get(lab, 1.0))]
         for lab, ov in arms.items()
@@ -354,6 +366,7 @@ def run_stage(
             if label not in chosen_arms:
                 continue
             run_dir = out / f"{label}-seed{seed}"
+            _check_step(spec, run_dir, overrides)
             outcomes.append(
                 run_job(
                     spec,
@@ -367,6 +380,49 @@ def run_stage(
                 )
             )
     return outcomes
+
+
+def _early_arms(
+    spec: StudySpec, out: Path, arms_only: Sequence[str]
+) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """The arms of `run --arms` and their step factors before rule.json exists: each must be
+    an arm (not fixed-best) whose own pilot runs have all finished."""
+    if not arms_only:
+        raise ConfigError(
+            f"no {out / RULE_FILE}: the pilot has not finished; before it does, name with "
+            "--arms the arms whose own pilot has finished (their step is known)"
+        )
+    _chosen("run --arms", arms_only, [*spec.arms, FIXED_BEST])
+    steps: dict[str, float] = {}
+    for label in arms_only:
+        if label == FIXED_BEST:
+            raise ConfigError(
+                f"run --arms {FIXED_BEST}: it waits for {out / RULE_FILE} (the best fixed rule "
+                "is chosen from every fixed rule's pilot)"
+            )
+        factor, waits = study_pilot.arm_factor(spec, out, label, finished)
+        if factor is None:
+            raise ConfigError(f"run --arms {label}: no {out / RULE_FILE} yet and {waits}")
+        steps[label] = factor
+    return {lab: spec.arms[lab] for lab in arms_only}, steps
+
+
+def _check_step(spec: StudySpec, run_dir: Path, overrides: Sequence[str]) -> None:
+    """Refuse a run directory whose saved step size is not the one its arm runs at now
+    (an analysed run started before rule.json, under a step the rule did not choose)."""
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        return
+    key = spec.step_key(overrides)
+    section, name = key.split(".")
+    saved = tomllib.loads(path.read_text(encoding="utf-8")).get(section, {}).get(name)
+    want = spec.step_value(overrides)
+    # fedlora writes every key into config.toml; one without the key is not its dump
+    if saved is not None and not math.isclose(float(saved), want, rel_tol=1e-12):
+        raise ConfigError(
+            f"{path}: {key} = {saved!r}, but the study runs this arm at {want!r}; move the run "
+            "directory away to start it again"
+        )
 
 
 def _chosen(flag: str, wanted: Sequence[str], allowed: list[str]) -> list[str]:
