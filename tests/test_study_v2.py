@@ -228,8 +228,24 @@ def test_v2_report_hand_checked(tmp_path):
     from research.study_planner.study_report import write_study_report
 
     out = _study_v2(tmp_path)
+    # a pilot run of an arm an amendment took out before rule.json: listed, not in the rule
+    _write_run(out / "pilot", "gone-arm-seed9", [(0, 0.5), (6, 0.5)])
     text = write_study_report(out).read_text()
     lines = text.splitlines()
+    assert "never part of the rule): gone-arm." in text
+    # the comparisons' table is one block: its rows follow the header, the per-seed list after
+    at = lines.index("|---|---|---|---|---|---|---|---|---|")
+    assert lines[at + 1].startswith("| proposed-inrun | fslora |")
+    assert lines[at + 3].startswith("| proposed-inrun | fixed-best")
+    assert lines[at + 4] == "" and lines[at + 5].startswith("Each seed's exact McNemar")
+    # every pilot run's own held time, grid runs too: fixed-b x3 holds from 12 s = 0.20 min
+    assert "| fixed-b-x3 | 0.20 | True | 4 |" in text
+    assert "| fslora-x3 | 1.00 | False | 4 |" in text
+    # not worse than fslora: +20, +10, +20 points, lower end 16.67 - 14.34 = +2.3 > -2: held
+    assert (
+        "| proposed-inrun is not worse than fslora at the budget (the paired 95% t interval "
+        "above -2 points) | **held** |" in text
+    )
     # fslora's seeds touch the target once (6 s) and fall back: censored at B = 1 min
     assert "| fslora | >= 1.00 (not reached) | >= 1.00 (not reached) |" in text
     assert "| proposed-inrun | 0.10 | 0.10 | 0.10 | 0.10 |" in text
@@ -328,3 +344,34 @@ def test_an_arm_whose_pilot_finished_runs_before_rule_json_at_the_step_the_rule_
     (tmp_path / "fslora-seed1" / "config.toml").write_text(f"[training]\nlr = {lr!r}\n")
     with pytest.raises(ConfigError, match=r"fslora-seed1/config.toml: training.lr = 0.05"):
         run_stage(spec, tmp_path, run_fn=fake, log=print, seeds=[1])
+
+
+def test_same_protocol_compares_the_keys_both_configs_have(tmp_path):
+    # a study spans sessions: a table fedlora's config gained since an earlier run (data.mc)
+    # is absent from that run's config.toml, which is no difference; a nested value that
+    # differs is one, named by its dotted key
+    from types import SimpleNamespace as NS
+
+    from fedlora.errors import DataError
+    from research.study_planner.study_stats import check_same_protocol
+
+    old = {"training": {"lr": 1e-3, "seed": 0}, "data": {"n_clients": 10}}
+    new = {"training": {"lr": 1e-3, "seed": 1}, "data": {"n_clients": 10, "mc": {"task": "a"}}}
+    other = {**new, "data": {"n_clients": 10, "mc": {"task": "b"}}}
+    newer = {**new, "data": {"n_clients": 10, "mc": {"task": "a", "added": 1}}}
+
+    def cells(*configs):
+        return {
+            "arm": [
+                NS(run=NS(config=c, path=tmp_path / f"arm-seed{i}")) for i, c in enumerate(configs)
+            ]
+        }
+
+    rule = {"overrides": {}, "fixed_best": "fixed-a"}
+    check_same_protocol(cells(old, new, newer), rule)
+    with pytest.raises(
+        DataError, match=r"arm-seed1: its config differs from arm-seed0's at data.mc.task"
+    ):
+        check_same_protocol(cells(new, other), rule)
+    with pytest.raises(DataError, match=r"at data.n_clients \(12 vs 10\)"):
+        check_same_protocol(cells(old, {**old, "data": {"n_clients": 12}}), rule)

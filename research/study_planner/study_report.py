@@ -22,6 +22,7 @@ from research.study_planner.study_rule import (
     Metric,
     metric_points,
     parse_metric,
+    time_to_target_held,
     value_at_budget,
 )
 from research.study_planner.study_stats import (
@@ -36,6 +37,7 @@ from research.study_planner.study_stats import (
     comparisons,
     load_cells,
     metric_of,
+    pilot_label,
 )
 
 
@@ -83,7 +85,7 @@ def render(
     for extra in rule.get("secondary", []):
         lines += _secondary(extra, rule, cells)
     lines += _comparison_lines(rule, comps, best, scale)
-    lines += _claim_lines(comps, cells, best, metric.higher)
+    lines += _claim_lines(comps, cells, best, metric.higher, scale)
     lines += _table1_lines(rule, metric, cells)
     lines += _pilot_lines(rule, metric, pilot)
     lines += _learning_lines(rule, scale)
@@ -188,26 +190,28 @@ def _comparison_lines(
         "Time ratio = T_arm / T_baseline per seed (censored times count as B), geometric mean "
         "with the 95% t interval on the log ratios (n = seeds: with three, wide); p: t test of "
         f"mean log ratio = 0. Metric at B: paired difference arm - baseline{unit} with its "
-        "95% t interval over seeds; McNemar: exact, on the questions of the evaluations at B "
-        "pooled over seeds (only arm right / only baseline right). Holm: adjusted over the "
-        "comparisons below, separately for time and for McNemar.",
+        "95% t interval over seeds. Holm: adjusted over the comparisons below, separately for "
+        "time and for McNemar.",
+    ]
+    v2 = bool(rule.get("noninferiority_margin"))
+    if v2:
+        lines.append(
+            f'Protocol v2: the metric at B is judged with the seed as the unit ("not worse": '
+            f"the 95% t interval above -{scale * rule['noninferiority_margin']:g}{unit}); the "
+            "McNemar columns are empty because the seeds answer the same questions and are "
+            "never pooled (each seed's own test is listed below the table)."
+        )
+    else:
+        lines.append(
+            "McNemar: exact, on the questions of the evaluations at B pooled over seeds (only "
+            "arm right / only baseline right)."
+        )
+    lines += [
         "",
         "| arm | baseline | time ratio [95%] | p | p (Holm) | metric diff [95%] | McNemar b/c | "
         "p | p (Holm) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    if rule.get("noninferiority_margin"):
-        lines += [
-            "",
-            f'Protocol v2: the metric at B is judged with the seed as the unit ("not worse": '
-            f"the 95% t interval above -{scale * rule['noninferiority_margin']:g}{unit}); the "
-            "McNemar columns are empty because the seeds answer the same questions and are "
-            "never pooled. Each seed's exact McNemar test (only arm right / only baseline "
-            "right, p), descriptive:",
-            "",
-        ]
-        lines += [f"- {c.arm} vs {c.base}: {_per_seed(c)}" for c in comps]
-        lines.append("")
     for c in comps:
         mc = c.mcnemar
         lines.append(
@@ -216,15 +220,40 @@ def _comparison_lines(
             f"{'-' if mc is None else f'{mc[1]}/{mc[2]} of {mc[0]}'} | "
             f"{_p(None if mc is None else mc[3])} | {_p(c.p_acc_holm)} |"
         )
+    if v2:
+        lines += [
+            "",
+            "Each seed's exact McNemar test at B (only arm right / only baseline right of the "
+            "questions, p), descriptive, seeds in order:",
+            "",
+            *(f"- {c.arm} vs {c.base}: {_per_seed(c)}" for c in comps),
+        ]
     return lines
 
 
 def _claim_lines(
-    comps: list[Comparison], cells: dict[str, list[Cell]], best: str, higher: bool
+    comps: list[Comparison],
+    cells: dict[str, list[Cell]],
+    best: str,
+    higher: bool,
+    scale: float = 1.0,
 ) -> list[str]:
     """The paper's claims with their verdicts, and the rule that gives them."""
     lines = ["", "## The paper's claims", "", "| claim | verdict |", "|---|---|"]
-    lines += [f"| {c['claim']} | **{c['verdict']}** |" for c in claims(comps, cells, best, higher)]
+    rows = claims(comps, cells, best, higher, scale)
+    lines += [f"| {c['claim']} | **{c['verdict']}** |" for c in rows]
+    if any(c.margin for c in comps):
+        return lines + [
+            "",
+            "Rule (research/study_planner/study_planner_v2.md, rule 13): a speed claim holds when the "
+            "Holm-adjusted p < 0.05 with the arm faster, the geometric-mean speed-up reaches the "
+            "claimed factor and no seed of the arm is censored; it does not hold when the "
+            "speed-up's 95% interval lies below the factor and no seed of the baseline is "
+            "censored; otherwise inconclusive. Not worse: held when the paired interval's lower "
+            "end is above the margin's negative, not held when its upper end is below it. Ours: "
+            "held when sooner and not worse than the best baseline both hold, not held when "
+            "either does not.",
+        ]
     return lines + [
         "",
         "Rule (research/study_planner/study_planner.md, Verdicts): a speed claim holds when the Holm-adjusted "
@@ -265,9 +294,27 @@ def _pilot_lines(rule: dict[str, Any], metric: Metric, pilot: dict[str, Any]) ->
         "| run | time to target (min) | reached | evaluations |",
         "|---|---|---|---|",
     ]
+    others = []
     for lab, run in pilot.items():
-        t, reached = rule["pilot_times_s"].get(lab, [math.nan, False])[:2]
-        lines.append(f"| {lab} | {t / 60:.2f} | {reached} | {len(metric_points(run, metric))} |")
+        pts = metric_points(run, metric)
+        if "steps" in rule:  # protocol v2: every pilot run's own held time, grid runs too
+            if pilot_label(lab, rule)[0] not in rule["steps"]:
+                others.append(lab)
+                continue
+            t, reached = time_to_target_held(
+                pts, metric, rule["target_gain"], rule["budget_s"], int(rule["hold_evals"])
+            )
+        else:
+            t, reached = rule["pilot_times_s"].get(lab, [math.nan, False])[:2]
+        lines.append(f"| {lab} | {t / 60:.2f} | {reached} | {len(pts)} |")
+    if others:
+        lines += [
+            "",
+            "Pilot runs of labels rule.json has no step for (taken out of the study by an "
+            "amendment; their files stay in pilot/, never part of the rule): "
+            + ", ".join(others)
+            + ".",
+        ]
     return lines
 
 
@@ -321,10 +368,11 @@ def _steps_lines(rule: dict[str, Any]) -> list[str]:
 def _learning_lines(rule: dict[str, Any], scale: float) -> list[str]:
     if "learning" not in rule:
         return []
+    pts = " points" if scale == 100 else ""
     out = [
         "",
-        f"Learning criterion: gain at B >= {scale * rule['learn_min_gain']:g} and no "
-        f"evaluation more than {scale * rule['learn_max_drop']:g} below round 0.",
+        f"Learning criterion: gain at B >= {scale * rule['learn_min_gain']:g}{pts} and no "
+        f"evaluation more than {scale * rule['learn_max_drop']:g}{pts} below round 0.",
         "",
         "| arm | step factor | gain at B | worst drop | learned |",
         "|---|---|---|---|---|",

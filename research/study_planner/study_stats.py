@@ -111,6 +111,18 @@ SHARED_SECTIONS = ("model", "lora", "data", "network", "training", "evaluation")
 STEP_KEYS = ("training.lr", "method.server_lr")
 
 
+def _flat(table: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """{"data.mc.task": value, ...}: nested tables as dotted keys down to their values."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name))
+        else:
+            out[name] = value
+    return out
+
+
 def check_same_protocol(cells: dict[str, list[Cell]], rule: dict[str, Any]) -> None:
     """Refuse a run whose config differs from the others' beyond its arm's overrides (a
     config.toml edited by hand: an lr of 5.0): the shared sections must be equal once the
@@ -127,14 +139,17 @@ def check_same_protocol(cells: dict[str, list[Cell]], rule: dict[str, Any]) -> N
         for c in row:
             conf = c.run.config
             flat = {
-                f"{sec}.{key}": value
+                key: value
                 for sec in SHARED_SECTIONS
-                for key, value in (conf.get(sec) or {}).items()
-                if f"{sec}.{key}" not in own
+                for key, value in _flat(conf.get(sec) or {}, sec).items()
+                if key not in own and not any(key.startswith(o + ".") for o in own)
             }
             if first is None:
                 first = (c.run.path.name, flat)
-            diff = sorted(k for k in set(flat) | set(first[1]) if flat.get(k) != first[1].get(k))
+            # keys of both configs only: a study's runs span sessions, and a key (or table)
+            # added to fedlora's config since an earlier run is absent from its config.toml,
+            # which records every key its own version had
+            diff = sorted(k for k in set(flat) & set(first[1]) if flat[k] != first[1][k])
             if conf and first[1] and diff:
                 raise DataError(
                     f"{c.run.path}: its config differs from {first[0]}'s at {diff[0]} "
@@ -190,19 +205,28 @@ def check_pilot(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, Ru
     return runs
 
 
+def pilot_label(name: str, rule: dict[str, Any]) -> tuple[str, float]:
+    """(label, step factor) of a protocol-v2 pilot run name without its seed:
+    `fslora-x0.3` -> ("fslora", 0.3) when fslora is one of the rule's labels."""
+    head, sep, tail = name.rpartition("-x")
+    if sep and head in rule["steps"]:
+        return head, float(tail)
+    return name, 1.0
+
+
 def check_pilot_v2(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str, RunRecord]:
     """Protocol v2: the pilot's runs (`<label>[-x<factor>]-seed<pilot>`), and each arm's step,
     whether it learned and fixed-best re-derived from them; a rule.json that does not follow
-    is refused. Returns {run name: run}."""
+    is refused. Returns {run name: run}, with the pilot directories of labels rule.json has no
+    step for (arms an amendment took out before the rule was written) among them: reported,
+    never part of the rule (`pilot_label`)."""
     suffix = f"-seed{rule['pilot_seed']}"
     runs = {d.name[: -len(suffix)]: load_run(d) for d in sorted((out / "pilot").glob("*" + suffix))}
     pilot: dict[str, dict[float, list]] = {}
     for name, run in runs.items():
-        label, factor = name, 1.0
-        head, sep, tail = name.rpartition("-x")
-        if sep and head in rule["steps"]:
-            label, factor = head, float(tail)
-        pilot.setdefault(label, {})[factor] = metric_points(run, metric)
+        label, factor = pilot_label(name, rule)
+        if label in rule["steps"]:
+            pilot.setdefault(label, {})[factor] = metric_points(run, metric)
     if set(pilot) != set(rule["steps"]):
         raise DataError(f"{out / 'pilot'}: the pilot's runs are not those of rule.json's steps")
     again = derive_rule_v2(
@@ -314,9 +338,15 @@ def not_worse_by_margin(diff: PairedDiff, margin: float, higher: bool) -> str:
 
 
 def claims(
-    comps: list[Comparison], cells: dict[str, list[Cell]], best: str, higher: bool
+    comps: list[Comparison],
+    cells: dict[str, list[Cell]],
+    best: str,
+    higher: bool,
+    scale: float = 1.0,
 ) -> list[dict[str, str]]:
-    """The paper's Table I claims and ours, one verdict each (rule: research/study_planner/study_planner.md)."""
+    """The paper's Table I claims and ours, one verdict each (rule: research/study_planner/study_planner.md;
+    protocol v2's, research/study_planner/study_planner_v2.md rule 13, adds "not worse at B" against each
+    baseline)."""
     by = {(c.arm, c.base): c for c in comps}
 
     def speed_of(c: Comparison, factor: float) -> str:
@@ -346,6 +376,15 @@ def claims(
             if c is not None:
                 v = speed_of(c, factor)
                 out.append({"arm": arm, "claim": f"Table I: {arm} {text}", "verdict": v})
+        for c in (c for c in comps if c.arm == arm and c.margin):
+            out.append(
+                {
+                    "arm": arm,
+                    "claim": f"{arm} is not worse than {c.base} at the budget (the paired 95% "
+                    f"t interval above -{scale * c.margin:g}{' points' if scale == 100 else ''})",
+                    "verdict": not_worse(c, higher),
+                }
+            )
         c = by.get((arm, best))
         if c is not None:
             speed = speed_of(c, 1.0)
