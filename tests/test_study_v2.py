@@ -167,6 +167,8 @@ def _write_run(root, name, evals, correct=None):
     run = root / name
     run.mkdir(parents=True)
     lines = [{"round": r, "sim_time_s": t, "eval": {"arc-e": v}} for r, (t, v) in enumerate(evals)]
+    # the scores that need no model, as the engine logs them with every evaluation
+    lines[0].update(eval_n={"arc-e": 10}, eval_chance={"arc-e": 0.25}, eval_majority={"arc-e": 0.3})
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     seed = int(name.rsplit("seed", 1)[1])
     summary = {"method": name.split("-")[0], "seed": seed, "stop_reason": "time_budget"}
@@ -233,6 +235,7 @@ def test_v2_report_hand_checked(tmp_path):
     text = write_study_report(out).read_text()
     lines = text.splitlines()
     assert "never part of the rule): gone-arm." in text
+    assert "- evaluation: 10 questions of arc-e; chance 25.0, most-frequent label 30.0 (%)" in text
     # the comparisons' table is one block: its rows follow the header, the per-seed list after
     at = lines.index("|---|---|---|---|---|---|---|---|---|")
     assert lines[at + 1].startswith("| proposed-inrun | fslora |")

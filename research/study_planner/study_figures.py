@@ -10,7 +10,7 @@ from typing import Any
 from fedlora.studies.figures import mean_band, pyplot, save_figure
 from research.study_planner.study_rule import Metric, level_on_grid, metric_points
 from research.study_planner.study_spec import REFERENCE
-from research.study_planner.study_stats import Cell
+from research.study_planner.study_stats import Cell, eval_reference
 
 # the names `fedlora report` uses for the same two figures (a run directory's manifest knows
 # them): accuracy for acc/acc_norm, eval_loss for a loss metric
@@ -35,8 +35,12 @@ def figures(out: Path, rule: dict[str, Any], metric: Metric, cells: dict[str, li
         xs, mean, lo, hi = mean_band(cs, grid)
         (line,) = ax.plot([x / 60 for x in xs], mean, label=arm)
         ax.fill_between([x / 60 for x in xs], lo, hi, alpha=0.2, color=line.get_color())
+    ref = eval_reference(cells, metric) or {}
+    for key, text, style in (("chance", "chance", ":"), ("majority", "most-frequent label", "--")):
+        if key in ref:
+            ax.axhline(ref[key], color="black", lw=0.8, ls=style, label=f"{text} {ref[key]:.3f}")
     ax.set_xlabel("simulated time (min)")
-    ax.set_ylabel(metric.text)
+    ax.set_ylabel(metric.text + (f" (n = {ref['n']:.0f})" if "n" in ref else ""))
     ax.legend(fontsize=8)
     save_figure(
         fig, out / FIGURES[metric.higher][0], title=f"{metric.text}: mean over seeds, 95% t band"

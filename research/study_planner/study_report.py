@@ -35,6 +35,7 @@ from research.study_planner.study_stats import (
     check_rule_fields,
     claims,
     comparisons,
+    eval_reference,
     load_cells,
     metric_of,
     pilot_label,
@@ -80,6 +81,15 @@ def render(
     best = best_baseline(cells, list(rule["baselines"]), metric.higher)
     comps = comparisons(cells, rule, metric)
     lines = _rule_lines(rule, metric)
+    ref = eval_reference(cells, metric)
+    if ref is not None:
+        extra = ""
+        if "chance" in ref and "majority" in ref:
+            extra = (
+                f"; chance {scale * ref['chance']:.1f}, most-frequent label "
+                f"{scale * ref['majority']:.1f}{' (%)' if scale == 100 else ''}"
+            )
+        lines.append(f"- evaluation: {ref['n']:.0f} questions of {metric.task}{extra}")
     lines += _minutes_lines(rule, cells)
     lines += _at_budget_lines(rule, metric, cells, scale)
     for extra in rule.get("secondary", []):

@@ -248,6 +248,27 @@ def check_pilot_v2(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str,
     return runs
 
 
+def eval_reference(cells: dict[str, list[Cell]], metric: Metric) -> dict[str, float] | None:
+    """The evaluation's size and the scores that need no model, from the first analysed run
+    that logged them: {"n": questions, "chance": expected accuracy of a uniform guess,
+    "majority": accuracy of always answering the most frequent label}; None when no run did
+    (a loss metric keeps "n" only)."""
+    for row in cells.values():
+        for c in row:
+            for line in c.run.lines:
+                n = (line.get("eval_n") or {}).get(metric.task)
+                if n is None:
+                    continue
+                ref = {"n": float(n)}
+                if metric.field in ("acc", "acc_norm"):
+                    for key in ("chance", "majority"):
+                        value = (line.get(f"eval_{key}") or {}).get(metric.task)
+                        if value is not None:
+                            ref[key] = float(value)
+                return ref
+    return None
+
+
 def geo_mean(values: list[float]) -> float:
     return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
 
