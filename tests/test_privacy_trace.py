@@ -112,3 +112,51 @@ def test_fedlora_report_draws_the_trace_of_a_private_run_only(tmp_path):
     assert main(["report", str(plain), "--out", str(tmp_path / "plain-only")]) == 0
     assert not (tmp_path / "plain-only" / TRACE_FILE).exists()
     assert TRACE_FILE not in (tmp_path / "plain-only" / "report.md").read_text()
+
+
+def test_the_signal_line_is_z_sqrt_d_over_m_by_hand():
+    from fedlora.commands.plan import cohort_signal_line
+
+    # m = 2.01; z·√d = 1.5·100 = 150; 150 / 2.01 = 74.63
+    line = cohort_signal_line(1.5, 10_000, [1.0, 0.5, 0.51])
+    assert line.startswith("noise against signal: z·√d/m = 1.5·√10,000/2.01 = 74.6 (above 1:")
+    assert "needs m >= z·√d = 150 expected participants a round" in line
+    # z = 0.5, d = 4, m = 2: 0.5·2/2 = 0.5
+    assert cohort_signal_line(0.5, 4, [1.0, 1.0]).endswith(
+        "= 0.5 (at or below 1: necessary for the signal to show, not sufficient)"
+    )
+
+
+def test_plan_prints_the_signal_line_with_adapter_entries_and_refuses_it_without_a_budget(
+    tmp_path, capsys
+):
+    problem = {
+        "gamma": 4,
+        "f_tot": 100.0,
+        "clients": [
+            {"a": 0.5, "tau_full_s": 1.0, "t_full": 4.0},
+            {"a": 0.5, "tau_full_s": 2.0, "t_full": 4.0},
+        ],
+        "constants": {"A": 1.0, "B": 1.0, "C": 0.01, "D": 0.001},
+        "options": {"q_lower_bound": "none"},
+    }
+    path = tmp_path / "problem.json"
+    path.write_text(json.dumps(problem))
+    out = tmp_path / "plan.json"
+    budget = ["--max-epsilon", "8", "--noise-multiplier", "1.0", "--delta", "1e-5"]
+    assert main(["plan", str(path), *budget, "--adapter-entries", "0", "-o", str(out)]) == 2
+    assert "--adapter-entries = 0 is invalid: must be an integer >= 1" in capsys.readouterr().err
+    assert main(["plan", str(path), "--adapter-entries", "100", "-o", str(out)]) == 2
+    assert "--adapter-entries needs a privacy budget" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["plan", str(path), *budget, "--adapter-entries", "10000", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    q = json.loads(out.read_text())["q"]
+    m = sum(q)
+    want = cohort_noise_line(1.0, q)
+    assert want in printed
+    assert f"z·√d/m = 1·√10,000/{m:.4g} = {100 / m:.3g}" in printed
+    # without -o the JSON stays alone on stdout, the line goes to stderr
+    assert main(["plan", str(path), *budget, "--adapter-entries", "10000"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["q"] == q and "z·√d/m" in captured.err

@@ -1,5 +1,6 @@
-"""`fedlora plan PROBLEM.json [--solver exact|cvxpy] [--max-weight W] [--max-epsilon E] [-o PLAN.json]`: Algorithm 2 on a problem
-file (schema: docs/planner.md); prints the plan as JSON, or writes it and prints a summary."""
+"""`fedlora plan PROBLEM.json [--solver exact|cvxpy] [--max-weight W] [--max-epsilon E]
+[--adapter-entries D] [-o PLAN.json]`: Algorithm 2 on a problem file (schema: docs/planner.md);
+prints the plan as JSON, or writes it and prints a summary."""
 
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--noise-multiplier", type=float, metavar="S", help="sigma of the budget")
     p.add_argument("--delta", type=float, metavar="D", help="delta of the budget's epsilon")
     p.add_argument(
+        "--adapter-entries",
+        type=int,
+        metavar="D",
+        help="with a privacy budget: the adapter entries central DP's noise goes to (d); the "
+        "summary then prints z·sqrt(d)/m, the noise on a round's sum against the most its "
+        "clipped updates can add up to (docs/privacy.md, 'Which cohort')",
+    )
+    p.add_argument(
         "--normalize-a",
         action="store_true",
         help="rescale the clients' a to sum to 1 instead of refusing them",
@@ -75,6 +84,14 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             overrides[key] = _finite_flag(key, getattr(args, key))
     problem, options = load_problem(args.problem, overrides)
+    entries = args.adapter_entries
+    if entries is not None and entries < 1:
+        raise ConfigError(f"--adapter-entries = {entries} is invalid: must be an integer >= 1")
+    if entries is not None and not options.max_epsilon:
+        raise ConfigError(
+            "--adapter-entries needs a privacy budget (--max-epsilon E --noise-multiplier S, or "
+            "options.max_epsilon in the problem file): z·sqrt(d)/m is the budget's noise"
+        )
     try:
         with np.errstate(all="ignore"):  # a degenerate result is refused below, not warned of
             result = plan(problem, options)
@@ -87,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
     check_plan(result)
     text = json.dumps(result.to_dict(), indent=2) + "\n"
     if not args.output:
-        sys.stdout.write(text)
+        sys.stdout.write(text)  # the JSON alone on stdout; the noise line beside it on stderr
+        if entries is not None and result.privacy:
+            line = cohort_signal_line(result.privacy["noise_multiplier"], entries, result.q)
+            print(line, file=sys.stderr)
         return 0
     out = Path(args.output)
     try:
@@ -101,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if result.floors:
         print("floored: " + "; ".join(f"{k} ({v})" for k, v in result.floors.items()))
-    for line in budget_lines(result.privacy, result.q):
+    for line in budget_lines(result.privacy, result.q, entries):
         print(line)
     return 0
 
@@ -117,9 +137,9 @@ def _finite_flag(key: str, value: float) -> float:
     return value
 
 
-def budget_lines(privacy: dict, q) -> list[str]:
-    """With a privacy budget: the cohort's z/m, then one line per client, its q, bound, ε and
-    budget."""
+def budget_lines(privacy: dict, q, adapter_entries: int | None = None) -> list[str]:
+    """With a privacy budget: the cohort's z/m (and z·√d/m when the adapter's entries d are
+    given), then one line per client, its q, bound, ε and budget."""
     if not privacy:
         return []
     lines = [
@@ -127,6 +147,8 @@ def budget_lines(privacy: dict, q) -> list[str]:
         f"ε after R = {privacy['rounds']} rounds (bounds set for {privacy['bound_rounds']})",
         cohort_noise_line(privacy["noise_multiplier"], q),
     ]
+    if adapter_entries is not None:
+        lines.append(cohort_signal_line(privacy["noise_multiplier"], adapter_entries, q))
     for n, (qn, u, e, b) in enumerate(
         zip(q, privacy["q_max"], privacy["epsilon"], privacy["max_epsilon"])
     ):
@@ -144,3 +166,27 @@ def cohort_noise_line(noise_multiplier: float, q) -> str:
         f"cohort: m = Σ q_n = {m:.4g} expected participants a round; "
         f"z/m = {noise_multiplier:g} / {m:.4g} = {ratio} of the clip on the averaged update"
     )
+
+
+def cohort_signal_line(noise_multiplier: float, adapter_entries: int, q) -> str:
+    """z·√d/m (`fedlora.system.privacy.noise_over_signal`): the noise's norm on a round's sum
+    against the most its m expected clipped updates can add up to, and the m that would bring
+    it to 1 (m >= z·√d; docs/privacy.md, "Which cohort": necessary, not sufficient)."""
+    import math
+
+    from fedlora.system.privacy import noise_over_signal
+
+    m = float(sum(float(x) for x in q))
+    ratio = noise_over_signal(noise_multiplier, adapter_entries, m)
+    need = noise_multiplier * math.sqrt(adapter_entries)
+    text = (
+        f"noise against signal: z·√d/m = {noise_multiplier:g}·√{adapter_entries:,}/{m:.4g} = "
+        f"{ratio:.3g}"
+    )
+    if ratio > 1:
+        return text + (
+            " (above 1: the noise on a round's sum outweighs the most its clipped updates can "
+            f"add up to; at or below 1 needs m >= z·√d = {need:.4g} expected participants a "
+            "round)"
+        )
+    return text + " (at or below 1: necessary for the signal to show, not sufficient)"
