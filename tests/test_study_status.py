@@ -42,12 +42,12 @@ def fake(cfg, run_dir, *, resume):
     """fixed-0.5 never learns (so its grid runs); every other job learns."""
     flat = run_dir.name.startswith("fixed-0.5")
     lines = [
-        {"round": 10 * i, "sim_time_s": t, "eval": {"arc-e": v}}
+        {"round": 10 * i, "sim_time_s": t, "eval": {"arc-e": v}, "n_participants": 2 if i else 0}
         for i, (t, v) in enumerate(FLAT if flat else LEARNS)
     ]
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    (run_dir / "config.toml").write_text("")
+    (run_dir / "config.toml").write_text("[training]\nlocal_steps = 5\n")
     (run_dir / "summary.json").write_text(json.dumps({"sim_time_s": 6.0, "rounds": 30}))
     return {}
 
@@ -78,7 +78,7 @@ def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):
             json.dumps(x) + "\n"
             for x in [
                 {"round": 0, "sim_time_s": 0.0, "eval": {"arc-e": 0.5}},
-                {"round": 10, "sim_time_s": 2.5},
+                {"round": 10, "sim_time_s": 2.5, "n_participants": 3},
             ]
         )
     )
@@ -95,6 +95,7 @@ def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):
     }
     full = by["pilot/fixed-full-seed5"]
     assert (full.state, full.rounds, full.sim_time_s) == (FINISHED, 30, 6.0)
+    assert full.client_steps == 5 * (0 + 2 + 2 + 2)  # H = 5 times the participants
     assert full.values == (0.50, 0.54, 0.55, 0.56)
     assert full.criterion.learned and full.criterion.gain_at_budget == pytest.approx(0.06)
     flat = by["pilot/fixed-0.5-seed5"]
@@ -108,11 +109,13 @@ def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):
     assert pending == [] and others == ["pilot/gone-arm-seed5"]
     text = render_status(spec, tmp_path)
     assert (
-        f"| pilot/fixed-full-seed5 | {lr:g} | finished | 30 | 6.0 | 50.0, 54.0, 55.0, 56.0 | yes (6.0 at B) |"
+        f"| pilot/fixed-full-seed5 | {lr:g} | finished | 30 | 30 | 6.0 | 50.0, 54.0, 55.0, 56.0 | yes (6.0 at B) |"
         in text
     )
     assert "| pilot/fixed-0.5-seed5 |" in text and "| no (1.0 at B) |" in text
-    assert "| pilot/fixed-0.5-x3-seed5 |" in text and "| partial | 10 | 2.5 | 50.0 | - |" in text
+    assert (
+        "| pilot/fixed-0.5-x3-seed5 |" in text and "| partial | 10 | 15 | 2.5 | 50.0 | - |" in text
+    )
     assert "5 of 6 known pilot jobs finished." in text
     assert "no job of this config: pilot/gone-arm-seed5." in text
     assert "0 of 6 analysed runs finished." in text  # the pilot wrote rule.json

@@ -32,23 +32,31 @@ class RunState:
     values: tuple[float, ...]  # the metric at each evaluation, round 0 first
     criterion: Learning | None  # the pilot's learning criterion (finished pilot runs only)
     compute_s: float | None  # CPU seconds the ledger records for the finished run
+    client_steps: int | None = None  # Σ participants × training.local_steps so far
 
 
-def _read(run_dir: Path, metric: Metric) -> tuple[str, int | None, float | None, tuple]:
+def _read(run_dir: Path, metric: Metric) -> tuple[str, int | None, float | None, tuple, int | None]:
+    """(state, last round, clock, metric values, client-steps) of one run directory."""
     if finished(run_dir):
         state = FINISHED
     elif (run_dir / "config.toml").is_file():
         state = PARTIAL
     else:
-        return NOT_STARTED, None, None, ()
+        return NOT_STARTED, None, None, (), None
     if not (run_dir / "metrics.jsonl").is_file():
-        return state, None, None, ()
+        return state, None, None, (), None
     run = load_run(run_dir)
     last = run.lines[-1] if run.lines else {}
     rounds = last.get("round")
     clock = last.get("sim_time_s")
     values = tuple(v for _, v in metric_points(run, metric))
-    return state, rounds, (None if clock is None else float(clock)), values
+    # the work a run did: arms whose rounds are cheap in simulated time take many more
+    # client-steps within B (a reason an arm can overfit its few clients' data)
+    local_steps = (run.config.get("training") or {}).get("local_steps")
+    steps = None
+    if isinstance(local_steps, int):
+        steps = local_steps * sum(int(x.get("n_participants") or 0) for x in run.lines)
+    return state, rounds, (None if clock is None else float(clock)), values, steps
 
 
 def _ledger(out: Path) -> dict[str, float]:
@@ -74,7 +82,7 @@ def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str],
     rows = []
     for label, factor in jobs:
         run_dir = study_pilot.pilot_dir(out, label, factor, spec.pilot_seed)
-        state, rounds, clock, values = _read(run_dir, spec.metric)
+        state, rounds, clock, values, steps = _read(run_dir, spec.metric)
         crit = None
         if state == FINISHED:
             pts = metric_points(load_run(run_dir), spec.metric)
@@ -83,7 +91,9 @@ def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str],
             )
         name = run_dir.relative_to(out).as_posix()
         step = spec.step_value(spec.pilot_labels[label]) * factor
-        rows.append(RunState(name, step, state, rounds, clock, values, crit, ledger.get(name)))
+        rows.append(
+            RunState(name, step, state, rounds, clock, values, crit, ledger.get(name), steps)
+        )
     pending = [
         label
         for label in spec.pilot_labels
@@ -109,9 +119,11 @@ def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
     for seed in spec.seeds:
         for label in spec.labels:
             run_dir = out / f"{label}-seed{seed}"
-            state, rounds, clock, values = _read(run_dir, spec.metric)
+            state, rounds, clock, values, steps = _read(run_dir, spec.metric)
             name = run_dir.relative_to(out).as_posix()
-            rows.append(RunState(name, None, state, rounds, clock, values, None, ledger.get(name)))
+            rows.append(
+                RunState(name, None, state, rounds, clock, values, None, ledger.get(name), steps)
+            )
     return rows
 
 
@@ -131,8 +143,10 @@ def _row(r: RunState, metric: Metric, with_step: bool) -> str:
         gain = fmt.format(r.criterion.gain_at_budget * scale)
         verdict = f"{'yes' if r.criterion.learned else 'no'} ({gain} at B)"
     cpu = "-" if r.compute_s is None else f"{r.compute_s:.0f}"
+    work = "-" if r.client_steps is None else f"{r.client_steps:,}"
     step = [f"{r.step:g}"] if with_step else []
-    return "| " + " | ".join([r.name, *step, r.state, rounds, clock, curve, verdict, cpu]) + " |"
+    cells = [r.name, *step, r.state, rounds, work, clock, curve, verdict, cpu]
+    return "| " + " | ".join(cells) + " |"
 
 
 def render_status(spec: StudySpec, out: Path) -> str:
@@ -151,8 +165,8 @@ def render_status(spec: StudySpec, out: Path) -> str:
         "",
         "## Pilot",
         "",
-        "| run | step | state | rounds | clock (s) | curve | learns | CPU s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | step | state | rounds | client-steps | clock (s) | curve | learns | CPU s |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(_row(r, metric, with_step=True) for r in rows),
         "",
     ]
@@ -172,8 +186,8 @@ def render_status(spec: StudySpec, out: Path) -> str:
         lines.append(f"{RULE_FILE} is not written yet: the analysed runs start after the pilot.")
     else:
         lines += [
-            "| run | state | rounds | clock (s) | curve | learns | CPU s |",
-            "|---|---|---|---|---|---|---|",
+            "| run | state | rounds | client-steps | clock (s) | curve | learns | CPU s |",
+            "|---|---|---|---|---|---|---|---|",
             *(_row(r, metric, with_step=False) for r in analysed),
             "",
             f"{sum(r.state == FINISHED for r in analysed)} of {len(analysed)} analysed runs "
