@@ -42,7 +42,13 @@ def fake(cfg, run_dir, *, resume):
     """fixed-0.5 never learns (so its grid runs); every other job learns."""
     flat = run_dir.name.startswith("fixed-0.5")
     lines = [
-        {"round": 10 * i, "sim_time_s": t, "eval": {"arc-e": v}, "n_participants": 2 if i else 0}
+        {
+            "round": 10 * i,
+            "sim_time_s": t,
+            "eval": {"arc-e": v},
+            "n_participants": 2 if i else 0,
+            "train_loss": None if i == 0 else 4.0 - i,
+        }
         for i, (t, v) in enumerate(FLAT if flat else LEARNS)
     ]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +102,7 @@ def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):
     full = by["pilot/fixed-full-seed5"]
     assert (full.state, full.rounds, full.sim_time_s) == (FINISHED, 30, 6.0)
     assert full.client_steps == 5 * (0 + 2 + 2 + 2)  # H = 5 times the participants
+    assert full.train_loss == (3.0, 1.0)  # losses 3, 2, 1: a tenth of 3 is one value
     assert full.values == (0.50, 0.54, 0.55, 0.56)
     assert full.criterion.learned and full.criterion.gain_at_budget == pytest.approx(0.06)
     flat = by["pilot/fixed-0.5-seed5"]
@@ -109,12 +116,13 @@ def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):
     assert pending == [] and others == ["pilot/gone-arm-seed5"]
     text = render_status(spec, tmp_path)
     assert (
-        f"| pilot/fixed-full-seed5 | {lr:g} | finished | 30 | 30 | 6.0 | 50.0, 54.0, 55.0, 56.0 | yes (6.0 at B) |"
+        f"| pilot/fixed-full-seed5 | {lr:g} | finished | 30 | 30 | 3.00 -> 1.00 | 6.0 | 50.0, 54.0, 55.0, 56.0 | yes (6.0 at B) |"
         in text
     )
     assert "| pilot/fixed-0.5-seed5 |" in text and "| no (1.0 at B) |" in text
     assert (
-        "| pilot/fixed-0.5-x3-seed5 |" in text and "| partial | 10 | 15 | 2.5 | 50.0 | - |" in text
+        "| pilot/fixed-0.5-x3-seed5 |" in text
+        and "| partial | 10 | 15 | - | 2.5 | 50.0 | - |" in text
     )
     assert "5 of 6 known pilot jobs finished." in text
     assert "no job of this config: pilot/gone-arm-seed5." in text
@@ -132,3 +140,12 @@ def test_status_lists_every_analysed_run_once_the_rule_exists(tmp_path):
     done = [r.name for r in rows if r.state == FINISHED]
     assert done == ["fslora-seed1"]
     assert "1 of 6 analysed runs finished." in render_status(spec, tmp_path)
+
+
+def test_train_loss_tenths_by_hand():
+    from research.study_planner.study_status import _tenths
+
+    assert _tenths([]) is None
+    assert _tenths([5.0]) == (5.0, 5.0)
+    losses = [float(x) for x in range(20, 0, -1)]  # 20, 19, ..., 1: tenths of two values
+    assert _tenths(losses) == (19.5, 1.5)

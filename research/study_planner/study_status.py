@@ -33,18 +33,30 @@ class RunState:
     criterion: Learning | None  # the pilot's learning criterion (finished pilot runs only)
     compute_s: float | None  # CPU seconds the ledger records for the finished run
     client_steps: int | None = None  # Σ participants × training.local_steps so far
+    train_loss: tuple[float, float] | None = None  # mean train loss, first and last tenth
 
 
-def _read(run_dir: Path, metric: Metric) -> tuple[str, int | None, float | None, tuple, int | None]:
-    """(state, last round, clock, metric values, client-steps) of one run directory."""
+def _tenths(losses: list[float]) -> tuple[float, float] | None:
+    """The mean of the first and of the last tenth of `losses` (at least one value each)."""
+    if not losses:
+        return None
+    n = max(1, len(losses) // 10)
+    return sum(losses[:n]) / n, sum(losses[-n:]) / n
+
+
+def _read(
+    run_dir: Path, metric: Metric
+) -> tuple[str, int | None, float | None, tuple, int | None, tuple[float, float] | None]:
+    """(state, last round, clock, metric values, client-steps, train loss tenths) of one run
+    directory."""
     if finished(run_dir):
         state = FINISHED
     elif (run_dir / "config.toml").is_file():
         state = PARTIAL
     else:
-        return NOT_STARTED, None, None, (), None
+        return NOT_STARTED, None, None, (), None, None
     if not (run_dir / "metrics.jsonl").is_file():
-        return state, None, None, (), None
+        return state, None, None, (), None, None
     run = load_run(run_dir)
     last = run.lines[-1] if run.lines else {}
     rounds = last.get("round")
@@ -56,7 +68,9 @@ def _read(run_dir: Path, metric: Metric) -> tuple[str, int | None, float | None,
     steps = None
     if isinstance(local_steps, int):
         steps = local_steps * sum(int(x.get("n_participants") or 0) for x in run.lines)
-    return state, rounds, (None if clock is None else float(clock)), values, steps
+    losses = [float(x["train_loss"]) for x in run.lines if x.get("train_loss") is not None]
+    clock_s = None if clock is None else float(clock)
+    return state, rounds, clock_s, values, steps, _tenths(losses)
 
 
 def _ledger(out: Path) -> dict[str, float]:
@@ -82,7 +96,7 @@ def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str],
     rows = []
     for label, factor in jobs:
         run_dir = study_pilot.pilot_dir(out, label, factor, spec.pilot_seed)
-        state, rounds, clock, values, steps = _read(run_dir, spec.metric)
+        state, rounds, clock, values, steps, losses = _read(run_dir, spec.metric)
         crit = None
         if state == FINISHED:
             pts = metric_points(load_run(run_dir), spec.metric)
@@ -92,7 +106,9 @@ def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str],
         name = run_dir.relative_to(out).as_posix()
         step = spec.step_value(spec.pilot_labels[label]) * factor
         rows.append(
-            RunState(name, step, state, rounds, clock, values, crit, ledger.get(name), steps)
+            RunState(
+                name, step, state, rounds, clock, values, crit, ledger.get(name), steps, losses
+            )
         )
     pending = [
         label
@@ -119,10 +135,12 @@ def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
     for seed in spec.seeds:
         for label in spec.labels:
             run_dir = out / f"{label}-seed{seed}"
-            state, rounds, clock, values, steps = _read(run_dir, spec.metric)
+            state, rounds, clock, values, steps, losses = _read(run_dir, spec.metric)
             name = run_dir.relative_to(out).as_posix()
             rows.append(
-                RunState(name, None, state, rounds, clock, values, None, ledger.get(name), steps)
+                RunState(
+                    name, None, state, rounds, clock, values, None, ledger.get(name), steps, losses
+                )
             )
     return rows
 
@@ -144,8 +162,9 @@ def _row(r: RunState, metric: Metric, with_step: bool) -> str:
         verdict = f"{'yes' if r.criterion.learned else 'no'} ({gain} at B)"
     cpu = "-" if r.compute_s is None else f"{r.compute_s:.0f}"
     work = "-" if r.client_steps is None else f"{r.client_steps:,}"
+    loss = "-" if r.train_loss is None else f"{r.train_loss[0]:.2f} -> {r.train_loss[1]:.2f}"
     step = [f"{r.step:g}"] if with_step else []
-    cells = [r.name, *step, r.state, rounds, work, clock, curve, verdict, cpu]
+    cells = [r.name, *step, r.state, rounds, work, loss, clock, curve, verdict, cpu]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -161,12 +180,14 @@ def render_status(spec: StudySpec, out: Path) -> str:
         f"Metric {metric.text}{unit} at each evaluation (round 0 first); budget B = "
         f"{spec.budget_s:g} s of simulated time; pilot seed {spec.pilot_seed}. Learns: gain at "
         f"B >= {spec.learn_min_gain * scale:g}{points} and no evaluation more than "
-        f"{spec.learn_max_drop * scale:g}{points} below round 0 (finished runs only).",
+        f"{spec.learn_max_drop * scale:g}{points} below round 0 (finished runs only). Train "
+        "loss: the clients' mean over the first and the last tenth of the rounds so far.",
         "",
         "## Pilot",
         "",
-        "| run | step | state | rounds | client-steps | clock (s) | curve | learns | CPU s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | step | state | rounds | client-steps | train loss | clock (s) | curve | learns "
+        "| CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(_row(r, metric, with_step=True) for r in rows),
         "",
     ]
@@ -186,8 +207,9 @@ def render_status(spec: StudySpec, out: Path) -> str:
         lines.append(f"{RULE_FILE} is not written yet: the analysed runs start after the pilot.")
     else:
         lines += [
-            "| run | state | rounds | client-steps | clock (s) | curve | learns | CPU s |",
-            "|---|---|---|---|---|---|---|---|",
+            "| run | state | rounds | client-steps | train loss | clock (s) | curve | learns "
+            "| CPU s |",
+            "|---|---|---|---|---|---|---|---|---|",
             *(_row(r, metric, with_step=False) for r in analysed),
             "",
             f"{sum(r.state == FINISHED for r in analysed)} of {len(analysed)} analysed runs "
