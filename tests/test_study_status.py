@@ -70,6 +70,9 @@ def test_status_before_any_run_lists_every_job_as_not_started(tmp_path):
     assert all(r.state == NOT_STARTED and r.values == () for r in rows)
     assert pending == ["fixed-full", "fixed-0.5", "fslora", "proposed-separate"]
     assert others == [] and analysed_states(spec, tmp_path) is None
+    assert "does not exist" not in render_status(spec, tmp_path)
+    text = render_status(spec, tmp_path / "typo")  # a wrong --out says so
+    assert f"{tmp_path / 'typo'} does not exist: nothing of this study has run there." in text
 
 
 def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):

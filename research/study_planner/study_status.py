@@ -177,6 +177,11 @@ def render_status(spec: StudySpec, out: Path) -> str:
     lines = [
         f"# {out}: {spec.source}",
         "",
+        *(
+            [f"{out} does not exist: nothing of this study has run there.", ""]
+            if not out.is_dir()
+            else []
+        ),
         f"Metric {metric.text}{unit} at each evaluation (round 0 first); budget B = "
         f"{spec.budget_s:g} s of simulated time; pilot seed {spec.pilot_seed}. Learns: gain at "
         f"B >= {spec.learn_min_gain * scale:g}{points} and no evaluation more than "
