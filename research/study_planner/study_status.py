@@ -45,23 +45,27 @@ def _tenths(losses: list[float]) -> tuple[float, float] | None:
 
 
 def _read(
-    run_dir: Path, metric: Metric
-) -> tuple[str, int | None, float | None, tuple, int | None, tuple[float, float] | None]:
-    """(state, last round, clock, metric values, client-steps, train loss tenths) of one run
-    directory."""
+    out: Path, run_dir: Path, spec: StudySpec, ledger: dict[str, float], step: float | None
+) -> RunState:
+    """One run directory as it stands; a finished pilot run (`step` given) with its learning
+    criterion."""
+    name = run_dir.relative_to(out).as_posix()
     if finished(run_dir):
         state = FINISHED
     elif (run_dir / "config.toml").is_file():
         state = PARTIAL
     else:
-        return NOT_STARTED, None, None, (), None, None
-    if not (run_dir / "metrics.jsonl").is_file():
-        return state, None, None, (), None, None
+        state = NOT_STARTED
+    if state == NOT_STARTED or not (run_dir / "metrics.jsonl").is_file():
+        return RunState(name, step, state, None, None, (), None, ledger.get(name))
     run = load_run(run_dir)
     last = run.lines[-1] if run.lines else {}
-    rounds = last.get("round")
-    clock = last.get("sim_time_s")
-    values = tuple(v for _, v in metric_points(run, metric))
+    points = metric_points(run, spec.metric)
+    criterion = None
+    if state == FINISHED and step is not None:
+        criterion = learning(
+            points, spec.metric, spec.budget_s, spec.learn_min_gain, spec.learn_max_drop
+        )
     # the work a run did: arms whose rounds are cheap in simulated time take many more
     # client-steps within B (a reason an arm can overfit its few clients' data)
     local_steps = (run.config.get("training") or {}).get("local_steps")
@@ -69,8 +73,19 @@ def _read(
     if isinstance(local_steps, int):
         steps = local_steps * sum(int(x.get("n_participants") or 0) for x in run.lines)
     losses = [float(x["train_loss"]) for x in run.lines if x.get("train_loss") is not None]
-    clock_s = None if clock is None else float(clock)
-    return state, rounds, clock_s, values, steps, _tenths(losses)
+    clock = last.get("sim_time_s")
+    return RunState(
+        name=name,
+        step=step,
+        state=state,
+        rounds=last.get("round"),
+        sim_time_s=None if clock is None else float(clock),
+        values=tuple(v for _, v in points),
+        criterion=criterion,
+        compute_s=ledger.get(name),
+        client_steps=steps,
+        train_loss=_tenths(losses),
+    )
 
 
 def _ledger(out: Path) -> dict[str, float]:
@@ -96,20 +111,8 @@ def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str],
     rows = []
     for label, factor in jobs:
         run_dir = study_pilot.pilot_dir(out, label, factor, spec.pilot_seed)
-        state, rounds, clock, values, steps, losses = _read(run_dir, spec.metric)
-        crit = None
-        if state == FINISHED:
-            pts = metric_points(load_run(run_dir), spec.metric)
-            crit = learning(
-                pts, spec.metric, spec.budget_s, spec.learn_min_gain, spec.learn_max_drop
-            )
-        name = run_dir.relative_to(out).as_posix()
         step = spec.step_value(spec.pilot_labels[label]) * factor
-        rows.append(
-            RunState(
-                name, step, state, rounds, clock, values, crit, ledger.get(name), steps, losses
-            )
-        )
+        rows.append(_read(out, run_dir, spec, ledger, step))
     pending = [
         label
         for label in spec.pilot_labels
@@ -131,18 +134,11 @@ def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
     if not (out / RULE_FILE).is_file():
         return None
     ledger = _ledger(out)
-    rows = []
-    for seed in spec.seeds:
-        for label in spec.labels:
-            run_dir = out / f"{label}-seed{seed}"
-            state, rounds, clock, values, steps, losses = _read(run_dir, spec.metric)
-            name = run_dir.relative_to(out).as_posix()
-            rows.append(
-                RunState(
-                    name, None, state, rounds, clock, values, None, ledger.get(name), steps, losses
-                )
-            )
-    return rows
+    return [
+        _read(out, out / f"{label}-seed{seed}", spec, ledger, None)
+        for seed in spec.seeds
+        for label in spec.labels
+    ]
 
 
 def _scale(metric: Metric) -> tuple[float, str]:
