@@ -14,7 +14,7 @@ from typing import Any
 
 from fedlora.errors import DataError
 from fedlora.studies.predictions import pooled_mcnemar
-from fedlora.studies.runs import RunRecord, load_run
+from fedlora.studies.runs import RunRecord, eval_constant, load_run
 from fedlora.studies.seeds import PairedDiff, paired_diff
 from research.study_planner.study_rule import (
     HELD,
@@ -250,22 +250,22 @@ def check_pilot_v2(out: Path, rule: dict[str, Any], metric: Metric) -> dict[str,
 
 def eval_reference(cells: dict[str, list[Cell]], metric: Metric) -> dict[str, float] | None:
     """The evaluation's size and the scores that need no model, from the first analysed run
-    that logged them: {"n": questions, "chance": expected accuracy of a uniform guess,
-    "majority": accuracy of always answering the most frequent label}; None when no run did
-    (a loss metric keeps "n" only)."""
+    that logged them (`eval_constant`): {"n": questions, "chance": expected accuracy of a
+    uniform guess, "majority": accuracy of always answering the most frequent label}; None
+    when no run did (a loss metric keeps "n" only). Every seed and arm answers the same
+    questions (rule 12), so one run's values are the study's."""
     for row in cells.values():
         for c in row:
-            for line in c.run.lines:
-                n = (line.get("eval_n") or {}).get(metric.task)
-                if n is None:
-                    continue
-                ref = {"n": float(n)}
-                if metric.field in ("acc", "acc_norm"):
-                    for key in ("chance", "majority"):
-                        value = (line.get(f"eval_{key}") or {}).get(metric.task)
-                        if value is not None:
-                            ref[key] = float(value)
-                return ref
+            n = eval_constant(c.run, metric.task, "eval_n")
+            if n is None:
+                continue
+            ref = {"n": n}
+            if metric.field in ("acc", "acc_norm"):
+                for key in ("chance", "majority"):
+                    value = eval_constant(c.run, metric.task, f"eval_{key}")
+                    if value is not None:
+                        ref[key] = value
+            return ref
     return None
 
 
