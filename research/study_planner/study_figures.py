@@ -36,7 +36,8 @@ def figures(out: Path, rule: dict[str, Any], metric: Metric, cells: dict[str, li
         (line,) = ax.plot([x / 60 for x in xs], mean, label=arm)
         ax.fill_between([x / 60 for x in xs], lo, hi, alpha=0.2, color=line.get_color())
     ref = eval_reference(cells, metric) or {}
-    for key, text, style in (("chance", "chance", ":"), ("majority", "most-frequent label", "--")):
+    # the line styles of fedlora's own figures (fedlora.studies.plots)
+    for key, text, style in (("majority", "most-frequent label", ":"), ("chance", "chance", "-.")):
         if key in ref:
             ax.axhline(ref[key], color="black", lw=0.8, ls=style, label=f"{text} {ref[key]:.3f}")
     ax.set_xlabel("simulated time (min)")
