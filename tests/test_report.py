@@ -326,3 +326,16 @@ def test_two_settings_of_one_method_are_labelled_by_their_directories(tmp_path, 
     assert main(["report", str(a), str(b), "-o", str(tmp_path / "o")]) == 0
     text = (tmp_path / "o" / "report.md").read_text()
     assert "lora-inf" in text and "lora-eps8" in text
+
+
+def test_flat_config_keys_nested_tables_by_dots():
+    from fedlora.studies.runs import flat_config
+
+    cfg = {"data": {"n_clients": 10, "mc": {"task": "a", "files": []}}, "seed": 0}
+    assert flat_config(cfg) == {
+        "data.n_clients": 10,
+        "data.mc.task": "a",
+        "data.mc.files": [],
+        "seed": 0,
+    }
+    assert flat_config({}) == {} and flat_config({"a": {}}) == {}  # an empty table: no key

@@ -356,7 +356,7 @@ def test_same_protocol_compares_the_keys_both_configs_have(tmp_path):
     from types import SimpleNamespace as NS
 
     from fedlora.errors import DataError
-    from research.study_planner.study_stats import check_same_protocol
+    from research.study_planner.study_checks import check_same_protocol
 
     old = {"training": {"lr": 1e-3, "seed": 0}, "data": {"n_clients": 10}}
     new = {"training": {"lr": 1e-3, "seed": 1}, "data": {"n_clients": 10, "mc": {"task": "a"}}}

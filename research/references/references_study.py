@@ -35,6 +35,7 @@ from fedlora.errors import DataError
 from fedlora.federation.rundir import load_saved_config
 from fedlora.llm.eval_stats import mcnemar_p
 from fedlora.studies.predictions import read_predictions
+from fedlora.studies.runs import flat_config
 
 LABELS = ("federated", "centralized", "local")
 TASK = "arc-e"
@@ -88,13 +89,6 @@ def verdict(interval: list[float] | None) -> str:
     return "positive" if interval[0] > 0 else "negative" if interval[1] < 0 else "inconclusive"
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
-
 def _read_arm(run_dir: Path) -> tuple[dict, dict]:
     """(summary.json, the flat resolved config) of a finished run; DataError otherwise."""
     path = run_dir / "summary.json"
@@ -105,7 +99,7 @@ def _read_arm(run_dir: Path) -> tuple[dict, dict]:
         raise DataError(f"{run_dir}: the run failed: {summary['error']}")
     # as a run records it: an arm written before the [method.<name>] tables equals one after
     cfg = load_saved_config(run_dir / "config.toml")
-    return summary, _flat(tomllib.loads(dump_toml(cfg)))
+    return summary, flat_config(tomllib.loads(dump_toml(cfg)))
 
 
 def _check_same_setting(configs: dict[str, dict], where: str) -> None:

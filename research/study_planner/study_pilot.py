@@ -10,14 +10,19 @@ Layout under OUT/pilot/: `<label>-seed<pilot>/` at the protocol's step size and
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from fedlora.errors import ConfigError
 from fedlora.studies.runs import load_run
 from research.study_planner.study_rule import choose_step, derive_rule_v2, learning, metric_points
-from research.study_planner.study_spec import StudySpec
+from research.study_planner.study_spec import FIXED_BEST, StudySpec
+
+RULE_FILE = "rule.json"  # under the study directory: written once the pilot has finished
 
 
 def budget_overrides(budget_s: float, grid_s: float, round_cap: int) -> list[str]:
@@ -119,3 +124,51 @@ def check_written(path: Path, rule: dict[str, Any]) -> bool:
     if old != json.loads(json.dumps(rule)):
         raise ConfigError(f"{path} exists with another rule: the rule is fixed once written")
     return True
+
+
+def early_arms(
+    spec: StudySpec, out: Path, arms_only: Sequence[str], finished: Any
+) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """The arms of `run --arms` and their step factors before rule.json exists: each must be
+    an arm (not fixed-best) whose own pilot runs have all finished."""
+    if not arms_only:
+        raise ConfigError(
+            f"no {out / RULE_FILE}: the pilot has not finished; before it does, name with "
+            "--arms the arms whose own pilot has finished (their step is known)"
+        )
+    allowed = [*spec.arms, FIXED_BEST]
+    unknown = [a for a in arms_only if a not in allowed]
+    if unknown:
+        raise ConfigError(
+            f"run --arms: {', '.join(unknown)} unknown (allowed: {', '.join(allowed)})"
+        )
+    steps: dict[str, float] = {}
+    for label in arms_only:
+        if label == FIXED_BEST:
+            raise ConfigError(
+                f"run --arms {FIXED_BEST}: it waits for {out / RULE_FILE} (the best fixed rule "
+                "is chosen from every fixed rule's pilot)"
+            )
+        factor, waits = arm_factor(spec, out, label, finished)
+        if factor is None:
+            raise ConfigError(f"run --arms {label}: no {out / RULE_FILE} yet and {waits}")
+        steps[label] = factor
+    return {lab: spec.arms[lab] for lab in arms_only}, steps
+
+
+def check_saved_step(spec: StudySpec, run_dir: Path, overrides: Sequence[str]) -> None:
+    """Refuse a run directory whose saved step size is not the one its arm runs at now
+    (an analysed run started before rule.json, under a step the rule did not choose)."""
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        return
+    key = spec.step_key(overrides)
+    section, name = key.split(".")
+    saved = tomllib.loads(path.read_text(encoding="utf-8")).get(section, {}).get(name)
+    want = spec.step_value(overrides)
+    # fedlora writes every key into config.toml; one without the key is not its dump
+    if saved is not None and not math.isclose(float(saved), want, rel_tol=1e-12):
+        raise ConfigError(
+            f"{path}: {key} = {saved!r}, but the study runs this arm at {want!r}; move the run "
+            "directory away to start it again"
+        )

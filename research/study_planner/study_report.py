@@ -16,13 +16,14 @@ from typing import Any
 
 from fedlora.errors import ConfigError, DataError
 from fedlora.studies.html import write_html
+from research.study_planner.study_checks import check_pilot, check_rule_fields
 from research.study_planner.study_figures import FIGURES, figures
+from research.study_planner.study_report_pilot import learning_lines, pilot_lines, steps_lines
 from research.study_planner.study_rule import (
     EPS,
     Metric,
     metric_points,
     parse_metric,
-    time_to_target_held,
     value_at_budget,
 )
 from research.study_planner.study_stats import (
@@ -31,14 +32,11 @@ from research.study_planner.study_stats import (
     Cell,
     Comparison,
     best_baseline,
-    check_pilot,
-    check_rule_fields,
     claims,
     comparisons,
     eval_reference,
     load_cells,
     metric_of,
-    pilot_label,
 )
 
 
@@ -97,8 +95,8 @@ def render(
     lines += _comparison_lines(rule, comps, best, scale)
     lines += _claim_lines(comps, cells, best, metric.higher, scale)
     lines += _table1_lines(rule, metric, cells)
-    lines += _pilot_lines(rule, metric, pilot)
-    lines += _learning_lines(rule, scale)
+    lines += pilot_lines(rule, metric, pilot)
+    lines += learning_lines(rule, scale)
     lines += _runs_lines(cells)
     curves_png, paired_png = FIGURES[metric.higher]
     lines += [
@@ -136,7 +134,7 @@ def _rule_lines(rule: dict[str, Any], metric: Metric) -> list[str]:
         f"- common evaluation grid: every {rule['grid_s']:g} s of simulated time and at the "
         "round that spends B; curves are read on it as step functions",
         f"- fixed-best = {rule['fixed_best']} (pilot order: {', '.join(rule['fixed_order'])})",
-        *_steps_lines(rule),
+        *steps_lines(rule),
         f"- analysed seeds {rule['seeds']}, paired by seed; pilot seed {rule['pilot_seed']} "
         "(reported below, never analysed)",
     ]
@@ -295,39 +293,6 @@ def _table1_lines(rule: dict[str, Any], metric: Metric, cells: dict[str, list[Ce
     return lines
 
 
-def _pilot_lines(rule: dict[str, Any], metric: Metric, pilot: dict[str, Any]) -> list[str]:
-    """The pilot's runs: their time to target and evaluations (reported, never analysed)."""
-    lines = [
-        "",
-        f"## Pilot (seed {rule['pilot_seed']}, never analysed)",
-        "",
-        "| run | time to target (min) | reached | evaluations |",
-        "|---|---|---|---|",
-    ]
-    others = []
-    for lab, run in pilot.items():
-        pts = metric_points(run, metric)
-        if "steps" in rule:  # protocol v2: every pilot run's own held time, grid runs too
-            if pilot_label(lab, rule)[0] not in rule["steps"]:
-                others.append(lab)
-                continue
-            t, reached = time_to_target_held(
-                pts, metric, rule["target_gain"], rule["budget_s"], int(rule["hold_evals"])
-            )
-        else:
-            t, reached = rule["pilot_times_s"].get(lab, [math.nan, False])[:2]
-        lines.append(f"| {lab} | {t / 60:.2f} | {reached} | {len(pts)} |")
-    if others:
-        lines += [
-            "",
-            "Pilot runs of labels rule.json has no step for (taken out of the study by an "
-            "amendment; their files stay in pilot/, never part of the rule): "
-            + ", ".join(others)
-            + ".",
-        ]
-    return lines
-
-
 def _runs_lines(cells: dict[str, list[Cell]]) -> list[str]:
     """Every analysed run directory: its rounds, clocks and why it stopped."""
     lines = [
@@ -358,42 +323,6 @@ def _target_origin(rule: dict[str, Any]) -> str:
         f"({rule['target_fraction']:g} x the pilot's largest improvement within the budget, "
         f"{rule['pilot_best_gain']:.4g}, by {rule['pilot_best_run']})"
     )
-
-
-def _steps_lines(rule: dict[str, Any]) -> list[str]:
-    """Protocol v2: each arm's step size, chosen on the pilot by the learning criterion."""
-    if "steps" not in rule:
-        return []
-    out = []
-    for lab, factor in rule["steps"].items():
-        learned = rule["pilot_times_s"][lab][2]
-        out.append(
-            f"- step of {lab}: {rule['step_keys'][lab]} = {rule['step_values'][lab]:.4g} "
-            f"(x{factor:g} the protocol's; {'learned' if learned else 'did NOT learn'} "
-            "on the pilot)"
-        )
-    return out
-
-
-def _learning_lines(rule: dict[str, Any], scale: float) -> list[str]:
-    if "learning" not in rule:
-        return []
-    pts = " points" if scale == 100 else ""
-    out = [
-        "",
-        f"Learning criterion: gain at B >= {scale * rule['learn_min_gain']:g}{pts} and no "
-        f"evaluation more than {scale * rule['learn_max_drop']:g}{pts} below round 0.",
-        "",
-        "| arm | step factor | gain at B | worst drop | learned |",
-        "|---|---|---|---|---|",
-    ]
-    for lab, trials in rule["learning"].items():
-        for factor, c in trials.items():
-            out.append(
-                f"| {lab} | x{factor} | {scale * c['gain_at_budget']:+.2f} | "
-                f"{scale * c['worst_drop']:.2f} | {c['learned']} |"
-            )
-    return out
 
 
 def _per_seed(c: Comparison) -> str:

@@ -16,7 +16,6 @@ config.toml but no such summary is resumed; anything else is started (again).
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import time
@@ -24,15 +23,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from fedlora.errors import ConfigError, DataError
 from fedlora.studies.runs import load_run
 from research.study_planner import study_pilot
 from research.study_planner.study_rule import derive_rule, metric_points, pilot_budget
 from research.study_planner.study_spec import FIXED_BEST, REFERENCE, StudySpec
 
-RULE_FILE = "rule.json"
+RULE_FILE = study_pilot.RULE_FILE
 # an analysed run stops at the round that spends the budget B; the config's round cap is the
 # pilot's, and an arm whose rounds are cheap in simulated time (FSLoRA, HeteroLoRA) needs
 # more rounds than it to spend B, so the analysed runs' cap only guards against a run that
@@ -347,7 +344,7 @@ def run_stage(
         steps[FIXED_BEST] = steps.get(fixed_best, 1.0)
         budget, grid_s = rule["budget_s"], rule["grid_s"]
     else:
-        arms, steps = _early_arms(spec, out, arms_only)
+        arms, steps = study_pilot.early_arms(spec, out, arms_only, finished)
         budget, grid_s = spec.budget_s, spec.budget_s / spec.grid_points  # as study_fields
     # every arm stops at the round that spends B
     common = study_pilot.budget_overrides(budget, grid_s, ANALYSED_ROUND_CAP)
@@ -366,7 +363,7 @@ def run_stage(
             if label not in chosen_arms:
                 continue
             run_dir = out / f"{label}-seed{seed}"
-            _check_step(spec, run_dir, overrides)
+            study_pilot.check_saved_step(spec, run_dir, overrides)
             outcomes.append(
                 run_job(
                     spec,
@@ -380,49 +377,6 @@ def run_stage(
                 )
             )
     return outcomes
-
-
-def _early_arms(
-    spec: StudySpec, out: Path, arms_only: Sequence[str]
-) -> tuple[dict[str, list[str]], dict[str, float]]:
-    """The arms of `run --arms` and their step factors before rule.json exists: each must be
-    an arm (not fixed-best) whose own pilot runs have all finished."""
-    if not arms_only:
-        raise ConfigError(
-            f"no {out / RULE_FILE}: the pilot has not finished; before it does, name with "
-            "--arms the arms whose own pilot has finished (their step is known)"
-        )
-    _chosen("run --arms", arms_only, [*spec.arms, FIXED_BEST])
-    steps: dict[str, float] = {}
-    for label in arms_only:
-        if label == FIXED_BEST:
-            raise ConfigError(
-                f"run --arms {FIXED_BEST}: it waits for {out / RULE_FILE} (the best fixed rule "
-                "is chosen from every fixed rule's pilot)"
-            )
-        factor, waits = study_pilot.arm_factor(spec, out, label, finished)
-        if factor is None:
-            raise ConfigError(f"run --arms {label}: no {out / RULE_FILE} yet and {waits}")
-        steps[label] = factor
-    return {lab: spec.arms[lab] for lab in arms_only}, steps
-
-
-def _check_step(spec: StudySpec, run_dir: Path, overrides: Sequence[str]) -> None:
-    """Refuse a run directory whose saved step size is not the one its arm runs at now
-    (an analysed run started before rule.json, under a step the rule did not choose)."""
-    path = run_dir / "config.toml"
-    if not path.is_file():
-        return
-    key = spec.step_key(overrides)
-    section, name = key.split(".")
-    saved = tomllib.loads(path.read_text(encoding="utf-8")).get(section, {}).get(name)
-    want = spec.step_value(overrides)
-    # fedlora writes every key into config.toml; one without the key is not its dump
-    if saved is not None and not math.isclose(float(saved), want, rel_tol=1e-12):
-        raise ConfigError(
-            f"{path}: {key} = {saved!r}, but the study runs this arm at {want!r}; move the run "
-            "directory away to start it again"
-        )
 
 
 def _chosen(flag: str, wanted: Sequence[str], allowed: list[str]) -> list[str]:

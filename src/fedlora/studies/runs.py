@@ -319,6 +319,18 @@ def final_value(run: RunRecord, task: str, metric: str) -> float | None:
     return pts[-1][1] if pts else None
 
 
+def flat_config(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config's nested tables as dotted keys: {"data": {"mc": {"task": "a"}}} ->
+    {"data.mc.task": "a"} (what comparisons of two runs' configs key on)."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def eval_constant(run: RunRecord, task: str, key: str) -> float | None:
     """A per-task constant of the eval set from the first line that logged it
     (eval_majority, eval_chance, eval_n)."""

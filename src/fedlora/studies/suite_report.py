@@ -16,7 +16,7 @@ from fedlora.studies.figures import plot_paired
 from fedlora.studies.html import write_html
 from fedlora.studies.reclock import reclock
 from fedlora.studies.report import write_report
-from fedlora.studies.runs import collect_runs
+from fedlora.studies.runs import collect_runs, flat_config
 
 
 def report_suite(
@@ -81,16 +81,6 @@ def report_suite(
 IGNORED_SECTIONS = ("output",)  # where a run's files go: not part of the experiment
 
 
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def check_one_config_per_label(runs: Sequence[Any]) -> None:
     """The runs of one label are seeds of one method: refused when two of them have the same
     seed, or configs that differ in anything but training.seed (and [output])."""
@@ -105,7 +95,7 @@ def check_one_config_per_label(runs: Sequence[Any]) -> None:
         seen[run.label, run.seed] = run
         mine = {
             k: v
-            for k, v in _flat(run.config).items()
+            for k, v in flat_config(run.config).items()
             if k != "training.seed" and k.split(".")[0] not in IGNORED_SECTIONS
         }
         if run.label not in first:
