@@ -173,12 +173,19 @@ def test_the_studies_configs_keep_working_through_the_old_keys():
     assert resolve_method_options(fed) == resolve_method_options(
         fed.replace(method=dataclasses.replace(fed.method, options={}))
     )
+    # the first planner study (stopped) keeps the old key; study v2 moved to the new one
+    # (its operations note): both resolve to the same options, only the old one warns
     with pytest.warns(FutureWarning, match="method.fslora_k is deprecated"):
-        spec = load_spec(root / "research/study_planner/study_planner_v2.toml")
+        spec = load_spec(root / "research/study_planner/study_planner.toml")
         fslora = resolve_method_options(spec.config(spec.arms["fslora"]))
     assert fslora.method.options == {"fslora": {"k": "ranks"}}
     hetero = resolve_method_options(spec.config(spec.arms["heterolora"]))
     assert hetero.method.options == {"heterolora": {"pruning": 0.0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        v2 = load_spec(root / "research/study_planner/study_planner_v2.toml")
+        fslora_v2 = resolve_method_options(v2.config(v2.arms["fslora"]))
+    assert fslora_v2.method.options == fslora.method.options
 
 
 # ----------------------------------------------------------------------------- resuming
