@@ -187,19 +187,22 @@ def test_meaningless_privacy_bounds_exit_2_naming_the_field(capsys, overrides, f
     assert all(f in err for f in fields), err
 
 
+# a two-client planning problem for `fedlora plan`'s privacy flags (tests/test_privacy_trace.py)
+TWO_CLIENT_PROBLEM = {
+    "gamma": 4,
+    "f_tot": 100.0,
+    "clients": [
+        {"a": 0.5, "tau_full_s": 1.0, "t_full": 4.0},
+        {"a": 0.5, "tau_full_s": 2.0, "t_full": 4.0},
+    ],
+    "constants": {"A": 1.0, "B": 1.0, "C": 0.01, "D": 0.001},
+    "options": {"q_lower_bound": "none"},
+}
+
+
 def test_plan_refuses_a_non_finite_noise_multiplier_and_writes_nothing(tmp_path, capsys):
-    problem = {
-        "gamma": 4,
-        "f_tot": 100.0,
-        "clients": [
-            {"a": 0.5, "tau_full_s": 1.0, "t_full": 4.0},
-            {"a": 0.5, "tau_full_s": 2.0, "t_full": 4.0},
-        ],
-        "constants": {"A": 1.0, "B": 1.0, "C": 0.01, "D": 0.001},
-        "options": {"q_lower_bound": "none"},
-    }
     path = tmp_path / "problem.json"
-    path.write_text(json.dumps(problem))
+    path.write_text(json.dumps(TWO_CLIENT_PROBLEM))
     out = tmp_path / "plan.json"
     for flag, value in (("--noise-multiplier", "inf"), ("--max-epsilon", "nan")):
         args = ["plan", str(path), "--max-epsilon", "8", flag, value, "-o", str(out)]

@@ -19,6 +19,7 @@ from fedlora.studies.privacy_trace import (
 )
 from fedlora.studies.runs import RunRecord
 from test_privacy_adaptive import ADAPTIVE, Q  # the adaptive settings, one list (review D1)
+from test_privacy_history import TWO_CLIENT_PROBLEM
 from tiny_runs import TINY_FOUR_CLIENTS
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -132,18 +133,8 @@ def test_the_signal_line_is_z_sqrt_d_over_m_by_hand():
 def test_plan_prints_the_signal_line_with_adapter_entries_and_refuses_it_without_a_budget(
     tmp_path, capsys
 ):
-    problem = {
-        "gamma": 4,
-        "f_tot": 100.0,
-        "clients": [
-            {"a": 0.5, "tau_full_s": 1.0, "t_full": 4.0},
-            {"a": 0.5, "tau_full_s": 2.0, "t_full": 4.0},
-        ],
-        "constants": {"A": 1.0, "B": 1.0, "C": 0.01, "D": 0.001},
-        "options": {"q_lower_bound": "none"},
-    }
     path = tmp_path / "problem.json"
-    path.write_text(json.dumps(problem))
+    path.write_text(json.dumps(TWO_CLIENT_PROBLEM))
     out = tmp_path / "plan.json"
     budget = ["--max-epsilon", "8", "--noise-multiplier", "1.0", "--delta", "1e-5"]
     assert main(["plan", str(path), *budget, "--adapter-entries", "0", "-o", str(out)]) == 2

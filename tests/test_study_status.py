@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import tomllib
 
 from research.study_planner.study_runner import pilot_stage
-from research.study_planner.study_spec import spec_from_dict
 from research.study_planner.study_status import (
     FINISHED,
     NOT_STARTED,
@@ -18,24 +16,10 @@ from research.study_planner.study_status import (
     pilot_states,
     render_status,
 )
-from study_tiny import TINY_STUDY
+from test_study_v2 import v2_spec
 
-V2_KEYS = """
-budget_s = 6.0
-target_gain = 0.03
-hold_evals = 2
-pilot_all_arms = true
-learn_min_gain = 0.02
-learn_max_drop = 0.05
-step_grid = [0.3, 3.0]
-"""
 LEARNS = [(0, 0.50), (2, 0.54), (4, 0.55), (6, 0.56)]
 FLAT = [(0, 0.50), (2, 0.50), (4, 0.49), (6, 0.51)]
-
-
-def v2_spec():
-    text = TINY_STUDY.replace('metric = "arc-e/loss"', 'metric = "arc-e/acc"' + V2_KEYS)
-    return spec_from_dict(tomllib.loads(text), "tiny-v2")
 
 
 def fake(cfg, run_dir, *, resume):

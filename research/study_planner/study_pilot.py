@@ -20,7 +20,7 @@ import tomllib
 from fedlora.errors import ConfigError
 from fedlora.studies.runs import load_run
 from research.study_planner.study_rule import choose_step, derive_rule_v2, learning, metric_points
-from research.study_planner.study_spec import FIXED_BEST, StudySpec
+from research.study_planner.study_spec import FIXED_BEST, StudySpec, chosen_names
 
 RULE_FILE = "rule.json"  # under the study directory: written once the pilot has finished
 
@@ -81,22 +81,30 @@ def arm_factor(spec: StudySpec, out: Path, label: str, finished: Any) -> tuple[f
     waiting = [f"x{f:g}" for f in mine if not finished(pilot_dir(out, label, f, spec.pilot_seed))]
     if waiting:
         return None, f"its pilot run(s) {', '.join(waiting)} have not finished"
-    trials = {
-        f: metric_points(load_run(pilot_dir(out, label, f, spec.pilot_seed)), spec.metric)
-        for f in mine
-    }
     factor, _ = choose_step(
-        trials, spec.metric, spec.budget_s, spec.learn_min_gain, spec.learn_max_drop
+        trials(spec, out, label, mine),
+        spec.metric,
+        spec.budget_s,
+        spec.learn_min_gain,
+        spec.learn_max_drop,
     )
     return factor, ""
 
 
+def trials(
+    spec: StudySpec, out: Path, label: str, factors: Sequence[float]
+) -> dict[float, list[tuple[float, float]]]:
+    """{step factor: the metric's points} of one arm's pilot runs."""
+    return {
+        f: metric_points(load_run(pilot_dir(out, label, f, spec.pilot_seed)), spec.metric)
+        for f in factors
+    }
+
+
 def derive(spec: StudySpec, out: Path, jobs: list[tuple[str, float]]) -> dict[str, Any]:
     """rule.json's content from the finished pilot."""
-    pilot: dict[str, dict[float, list]] = {}
-    for label, factor in jobs:
-        run = load_run(pilot_dir(out, label, factor, spec.pilot_seed))
-        pilot.setdefault(label, {})[factor] = metric_points(run, spec.metric)
+    labels = dict.fromkeys(label for label, _ in jobs)
+    pilot = {lab: trials(spec, out, lab, [f for x, f in jobs if x == lab]) for lab in labels}
     rule = derive_rule_v2(
         pilot,
         spec.metric,
@@ -136,12 +144,7 @@ def early_arms(
             f"no {out / RULE_FILE}: the pilot has not finished; before it does, name with "
             "--arms the arms whose own pilot has finished (their step is known)"
         )
-    allowed = [*spec.arms, FIXED_BEST]
-    unknown = [a for a in arms_only if a not in allowed]
-    if unknown:
-        raise ConfigError(
-            f"run --arms: {', '.join(unknown)} unknown (allowed: {', '.join(allowed)})"
-        )
+    chosen_names("run --arms", arms_only, [*spec.arms, FIXED_BEST])
     steps: dict[str, float] = {}
     for label in arms_only:
         if label == FIXED_BEST:

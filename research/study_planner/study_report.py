@@ -75,7 +75,7 @@ def render(
     pilot: dict[str, Any],
 ) -> str:
     """report.md's text."""
-    scale = 100.0 if metric.field in ("acc", "acc_norm") else 1.0
+    scale = metric.scale
     best = best_baseline(cells, list(rule["baselines"]), metric.higher)
     comps = comparisons(cells, rule, metric)
     lines = _rule_lines(rule, metric)
@@ -336,7 +336,7 @@ def _per_seed(c: Comparison) -> str:
 def _secondary(text: str, rule: dict[str, Any], cells: dict[str, list[Cell]]) -> list[str]:
     """A secondary metric at the budget per arm and seed (reported beside, never deciding)."""
     metric = parse_metric(text, "rule.json secondary")
-    scale = 100.0 if metric.field in ("acc", "acc_norm") else 1.0
+    scale = metric.scale
     out = [
         "",
         f"## {metric.text} at the budget, per seed (secondary: reported, never deciding)",

@@ -44,6 +44,11 @@ class Metric:
     def text(self) -> str:
         return f"{self.task}/{self.field}"
 
+    @property
+    def scale(self) -> float:
+        """100 for an accuracy (reported in percent, its differences in points), 1 for a loss."""
+        return 100.0 if self.field in ("acc", "acc_norm") else 1.0
+
     def gain(self, value: float, start: float) -> float:
         """The improvement from `start` to `value` (signed: a drop of accuracy is negative)."""
         return value - start if self.higher else start - value

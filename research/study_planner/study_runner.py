@@ -27,7 +27,7 @@ from fedlora.errors import ConfigError, DataError
 from fedlora.studies.runs import load_run
 from research.study_planner import study_pilot
 from research.study_planner.study_rule import derive_rule, metric_points, pilot_budget
-from research.study_planner.study_spec import FIXED_BEST, REFERENCE, StudySpec
+from research.study_planner.study_spec import FIXED_BEST, REFERENCE, StudySpec, chosen_names
 
 RULE_FILE = study_pilot.RULE_FILE
 # an analysed run stops at the round that spends the budget B; the config's round cap is the
@@ -196,7 +196,7 @@ def pilot_stage(
     the budget, and the step-size grid for the arms that do not learn (study_pilot)."""
     out.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(out)
-    chosen = _chosen("pilot --only", only, list(spec.pilot_labels))
+    chosen = chosen_names("pilot --only", only, list(spec.pilot_labels))
     if spec.pilot_all_arms:
         return _pilot_v2(spec, out, ledger, run_fn, commit, log, chosen)
     jobs = spec.pilot_labels
@@ -352,8 +352,10 @@ def run_stage(
         lab: [*ov, *study_pilot.step_override(spec, ov, steps.get(lab, 1.0))]
         for lab, ov in arms.items()
     }
-    chosen_seeds = _chosen("run --seeds", [str(x) for x in seeds], [str(x) for x in spec.seeds])
-    chosen_arms = _chosen("run --arms", arms_only, list(arms))
+    chosen_seeds = chosen_names(
+        "run --seeds", [str(x) for x in seeds], [str(x) for x in spec.seeds]
+    )
+    chosen_arms = chosen_names("run --arms", arms_only, list(arms))
     ledger = Ledger(out)
     outcomes = []
     for seed in spec.seeds:
@@ -377,14 +379,6 @@ def run_stage(
                 )
             )
     return outcomes
-
-
-def _chosen(flag: str, wanted: Sequence[str], allowed: list[str]) -> list[str]:
-    """The subset `wanted` of `allowed` (all of them when empty); an unknown name is refused."""
-    unknown = [w for w in wanted if w not in allowed]
-    if unknown:
-        raise ConfigError(f"{flag}: {', '.join(unknown)} unknown (allowed: {', '.join(allowed)})")
-    return list(wanted) or allowed
 
 
 def stderr_log(message: str) -> None:

@@ -242,6 +242,14 @@ def _v2_fields(study: dict, budget_s: float) -> dict[str, Any]:
     return out
 
 
+def chosen_names(flag: str, wanted: Sequence[str], allowed: list[str]) -> list[str]:
+    """The subset `wanted` of `allowed` (all of them when empty); an unknown name is refused."""
+    unknown = [w for w in wanted if w not in allowed]
+    if unknown:
+        raise ConfigError(f"{flag}: {', '.join(unknown)} unknown (allowed: {', '.join(allowed)})")
+    return list(wanted) or allowed
+
+
 def load_spec(path: str | Path) -> StudySpec:
     """Read and check a study config."""
     return spec_from_dict(read_toml(path), str(path))

@@ -112,7 +112,7 @@ def eval_reference(cells: dict[str, list[Cell]], metric: Metric) -> dict[str, fl
             if n is None:
                 continue
             ref = {"n": n}
-            if metric.field in ("acc", "acc_norm"):
+            if metric.scale == 100.0:  # an accuracy: its chance and majority scores
                 for key in ("chance", "majority"):
                     value = eval_constant(c.run, metric.task, f"eval_{key}")
                     if value is not None:

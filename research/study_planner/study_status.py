@@ -143,7 +143,7 @@ def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
 
 def _scale(metric: Metric) -> tuple[float, str]:
     """Accuracies in percent (one decimal), losses as they are (three decimals)."""
-    return (100.0, "{:.1f}") if metric.field in ("acc", "acc_norm") else (1.0, "{:.3f}")
+    return (metric.scale, "{:.1f}" if metric.scale == 100.0 else "{:.3f}")
 
 
 def _row(r: RunState, metric: Metric, with_step: bool) -> str:

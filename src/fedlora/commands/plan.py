@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -129,8 +130,6 @@ def run(args: argparse.Namespace) -> int:
 def _finite_flag(key: str, value: float) -> float:
     """A privacy flag's value, refused when not finite (argparse's float takes inf and nan,
     which JSON cannot hold)."""
-    import math
-
     if not math.isfinite(value):
         flag = "--" + key.replace("_", "-")
         raise ConfigError(f"{flag} = {value!r} is invalid: must be a finite number")
@@ -156,11 +155,16 @@ def budget_lines(privacy: dict, q, adapter_entries: int | None = None) -> list[s
     return lines
 
 
+def _expected_participants(q) -> float:
+    """m = Σ q_n: the participants a round, expected."""
+    return float(sum(float(x) for x in q))
+
+
 def cohort_noise_line(noise_multiplier: float, q) -> str:
     """z/m: the noise on the averaged update relative to the clip, with z the noise
     multiplier and m = Σ q_n the expected participants a round (docs/privacy.md, "Which
     cohort": the smaller z/m, the less the noise costs the model)."""
-    m = float(sum(float(x) for x in q))
+    m = _expected_participants(q)
     ratio = f"{noise_multiplier / m:.3g}" if m > 0 else "inf"
     return (
         f"cohort: m = Σ q_n = {m:.4g} expected participants a round; "
@@ -172,11 +176,9 @@ def cohort_signal_line(noise_multiplier: float, adapter_entries: int, q) -> str:
     """z·√d/m (`fedlora.system.privacy.noise_over_signal`): the noise's norm on a round's sum
     against the most its m expected clipped updates can add up to, and the m that would bring
     it to 1 (m >= z·√d; docs/privacy.md, "Which cohort": necessary, not sufficient)."""
-    import math
-
     from fedlora.system.privacy import noise_over_signal
 
-    m = float(sum(float(x) for x in q))
+    m = _expected_participants(q)
     ratio = noise_over_signal(noise_multiplier, adapter_entries, m)
     need = noise_multiplier * math.sqrt(adapter_entries)
     text = (
