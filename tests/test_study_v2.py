@@ -349,19 +349,25 @@ def test_an_arm_whose_pilot_finished_runs_before_rule_json_at_the_step_the_rule_
         run_stage(spec, tmp_path, run_fn=fake, log=print, seeds=[1])
 
 
-def test_same_protocol_compares_the_keys_both_configs_have(tmp_path):
+def test_same_protocol_compares_the_configs_as_the_runs_ran_them(tmp_path):
     # a study spans sessions: a table fedlora's config gained since an earlier run (data.mc)
-    # is absent from that run's config.toml, which is no difference; a nested value that
-    # differs is one, named by its dotted key
+    # is absent from that run's config.toml, and the run ran with its defaults, so the table
+    # at its defaults is no difference, and at another value is one, named by its dotted key;
+    # a key whose default changed (evaluation.format, LEGACY_DEFAULTS) is compared at the
+    # value the older run ran with, which comparing only the keys both files hold would miss
     from types import SimpleNamespace as NS
 
     from fedlora.errors import DataError
     from research.study_planner.study_checks import check_same_protocol
 
     old = {"training": {"lr": 1e-3, "seed": 0}, "data": {"n_clients": 10}}
-    new = {"training": {"lr": 1e-3, "seed": 1}, "data": {"n_clients": 10, "mc": {"task": "a"}}}
+    new = {
+        "training": {"lr": 1e-3, "seed": 1},
+        "data": {"n_clients": 10, "mc": {"task": "mine"}},
+        "evaluation": {"format": "llm-adapters"},
+    }
     other = {**new, "data": {"n_clients": 10, "mc": {"task": "b"}}}
-    newer = {**new, "data": {"n_clients": 10, "mc": {"task": "a", "added": 1}}}
+    harness = {**new, "evaluation": {"format": "harness"}}
 
     def cells(*configs):
         return {
@@ -371,10 +377,15 @@ def test_same_protocol_compares_the_keys_both_configs_have(tmp_path):
         }
 
     rule = {"overrides": {}, "fixed_best": "fixed-a"}
-    check_same_protocol(cells(old, new, newer), rule)
+    check_same_protocol(cells(old, new, {}), rule)  # {}: no config.toml, nothing compared
     with pytest.raises(
         DataError, match=r"arm-seed1: its config differs from arm-seed0's at data.mc.task"
     ):
         check_same_protocol(cells(new, other), rule)
+    with pytest.raises(DataError, match=r"at evaluation.format \('harness' vs 'llm-adapters'\)"):
+        check_same_protocol(cells(old, harness), rule)
     with pytest.raises(DataError, match=r"at data.n_clients \(12 vs 10\)"):
         check_same_protocol(cells(old, {**old, "data": {"n_clients": 12}}), rule)
+    with pytest.raises(DataError, match=r"arm-seed1: not a fedlora run's config: .*n_clients"):
+        check_same_protocol(cells(old, {**old, "data": {"n_clients": "ten"}}), rule)
+    assert old == {"training": {"lr": 1e-3, "seed": 0}, "data": {"n_clients": 10}}  # unchanged

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedlora.errors import DataError
+from fedlora.errors import ConfigError, DataError
+from fedlora.federation.rundir import saved_config_from_table
 from fedlora.studies.runs import RunRecord, flat_config, load_run
 from research.study_planner.study_rule import Metric, derive_rule, derive_rule_v2, metric_points
 from research.study_planner.study_spec import REFERENCE
@@ -40,6 +41,18 @@ SHARED_SECTIONS = ("model", "lora", "data", "network", "training", "evaluation")
 STEP_KEYS = ("training.lr", "method.server_lr")
 
 
+def resolved_shared(conf: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The shared sections of a run's config as the run ran them, as dotted keys: a study spans
+    sessions, and a key added to fedlora's config since an earlier run is absent from that
+    run's config.toml; it ran with the key's legacy value or default (`load_saved_config`),
+    which is what is compared."""
+    try:
+        resolved = saved_config_from_table(conf, source=str(run_dir / "config.toml")).to_dict()
+    except ConfigError as e:
+        raise DataError(f"{run_dir}: not a fedlora run's config: {e}") from None
+    return flat_config({sec: resolved[sec] for sec in SHARED_SECTIONS})
+
+
 def check_same_protocol(cells: dict[str, list[Cell]], rule: dict[str, Any]) -> None:
     """Refuse a run whose config differs from the others' beyond its arm's overrides (a
     config.toml edited by hand: an lr of 5.0): the shared sections must be equal once the
@@ -55,19 +68,17 @@ def check_same_protocol(cells: dict[str, list[Cell]], rule: dict[str, Any]) -> N
         label = rule["fixed_best"] if arm == "fixed-best" else arm
         for c in row:
             conf = c.run.config
-            shared = flat_config({sec: conf.get(sec) or {} for sec in SHARED_SECTIONS})
+            if not conf:  # no config.toml: nothing to compare
+                continue
             flat = {
                 key: value
-                for key, value in shared.items()
+                for key, value in resolved_shared(conf, c.run.path).items()
                 if key not in own and not any(key.startswith(o + ".") for o in own)
             }
             if first is None:
                 first = (c.run.path.name, flat)
-            # keys of both configs only: a study's runs span sessions, and a key (or table)
-            # added to fedlora's config since an earlier run is absent from its config.toml,
-            # which records every key its own version had
-            diff = sorted(k for k in set(flat) & set(first[1]) if flat[k] != first[1][k])
-            if conf and first[1] and diff:
+            diff = sorted(k for k in set(flat) | set(first[1]) if flat.get(k) != first[1].get(k))
+            if diff:
                 raise DataError(
                     f"{c.run.path}: its config differs from {first[0]}'s at {diff[0]} "
                     f"({flat.get(diff[0])!r} vs {first[1].get(diff[0])!r}), which no arm "

@@ -56,6 +56,7 @@ __all__ = [
     "config_changes",
     "load_run_config",
     "load_saved_config",
+    "saved_config_from_table",
     "make_run_dir",
     "never_started",
     "resume_config",
@@ -279,12 +280,23 @@ def load_saved_config(path: Path) -> ExperimentConfig:
     Its method options as a run records them (`resolve_method_options`): the flat keys that
     fedlora wrote before (``method.heterolora_pruning``) are read without a warning (the
     file is fedlora's, not the user's), and equal their ``[method.<name>]`` table."""
-    raw = upgrade_renamed_keys(read_toml(path), source=str(path), warn=False)
+    return saved_config_from_table(read_toml(path), source=str(path))
+
+
+def saved_config_from_table(raw: dict[str, Any], *, source: str) -> ExperimentConfig:
+    """`load_saved_config` of a config.toml already read (`raw` is not changed): the config the
+    run ran with, every key present (the reports compare runs written by different versions
+    of fedlora at their resolved values, not at the keys their files happen to hold)."""
+    raw = upgrade_renamed_keys(
+        {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()},
+        source=source,
+        warn=False,
+    )
     for (section, key), value in LEGACY_DEFAULTS.items():
         table = raw.setdefault(section, {})
         if isinstance(table, dict):
             table.setdefault(key, value)
-    return resolve_method_options(config_from_dict(raw, source=str(path)))
+    return resolve_method_options(config_from_dict(raw, source=source))
 
 
 def config_changes(
