@@ -13,11 +13,26 @@ import fedlora.llm.disk_cache
 # pytest-xdist (`make test`: -n 2 --dist loadgroup) they run on one worker, one after another,
 # so two Ray clusters or two superlinks never start side by side
 PROCESS_FILES = ("flower", "secagg", "reliability", "ray")
+# files those words match that start no Flower or Ray process and kill nothing (their
+# subprocesses are a Python that exports or imports, or a CLI refusal before anything starts):
+# they run beside the group, which is the suite's longest path on 2 cores
+NO_PROCESS_FILES = (
+    "test_flower_common.py",
+    "test_reliability.py",
+    "test_reliability_adapter.py",
+    "test_reliability_disk.py",
+    "test_reliability_inputs.py",
+    "test_reliability_reads.py",
+    "test_reliability_rundir.py",
+    "test_reliability_usage.py",
+    "test_secagg.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if any(word in item.path.name for word in PROCESS_FILES):
+        name = item.path.name
+        if name not in NO_PROCESS_FILES and any(word in name for word in PROCESS_FILES):
             item.add_marker(pytest.mark.xdist_group("processes"))
 
 
