@@ -136,3 +136,42 @@ def test_train_loss_tenths_by_hand():
     assert _tenths([5.0]) == (5.0, 5.0)
     losses = [float(x) for x in range(20, 0, -1)]  # 20, 19, ..., 1: tenths of two values
     assert _tenths(losses) == (19.5, 1.5)
+
+
+def test_compute_left_by_hand():
+    # B = 6 s. fixed-full finished (21,600 compute-s over 6 simulated s: 3,600 a second);
+    # fslora started (7,200 s over its first 2.5 s: 2,880 a second, 3.5 s of B left: 2.8 h);
+    # its x3 grid run not started (its arm's rate times B: 4.8 h); proposed-separate has no
+    # run with a rate yet
+    from research.study_planner.study_status import (
+        RunState,
+        compute_rates,
+        seconds_left,
+        work_left_line,
+    )
+
+    spec = v2_spec()
+
+    def row(name, label, state, clock=None, spent=None):
+        return RunState(name, 1.0, state, None, clock, (), None, None, label=label, spent_s=spent)
+
+    rows = [
+        row("pilot/fixed-full-seed5", "fixed-full", FINISHED, 6.0, 21600.0),
+        row("pilot/fslora-seed5", "fslora", PARTIAL, 2.5, 7200.0),
+        row("pilot/fslora-x3-seed5", "fslora", NOT_STARTED),
+        row("pilot/proposed-separate-seed5", "proposed-separate", NOT_STARTED),
+    ]
+    rates = compute_rates(rows)
+    assert rates == {"fixed-full": 3600.0, "fslora": 2880.0}
+    assert [seconds_left(r, 6.0, rates) for r in rows] == [0.0, 10080.0, 17280.0, None]
+    line = work_left_line(spec, rows, ["proposed-separate"], None)
+    assert "pilot 7.6 h (2 runs)" in line  # 2.8 + 4.8
+    # analysed, before rule.json: seeds 0 and 1 of fslora (4.8 h each), of fixed-best (the
+    # dearest fixed rule with a rate: 6 h each) and of proposed-separate (no rate)
+    assert "analysed runs 21.6 h (4 runs)" in line
+    assert (
+        "no rate yet for 3 runs (pilot/proposed-separate-seed5, proposed-separate-seed0, " in line
+    )
+    assert "step grids" not in line  # proposed-separate, the arm not yet judged, has no rate
+    line = work_left_line(spec, rows, ["fslora"], None)
+    assert "the step grids of arms not yet judged, if they fail: up to 9.6 h" in line  # 2 x 4.8

@@ -34,6 +34,8 @@ class RunState:
     compute_s: float | None  # CPU seconds the ledger records for the finished run
     client_steps: int | None = None  # Σ participants × training.local_steps so far
     train_loss: tuple[float, float] | None = None  # mean train loss, first and last tenth
+    label: str = ""  # the arm (the pilot's label, or the analysed arm)
+    spent_s: float | None = None  # Σ compute_s of its rounds so far (the run's own record)
 
 
 def _tenths(losses: list[float]) -> tuple[float, float] | None:
@@ -45,7 +47,12 @@ def _tenths(losses: list[float]) -> tuple[float, float] | None:
 
 
 def _read(
-    out: Path, run_dir: Path, spec: StudySpec, ledger: dict[str, float], step: float | None
+    out: Path,
+    run_dir: Path,
+    spec: StudySpec,
+    ledger: dict[str, float],
+    step: float | None,
+    label: str,
 ) -> RunState:
     """One run directory as it stands; a finished pilot run (`step` given) with its learning
     criterion."""
@@ -57,7 +64,7 @@ def _read(
     else:
         state = NOT_STARTED
     if state == NOT_STARTED or not (run_dir / "metrics.jsonl").is_file():
-        return RunState(name, step, state, None, None, (), None, ledger.get(name))
+        return RunState(name, step, state, None, None, (), None, ledger.get(name), label=label)
     run = load_run(run_dir)
     last = run.lines[-1] if run.lines else {}
     points = metric_points(run, spec.metric)
@@ -74,6 +81,7 @@ def _read(
         steps = local_steps * sum(int(x.get("n_participants") or 0) for x in run.lines)
     losses = [float(x["train_loss"]) for x in run.lines if x.get("train_loss") is not None]
     clock = last.get("sim_time_s")
+    spent = sum(float(x.get("compute_s") or 0.0) for x in run.lines)
     return RunState(
         name=name,
         step=step,
@@ -85,6 +93,8 @@ def _read(
         compute_s=ledger.get(name),
         client_steps=steps,
         train_loss=_tenths(losses),
+        label=label,
+        spent_s=spent or None,
     )
 
 
@@ -112,7 +122,7 @@ def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str],
     for label, factor in jobs:
         run_dir = study_pilot.pilot_dir(out, label, factor, spec.pilot_seed)
         step = spec.step_value(spec.pilot_labels[label]) * factor
-        rows.append(_read(out, run_dir, spec, ledger, step))
+        rows.append(_read(out, run_dir, spec, ledger, step, label))
     pending = [
         label
         for label in spec.pilot_labels
@@ -135,10 +145,67 @@ def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
         return None
     ledger = _ledger(out)
     return [
-        _read(out, out / f"{label}-seed{seed}", spec, ledger, None)
+        _read(out, out / f"{label}-seed{seed}", spec, ledger, None, label)
         for seed in spec.seeds
         for label in spec.labels
     ]
+
+
+def compute_rates(rows: list[RunState]) -> dict[str, float]:
+    """{arm: compute seconds per simulated second}, the mean over its runs that have both."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        if r.spent_s and r.sim_time_s:
+            by.setdefault(r.label, []).append(r.spent_s / r.sim_time_s)
+    return {label: sum(v) / len(v) for label, v in by.items()}
+
+
+def seconds_left(r: RunState, budget_s: float, rates: dict[str, float]) -> float | None:
+    """The compute seconds `r` still needs to reach B: 0 when finished; a started run's own
+    rate times what is left of B, else its arm's rate (`rates`) times B; None: no rate yet.
+    An estimate for planning sessions: compute_s is wall time and moves with the load."""
+    if r.state == FINISHED:
+        return 0.0
+    clock = r.sim_time_s or 0.0
+    if r.spent_s and clock > 0:
+        rate: float | None = r.spent_s / clock
+    else:
+        rate = rates.get(r.label)
+    return None if rate is None else rate * max(0.0, budget_s - clock)
+
+
+def work_left_line(
+    spec: StudySpec, rows: list[RunState], pending: list[str], analysed: list[RunState] | None
+) -> str:
+    """One line: the compute hours the pilot and the analysed runs still need (estimated)."""
+    rates = compute_rates([*rows, *(analysed or [])])
+    fixed = [rates[lab] for lab in spec.fixed_rules if lab in rates]
+    if fixed:  # fixed-best is one of the fixed rules: the dearest of them, until the rule
+        rates.setdefault("fixed-best", max(fixed))
+    if analysed is None:  # before rule.json: every analysed run, not started
+        analysed = [
+            RunState(f"{lab}-seed{seed}", None, NOT_STARTED, None, None, (), None, None, label=lab)
+            for seed in spec.seeds
+            for lab in spec.labels
+        ]
+    parts, unknown = [], []
+    for what, group in (("pilot", rows), ("analysed runs", analysed)):
+        left = [(r, seconds_left(r, spec.budget_s, rates)) for r in group]
+        unknown += [r.name for r, s in left if s is None]
+        todo = [s for r, s in left if s]
+        parts.append(f"{what} {sum(todo) / 3600:.1f} h ({len(todo)} runs)")
+    grid = len(spec.step_grid) * sum(rates.get(lab, 0.0) for lab in pending) * spec.budget_s
+    line = (
+        "Compute left, estimated (each started run's compute_s per simulated second, else its "
+        "arm's, times what is left of B; compute_s is wall time and moves with the load): "
+        + "; ".join(parts)
+    )
+    if grid:
+        line += f"; the step grids of arms not yet judged, if they fail: up to {grid / 3600:.1f} h"
+    if unknown:
+        line += f"; no rate yet for {len(unknown)} runs ({', '.join(unknown[:4])}"
+        line += ", ...)" if len(unknown) > 4 else ")"
+    return line + "."
 
 
 def _scale(metric: Metric) -> tuple[float, str]:
@@ -203,6 +270,7 @@ def render_status(spec: StudySpec, out: Path) -> str:
     if others:
         lines.append("Pilot directories that are no job of this config: " + ", ".join(others) + ".")
     analysed = analysed_states(spec, out)
+    lines.append(work_left_line(spec, rows, pending, analysed))
     lines += ["", "## Analysed runs", ""]
     if analysed is None:
         lines.append(f"{RULE_FILE} is not written yet: the analysed runs start after the pilot.")
