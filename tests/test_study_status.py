@@ -32,6 +32,7 @@ def fake(cfg, run_dir, *, resume):
             "eval": {"arc-e": v},
             "n_participants": 2 if i else 0,
             "train_loss": None if i == 0 else 4.0 - i,
+            "compute_s": 1.5 * i,  # 0 + 1.5 + 3 + 4.5: 9 compute-s in all
         }
         for i, (t, v) in enumerate(FLAT if flat else LEARNS)
     ]
@@ -103,13 +104,13 @@ def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):
     assert pending == [] and others == ["pilot/gone-arm-seed5"]
     text = render_status(spec, tmp_path)
     assert (
-        f"| pilot/fixed-full-seed5 | {lr:g} | finished | 30 | 30 | 3.00 -> 1.00 | 6.0 | 50.0, 54.0, 55.0, 56.0 | yes (6.0 at B) |"
+        f"| pilot/fixed-full-seed5 | {lr:g} | finished | 30 | 30 | 3.00 -> 1.00 | 6.0 | 50.0, 54.0, 55.0, 56.0 | yes (6.0 at B) | 9 |"
         in text
     )
     assert "| pilot/fixed-0.5-seed5 |" in text and "| no (1.0 at B) |" in text
     assert (
         "| pilot/fixed-0.5-x3-seed5 |" in text
-        and "| partial | 10 | 15 | - | 2.5 | 50.0 | - |" in text
+        and "| partial | 10 | 15 | - | 2.5 | 50.0 | - | - |" in text  # no compute_s written
     )
     assert "5 of 6 known pilot jobs finished." in text
     assert "no job of this config: pilot/gone-arm-seed5." in text
@@ -153,7 +154,7 @@ def test_compute_left_by_hand():
     spec = v2_spec()
 
     def row(name, label, state, clock=None, spent=None):
-        return RunState(name, 1.0, state, None, clock, (), None, None, label=label, spent_s=spent)
+        return RunState(name, 1.0, state, None, clock, (), None, spent, label=label)
 
     rows = [
         row("pilot/fixed-full-seed5", "fixed-full", FINISHED, 6.0, 21600.0),

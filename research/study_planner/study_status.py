@@ -1,20 +1,19 @@
 """Where a study stands (`study_planner.py status`): every pilot job and analysed run with its
 state, rounds, simulated clock and metric curve read from its run directory, the learning
 criterion of each finished pilot run, and what is still to run. It reads files only (run
-directories, ledger.jsonl, rule.json) and changes nothing, so it is safe beside running
+directories and rule.json) and changes nothing, so it is safe beside running
 runners; a parked or running run shows what it has written so far, no criterion applied.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedlora.studies.runs import load_run
 from research.study_planner import study_pilot
 from research.study_planner.study_rule import Learning, Metric, learning, metric_points
-from research.study_planner.study_runner import LEDGER_FILE, PILOT_DIR, RULE_FILE, finished
+from research.study_planner.study_runner import PILOT_DIR, RULE_FILE, finished
 from research.study_planner.study_spec import StudySpec
 
 FINISHED, PARTIAL, NOT_STARTED = "finished", "partial", "not started"
@@ -31,11 +30,10 @@ class RunState:
     sim_time_s: float | None  # the simulated clock at that round
     values: tuple[float, ...]  # the metric at each evaluation, round 0 first
     criterion: Learning | None  # the pilot's learning criterion (finished pilot runs only)
-    compute_s: float | None  # CPU seconds the ledger records for the finished run
+    compute_s: float | None  # Σ compute_s of its rounds so far, every stretch (metrics.jsonl)
     client_steps: int | None = None  # Σ participants × training.local_steps so far
     train_loss: tuple[float, float] | None = None  # mean train loss, first and last tenth
     label: str = ""  # the arm (the pilot's label, or the analysed arm)
-    spent_s: float | None = None  # Σ compute_s of its rounds so far (the run's own record)
 
 
 def _tenths(losses: list[float]) -> tuple[float, float] | None:
@@ -46,14 +44,7 @@ def _tenths(losses: list[float]) -> tuple[float, float] | None:
     return sum(losses[:n]) / n, sum(losses[-n:]) / n
 
 
-def _read(
-    out: Path,
-    run_dir: Path,
-    spec: StudySpec,
-    ledger: dict[str, float],
-    step: float | None,
-    label: str,
-) -> RunState:
+def _read(out: Path, run_dir: Path, spec: StudySpec, step: float | None, label: str) -> RunState:
     """One run directory as it stands; a finished pilot run (`step` given) with its learning
     criterion."""
     name = run_dir.relative_to(out).as_posix()
@@ -64,7 +55,7 @@ def _read(
     else:
         state = NOT_STARTED
     if state == NOT_STARTED or not (run_dir / "metrics.jsonl").is_file():
-        return RunState(name, step, state, None, None, (), None, ledger.get(name), label=label)
+        return RunState(name, step, state, None, None, (), None, None, label=label)
     run = load_run(run_dir)
     last = run.lines[-1] if run.lines else {}
     points = metric_points(run, spec.metric)
@@ -90,39 +81,23 @@ def _read(
         sim_time_s=None if clock is None else float(clock),
         values=tuple(v for _, v in points),
         criterion=criterion,
-        compute_s=ledger.get(name),
+        compute_s=spent or None,
         client_steps=steps,
         train_loss=_tenths(losses),
         label=label,
-        spent_s=spent or None,
     )
-
-
-def _ledger(out: Path) -> dict[str, float]:
-    """{run name: compute_s} of the ledger's finished runs (the last line of a name wins)."""
-    path = out / LEDGER_FILE
-    seconds: dict[str, float] = {}
-    if path.is_file():
-        for raw in path.read_text(encoding="utf-8").splitlines():
-            try:
-                line = json.loads(raw)
-                seconds[line["run"]] = float(line["compute_s"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line of a killed runner
-    return seconds
 
 
 def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str], list[str]]:
     """(the pilot's known jobs in the runner's order, the arms whose step-size grid is not
     known yet because their run at the protocol's step has not finished, the pilot run
     directories that are no job of this config: arms an amendment took out)."""
-    ledger = _ledger(out)
     jobs, _ = study_pilot.pilot_jobs(spec, out, finished)
     rows = []
     for label, factor in jobs:
         run_dir = study_pilot.pilot_dir(out, label, factor, spec.pilot_seed)
         step = spec.step_value(spec.pilot_labels[label]) * factor
-        rows.append(_read(out, run_dir, spec, ledger, step, label))
+        rows.append(_read(out, run_dir, spec, step, label))
     pending = [
         label
         for label in spec.pilot_labels
@@ -143,9 +118,8 @@ def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
     before the pilot has written it."""
     if not (out / RULE_FILE).is_file():
         return None
-    ledger = _ledger(out)
     return [
-        _read(out, out / f"{label}-seed{seed}", spec, ledger, None, label)
+        _read(out, out / f"{label}-seed{seed}", spec, None, label)
         for seed in spec.seeds
         for label in spec.labels
     ]
@@ -155,8 +129,8 @@ def compute_rates(rows: list[RunState]) -> dict[str, float]:
     """{arm: compute seconds per simulated second}, the mean over its runs that have both."""
     by: dict[str, list[float]] = {}
     for r in rows:
-        if r.spent_s and r.sim_time_s:
-            by.setdefault(r.label, []).append(r.spent_s / r.sim_time_s)
+        if r.compute_s and r.sim_time_s:
+            by.setdefault(r.label, []).append(r.compute_s / r.sim_time_s)
     return {label: sum(v) / len(v) for label, v in by.items()}
 
 
@@ -167,8 +141,8 @@ def seconds_left(r: RunState, budget_s: float, rates: dict[str, float]) -> float
     if r.state == FINISHED:
         return 0.0
     clock = r.sim_time_s or 0.0
-    if r.spent_s and clock > 0:
-        rate: float | None = r.spent_s / clock
+    if r.compute_s and clock > 0:
+        rate: float | None = r.compute_s / clock
     else:
         rate = rates.get(r.label)
     return None if rate is None else rate * max(0.0, budget_s - clock)
@@ -254,7 +228,7 @@ def render_status(spec: StudySpec, out: Path) -> str:
         "## Pilot",
         "",
         "| run | step | state | rounds | client-steps | train loss | clock (s) | curve | learns "
-        "| CPU s |",
+        "| compute s |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *(_row(r, metric, with_step=True) for r in rows),
         "",
@@ -277,7 +251,7 @@ def render_status(spec: StudySpec, out: Path) -> str:
     else:
         lines += [
             "| run | state | rounds | client-steps | train loss | clock (s) | curve | learns "
-            "| CPU s |",
+            "| compute s |",
             "|---|---|---|---|---|---|---|---|---|",
             *(_row(r, metric, with_step=False) for r in analysed),
             "",
