@@ -176,3 +176,36 @@ def test_compute_left_by_hand():
     assert "step grids" not in line  # proposed-separate, the arm not yet judged, has no rate
     line = work_left_line(spec, rows, ["fslora"], None)
     assert "the step grids of arms not yet judged, if they fail: up to 9.6 h" in line  # 2 x 4.8
+
+
+def test_pilot_figure_draws_each_arms_runs_by_step(tmp_path, monkeypatch):
+    # one panel per arm that has a run, one line per step factor (a run still going is
+    # dashed and says so), the values in percent; nothing to draw before any evaluation
+    from research.study_planner import study_figures
+
+    spec = v2_spec()
+    assert study_figures.pilot_figure(spec, tmp_path, tmp_path / "f.png") is None
+    pilot_stage(spec, tmp_path, run_fn=fake, log=lambda _: None)
+    (tmp_path / "pilot" / "fixed-0.5-x3-seed5" / "summary.json").unlink()  # still going
+    png = study_figures.pilot_figure(spec, tmp_path, tmp_path / "f.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = {}
+
+    def keep(fig, path, *, axes=(), title=""):
+        drawn.update(fig=fig, axes=list(axes), title=title)
+        return path
+
+    monkeypatch.setattr(study_figures, "save_figure", keep)
+    assert study_figures.pilot_figure(spec, tmp_path, tmp_path / "f.png") == tmp_path / "f.png"
+    shown = [ax for ax in drawn["fig"].axes if ax not in drawn["axes"]]
+    assert [ax.get_title() for ax in shown] == list(spec.pilot_labels)
+    lines = {
+        ax.get_title(): [ln for ln in ax.get_lines() if ln.get_marker() == "."] for ax in shown
+    }
+    assert [ln.get_label() for ln in lines["fixed-0.5"]] == ["x0.3", "x1", "x3 (running)"]
+    assert [ln.get_linestyle() for ln in lines["fixed-0.5"]] == ["-", "-", "--"]
+    full = lines["fixed-full"][0]
+    assert list(full.get_ydata()) == pytest.approx([50.0, 54.0, 55.0, 56.0])
+    assert list(full.get_xdata()) == pytest.approx([0.0, 2 / 60, 4 / 60, 6 / 60])
+    assert drawn["title"] == "pilot, seed 5: arc-e/acc at each evaluation"
+    assert {ax.get_ylim() for ax in shown} == {shown[0].get_ylim()}  # one scale for all

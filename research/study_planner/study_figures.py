@@ -1,15 +1,17 @@
-"""The planner study's two figures (results/study_planner/*.png, beside report.md): the
-metric against simulated time, mean over seeds with its 95% t band; and the paired
-difference of each arm to FSLoRA on the same seed."""
+"""The planner study's figures (results/study_planner/*.png, beside report.md): the metric
+against simulated time, mean over seeds with its 95% t band; the paired difference of each
+arm to FSLoRA on the same seed; and every pilot run's curve (`pilot_figure`, drawn by
+`study_planner.py status --figure`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from fedlora.studies.figures import mean_band, pyplot, save_figure
+from fedlora.studies.figures import mean_band, panels, pyplot, save_figure
+from fedlora.studies.runs import RunRecord, eval_constant, load_run
 from research.study_planner.study_rule import Metric, level_on_grid, metric_points
-from research.study_planner.study_spec import REFERENCE
+from research.study_planner.study_spec import REFERENCE, StudySpec
 from research.study_planner.study_stats import Cell, eval_reference
 
 # the names `fedlora report` uses for the same two figures (a run directory's manifest knows
@@ -65,3 +67,73 @@ def figures(out: Path, rule: dict[str, Any], metric: Metric, cells: dict[str, li
     save_figure(
         fig, out / FIGURES[metric.higher][1], title="paired difference to FSLoRA, 95% t band"
     )
+
+
+PILOT_FIGURE = "pilot_curves.png"
+
+
+def pilot_figure(spec: StudySpec, out: Path, path: Path) -> Path | None:
+    """Every pilot run's metric against simulated time, one panel per arm, one line per step
+    factor (a run still going dashed): its round 0, the target (round 0 + the target gain),
+    the learning criterion's two levels (round 0 + min gain, round 0 − max drop), chance and
+    the most-frequent label, and B. None when no pilot run has an evaluation yet."""
+    from research.study_planner.study_pilot import pilot_dir, pilot_jobs
+    from research.study_planner.study_runner import finished
+
+    jobs, _ = pilot_jobs(spec, out, finished)
+    by_arm: dict[str, list[tuple[float, RunRecord]]] = {}
+    for label, factor in jobs:
+        run_dir = pilot_dir(out, label, factor, spec.pilot_seed)
+        if (run_dir / "metrics.jsonl").is_file():
+            by_arm.setdefault(label, []).append((factor, load_run(run_dir)))
+    arms = [lab for lab in spec.pilot_labels if by_arm.get(lab)]
+    if not arms:
+        return None
+    metric, scale = spec.metric, spec.metric.scale
+    first = by_arm[arms[0]][0][1]
+    ref = {k: eval_constant(first, metric.task, f"eval_{k}") for k in ("n", "chance", "majority")}
+    plt = pyplot()
+    fig, axes = panels(plt, len(arms), 5.0, 3.0)
+    flat = [ax for row in axes for ax in row]
+    for i, (ax, label) in enumerate(zip(flat, arms)):
+        start = None
+        for factor, run in sorted(by_arm[label], key=lambda fr: fr[0]):
+            pts = metric_points(run, metric)
+            if not pts:
+                continue
+            start = pts[0][1] if start is None else start
+            style = "-" if finished(run.path) else "--"
+            ax.plot(
+                [t / 60 for t, _ in pts],
+                [v * scale for _, v in pts],
+                style,
+                marker=".",
+                label=f"x{factor:g}" + ("" if style == "-" else " (running)"),
+            )
+        sign = 1 if metric.higher else -1
+        if start is not None:
+            for level, text, ls in (
+                (start, "round 0", "-"),
+                (start + sign * spec.target_gain, "target", "--"),
+                (start + sign * spec.learn_min_gain, "learns: min gain", ":"),
+                (start - sign * spec.learn_max_drop, "learns: max drop", ":"),
+            ):
+                ax.axhline(
+                    level * scale, color="grey", lw=0.8, ls=ls, label=text if not i else None
+                )
+        for key, text, ls in (("majority", "most-frequent label", ":"), ("chance", "chance", "-.")):
+            if ref[key] is not None:  # the reference lines named in the first panel only
+                ax.axhline(
+                    ref[key] * scale, color="black", lw=0.8, ls=ls, label=text if not i else None
+                )
+        ax.axvline(spec.budget_s / 60, color="red", lw=0.8, label="B" if not i else None)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("simulated time (min)", fontsize=8)
+        n = f" (n = {ref['n']:.0f})" if ref["n"] is not None else ""
+        ax.set_ylabel(metric.text + n, fontsize=8)
+        ax.legend(fontsize=6)
+    low, high = zip(*(ax.get_ylim() for ax in flat[: len(arms)]))
+    for ax in flat[: len(arms)]:  # one scale for every panel: the arms compare by eye
+        ax.set_ylim(min(low), max(high))
+    title = f"pilot, seed {spec.pilot_seed}: {metric.text} at each evaluation"
+    return save_figure(fig, path, axes=flat[len(arms) :], title=title)

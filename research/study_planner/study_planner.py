@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=[], help="pilot: just these labels")
     ap.add_argument("--seeds", nargs="+", type=int, default=[], help="run: just these seeds")
     ap.add_argument("--arms", nargs="+", default=[], help="run: just these arms")
+    ap.add_argument(
+        "--figure", type=Path, help="status: also draw every pilot run's curve to this PNG"
+    )
     args = ap.parse_args(argv)
     try:
         if args.stage == "report":
@@ -64,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.config)
         if args.stage == "status":  # reads files only: safe beside running runners
             print(render_status(spec, args.out), end="")
+            if args.figure:
+                from research.study_planner.study_figures import pilot_figure
+
+                drawn = pilot_figure(spec, args.out, args.figure)
+                print(f"figure: {drawn or 'none (no pilot run has an evaluation yet)'}")
             return 0
         print(f"config valid, with every arm's overrides: {args.config}")
         if not spec.protocol_fixed:
