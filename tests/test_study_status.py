@@ -209,3 +209,35 @@ def test_pilot_figure_draws_each_arms_runs_by_step(tmp_path, monkeypatch):
     assert list(full.get_xdata()) == pytest.approx([0.0, 2 / 60, 4 / 60, 6 / 60])
     assert drawn["title"] == "pilot, seed 5: arc-e/acc at each evaluation"
     assert {ax.get_ylim() for ax in shown} == {shown[0].get_ylim()}  # one scale for all
+
+
+def test_status_cli_refuses_a_figure_path_that_is_no_png_and_names_a_file_out(tmp_path, capsys):
+    from tiny_runs import load_script
+
+    runner = load_script("research/study_planner/study_planner.py")
+    config = "research/study_planner/study_planner_v2.toml"
+    for bad in (tmp_path, tmp_path / "curves.svg"):  # a directory; another format
+        argv = ["status", "--config", config, "--out", str(tmp_path), "--figure", str(bad)]
+        assert runner.main(argv) == 2
+        captured = capsys.readouterr()
+        assert f"--figure {str(bad)!r}: not a path to a .png file" in captured.err
+        assert captured.out == ""  # refused before anything is read or printed
+    assert not (tmp_path / "curves.svg").exists()
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    assert runner.main(["status", "--config", config, "--out", str(a_file)]) == 0
+    assert f"{a_file} is not a directory: nothing of this study has run there." in (
+        capsys.readouterr().out
+    )
+    assert a_file.read_text() == "mine\n"
+    argv = [
+        "status",
+        "--config",
+        config,
+        "--out",
+        str(tmp_path),
+        "--figure",
+        str(tmp_path / "f.png"),
+    ]
+    assert runner.main(argv) == 0
+    assert "figure: none (no pilot run has an evaluation yet)" in capsys.readouterr().out

@@ -66,6 +66,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         spec = load_spec(args.config)
         if args.stage == "status":  # reads files only: safe beside running runners
+            if args.figure is not None and (
+                args.figure.is_dir() or args.figure.suffix.lower() != ".png"
+            ):
+                print(
+                    f"error: --figure {str(args.figure)!r}: not a path to a .png file "
+                    "(give one like results/study_planner_v2/pilot_curves.png)",
+                    file=sys.stderr,
+                )
+                return 2
             print(render_status(spec, args.out), end="")
             if args.figure:
                 from research.study_planner.study_figures import pilot_figure

@@ -205,6 +205,10 @@ def _row(r: RunState, metric: Metric, with_step: bool) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _missing(out: Path) -> str:
+    return "is not a directory" if out.exists() else "does not exist"
+
+
 def render_status(spec: StudySpec, out: Path) -> str:
     """The study's state as markdown (what `study_planner.py status` prints)."""
     rows, pending, others = pilot_states(spec, out)
@@ -215,7 +219,7 @@ def render_status(spec: StudySpec, out: Path) -> str:
         f"# {out}: {spec.source}",
         "",
         *(
-            [f"{out} does not exist: nothing of this study has run there.", ""]
+            [f"{out} {_missing(out)}: nothing of this study has run there.", ""]
             if not out.is_dir()
             else []
         ),
