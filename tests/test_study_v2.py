@@ -235,6 +235,9 @@ def test_v2_report_hand_checked(tmp_path):
     text = write_study_report(out).read_text()
     lines = text.splitlines()
     assert "never part of the rule): gone-arm." in text
+    # every pilot run's curve, drawn beside the report and shown in its pilot section
+    assert "![every pilot run's arc-e/acc, a panel per arm](pilot_curves.png)" in text
+    assert (out / "pilot_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert "- evaluation: 10 questions of arc-e; chance 25.0, most-frequent label 30.0 (%)" in text
     # the comparisons' table is one block: its rows follow the header, the per-seed list after
     at = lines.index("|---|---|---|---|---|---|---|---|---|")
@@ -389,3 +392,30 @@ def test_same_protocol_compares_the_configs_as_the_runs_ran_them(tmp_path):
     with pytest.raises(DataError, match=r"arm-seed1: not a fedlora run's config: .*n_clients"):
         check_same_protocol(cells(old, {**old, "data": {"n_clients": "ten"}}), rule)
     assert old == {"training": {"lr": 1e-3, "seed": 0}, "data": {"n_clients": 10}}  # unchanged
+
+
+def test_report_pilot_figure_draws_the_rules_arms_only(tmp_path, monkeypatch):
+    # the pilot runs of rule.json's arms, a panel each in its order, grid runs as lines;
+    # a pilot directory of an arm an amendment took out is not drawn
+    from research.study_planner import study_figures
+    from research.study_planner.study_checks import check_pilot_v2
+
+    out = _study_v2(tmp_path)
+    _write_run(out / "pilot", "gone-arm-seed9", [(0, 0.5), (6, 0.5)])
+    rule = json.loads((out / "rule.json").read_text())
+    pilot = check_pilot_v2(out, rule, ACC)
+    drawn = {}
+
+    def keep(fig, path, *, axes=(), title=""):
+        drawn.update(fig=fig, axes=list(axes), path=path)
+        return path
+
+    monkeypatch.setattr(study_figures, "save_figure", keep)
+    assert study_figures.pilot_figure_of_rule(out, rule, ACC, pilot) == out / "pilot_curves.png"
+    shown = [ax for ax in drawn["fig"].axes if ax not in drawn["axes"]]
+    assert [ax.get_title() for ax in shown] == list(rule["steps"])
+    runs = {
+        ax.get_title(): [ln.get_label() for ln in ax.get_lines() if ln.get_marker() == "."]
+        for ax in shown
+    }
+    assert runs["fixed-b"] == ["x1", "x3"] and runs["fixed-a"] == ["x1"]

@@ -5,6 +5,7 @@ arm to FSLoRA on the same seed; and every pilot run's curve (`pilot_figure`, dra
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,24 +73,55 @@ def figures(out: Path, rule: dict[str, Any], metric: Metric, cells: dict[str, li
 PILOT_FIGURE = "pilot_curves.png"
 
 
+@dataclass(frozen=True)
+class PilotLevels:
+    """What the pilot figure draws beside the runs (from the study's config or rule.json)."""
+
+    budget_s: float
+    target_gain: float
+    learn_min_gain: float
+    learn_max_drop: float
+    pilot_seed: int
+
+
 def pilot_figure(spec: StudySpec, out: Path, path: Path) -> Path | None:
-    """Every pilot run's metric against simulated time, one panel per arm, one line per step
-    factor (a run still going dashed): its round 0, the target (round 0 + the target gain),
-    the learning criterion's two levels (round 0 + min gain, round 0 − max drop), chance and
-    the most-frequent label, and B. None when no pilot run has an evaluation yet."""
+    """`draw_pilot` of the pilot's known jobs under `out` (those with an evaluation), in the
+    config's arm order; a run still going is dashed. None when there is nothing to draw."""
     from research.study_planner.study_pilot import pilot_dir, pilot_jobs
     from research.study_planner.study_runner import finished
 
     jobs, _ = pilot_jobs(spec, out, finished)
-    by_arm: dict[str, list[tuple[float, RunRecord]]] = {}
+    by_arm: dict[str, list[tuple[float, RunRecord, bool]]] = {lab: [] for lab in spec.pilot_labels}
     for label, factor in jobs:
         run_dir = pilot_dir(out, label, factor, spec.pilot_seed)
         if (run_dir / "metrics.jsonl").is_file():
-            by_arm.setdefault(label, []).append((factor, load_run(run_dir)))
-    arms = [lab for lab in spec.pilot_labels if by_arm.get(lab)]
+            by_arm[label].append((factor, load_run(run_dir), finished(run_dir)))
+    levels = PilotLevels(
+        spec.budget_s, spec.target_gain, spec.learn_min_gain, spec.learn_max_drop, spec.pilot_seed
+    )
+    return draw_pilot(by_arm, spec.metric, levels, path)
+
+
+def draw_pilot(
+    by_arm: dict[str, list[tuple[float, RunRecord, bool]]],
+    metric: Metric,
+    levels: PilotLevels,
+    path: Path,
+) -> Path | None:
+    """Every pilot run's metric against simulated time, one panel per arm ({arm: [(step
+    factor, run, finished)]}, arms without a run left out), one line per step factor (an
+    unfinished run dashed): its round 0, the target (round 0 + the target gain), the learning
+    criterion's two levels (round 0 + min gain, round 0 − max drop), chance and the
+    most-frequent label, and B, on one scale. None when no run has an evaluation."""
+    by_arm = {
+        lab: runs
+        for lab, runs in by_arm.items()
+        if any(metric_points(r, metric) for _, r, _ in runs)
+    }
+    arms = list(by_arm)
     if not arms:
         return None
-    metric, scale = spec.metric, spec.metric.scale
+    scale = metric.scale
     first = by_arm[arms[0]][0][1]
     ref = {k: eval_constant(first, metric.task, f"eval_{k}") for k in ("n", "chance", "majority")}
     plt = pyplot()
@@ -97,36 +129,32 @@ def pilot_figure(spec: StudySpec, out: Path, path: Path) -> Path | None:
     flat = [ax for row in axes for ax in row]
     for i, (ax, label) in enumerate(zip(flat, arms)):
         start = None
-        for factor, run in sorted(by_arm[label], key=lambda fr: fr[0]):
+        for factor, run, done in sorted(by_arm[label], key=lambda fr: fr[0]):
             pts = metric_points(run, metric)
             if not pts:
                 continue
             start = pts[0][1] if start is None else start
-            style = "-" if finished(run.path) else "--"
             ax.plot(
                 [t / 60 for t, _ in pts],
                 [v * scale for _, v in pts],
-                style,
+                "-" if done else "--",
                 marker=".",
-                label=f"x{factor:g}" + ("" if style == "-" else " (running)"),
+                label=f"x{factor:g}" + ("" if done else " (running)"),
             )
         sign = 1 if metric.higher else -1
-        if start is not None:
-            for level, text, ls in (
-                (start, "round 0", "-"),
-                (start + sign * spec.target_gain, "target", "--"),
-                (start + sign * spec.learn_min_gain, "learns: min gain", ":"),
-                (start - sign * spec.learn_max_drop, "learns: max drop", ":"),
-            ):
-                ax.axhline(
-                    level * scale, color="grey", lw=0.8, ls=ls, label=text if not i else None
-                )
+        for level, text, ls in (
+            (start, "round 0", "-"),
+            (start + sign * levels.target_gain, "target", "--"),
+            (start + sign * levels.learn_min_gain, "learns: min gain", ":"),
+            (start - sign * levels.learn_max_drop, "learns: max drop", ":"),
+        ):  # the reference lines are named in the first panel only
+            ax.axhline(level * scale, color="grey", lw=0.8, ls=ls, label=text if not i else None)
         for key, text, ls in (("majority", "most-frequent label", ":"), ("chance", "chance", "-.")):
-            if ref[key] is not None:  # the reference lines named in the first panel only
+            if ref[key] is not None:
                 ax.axhline(
                     ref[key] * scale, color="black", lw=0.8, ls=ls, label=text if not i else None
                 )
-        ax.axvline(spec.budget_s / 60, color="red", lw=0.8, label="B" if not i else None)
+        ax.axvline(levels.budget_s / 60, color="red", lw=0.8, label="B" if not i else None)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("simulated time (min)", fontsize=8)
         n = f" (n = {ref['n']:.0f})" if ref["n"] is not None else ""
@@ -135,5 +163,27 @@ def pilot_figure(spec: StudySpec, out: Path, path: Path) -> Path | None:
     low, high = zip(*(ax.get_ylim() for ax in flat[: len(arms)]))
     for ax in flat[: len(arms)]:  # one scale for every panel: the arms compare by eye
         ax.set_ylim(min(low), max(high))
-    title = f"pilot, seed {spec.pilot_seed}: {metric.text} at each evaluation"
+    title = f"pilot, seed {levels.pilot_seed}: {metric.text} at each evaluation"
     return save_figure(fig, path, axes=flat[len(arms) :], title=title)
+
+
+def pilot_figure_of_rule(
+    out: Path, rule: dict[str, Any], metric: Metric, pilot: dict[str, RunRecord]
+) -> Path | None:
+    """The report's pilot figure (protocol v2: `out`/pilot_curves.png): `draw_pilot` of the
+    pilot runs of rule.json's arms (every one finished once the rule exists), in its order."""
+    from research.study_planner.study_checks import pilot_label
+
+    by_arm: dict[str, list[tuple[float, RunRecord, bool]]] = {lab: [] for lab in rule["steps"]}
+    for name, run in pilot.items():
+        label, factor = pilot_label(name, rule)
+        if label in by_arm:
+            by_arm[label].append((factor, run, True))
+    levels = PilotLevels(
+        rule["budget_s"],
+        rule["target_gain"],
+        rule["learn_min_gain"],
+        rule["learn_max_drop"],
+        rule["pilot_seed"],
+    )
+    return draw_pilot(by_arm, metric, levels, out / PILOT_FIGURE)

@@ -17,7 +17,12 @@ from typing import Any
 from fedlora.errors import ConfigError, DataError
 from fedlora.studies.html import write_html
 from research.study_planner.study_checks import check_pilot, check_rule_fields
-from research.study_planner.study_figures import FIGURES, figures
+from research.study_planner.study_figures import (
+    FIGURES,
+    PILOT_FIGURE,
+    figures,
+    pilot_figure_of_rule,
+)
 from research.study_planner.study_report_pilot import learning_lines, pilot_lines, steps_lines
 from research.study_planner.study_rule import (
     EPS,
@@ -96,6 +101,8 @@ def render(
     lines += _claim_lines(comps, cells, best, metric.higher, scale)
     lines += _table1_lines(rule, metric, cells)
     lines += pilot_lines(rule, metric, pilot)
+    if "steps" in rule:  # protocol v2: every pilot run's curve, drawn by write_study_report
+        lines += ["", f"![every pilot run's {metric.text}, a panel per arm]({PILOT_FIGURE})"]
     lines += learning_lines(rule, scale)
     lines += _runs_lines(cells)
     curves_png, paired_png = FIGURES[metric.higher]
@@ -358,7 +365,8 @@ def _secondary(text: str, rule: dict[str, Any], cells: dict[str, list[Cell]]) ->
 
 
 def write_study_report(out: str | Path) -> Path:
-    """report.md, report.html and the two figures in `out` (the study directory)."""
+    """report.md, report.html and the figures in `out` (the study directory): the two of the
+    analysed runs, and under protocol v2 the pilot's."""
     out = Path(out)
     path = out / "rule.json"
     if not path.is_file():
@@ -372,6 +380,8 @@ def write_study_report(out: str | Path) -> Path:
     cells = load_cells(out, rule, metric)
     text = render(out, rule, metric, cells, pilot)
     figures(out, rule, metric, cells)
+    if "steps" in rule:
+        pilot_figure_of_rule(out, rule, metric, pilot)
     report = out / "report.md"
     report.write_text(text, encoding="utf-8")
     write_html(report)
