@@ -419,3 +419,35 @@ def test_report_pilot_figure_draws_the_rules_arms_only(tmp_path, monkeypatch):
         for ax in shown
     }
     assert runs["fixed-b"] == ["x1", "x3"] and runs["fixed-a"] == ["x1"]
+
+
+def test_log_ratio_and_speed_verdict_by_hand():
+    from scipy import stats
+
+    # seeds: arm 44, 66, 44 s against a baseline at 88, 88, 220 s: logs ln(1/2), ln(3/4), ln(1/5)
+    logs = [math.log(0.5), math.log(0.75), math.log(0.2)]
+    m = sum(logs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 2)
+    half = stats.t.ppf(0.975, 2) * sd / math.sqrt(3)
+    got = sr.log_ratio([44, 66, 44], [88, 88, 220])
+    assert got.mean == pytest.approx(math.exp(m))
+    assert (got.lo, got.hi) == (
+        pytest.approx(math.exp(m - half)),
+        pytest.approx(math.exp(m + half)),
+    )
+    assert got.p == pytest.approx(2 * stats.t.sf(abs(m) / (sd / math.sqrt(3)), 2))
+    # equal ratios on every seed (times on the evaluation grid): the limit of no spread
+    same = sr.log_ratio([44, 44, 44], [220, 220, 220])
+    assert (same.mean, same.lo, same.hi) == (pytest.approx(0.2),) * 3
+    assert same.p < 1e-12  # 0 up to the round-off of the three equal logs' mean
+    assert sr.log_ratio([220] * 3, [220] * 3).p == 1.0  # both censored everywhere
+    assert sr.log_ratio([44], [88]).p is None  # one seed: no test
+    with pytest.raises(ConfigError, match="log_ratio"):
+        sr.log_ratio([1, 2], [1])
+    # verdicts: 5x sooner on every seed is held against f = 2.8 unless the arm is censored;
+    # the baseline's censoring does not stop "held" (its time could only be longer)
+    assert sr.speed_verdict(same, 0.0, 2.8, base_censored=True) == sr.HELD
+    assert sr.speed_verdict(same, 0.0, 2.8, arm_censored=True) == sr.INCONCLUSIVE
+    assert sr.speed_verdict(same, 0.0, 6.0) == sr.NOT_HELD  # the interval (5, 5) is below 6
+    assert sr.speed_verdict(same, 0.0, 6.0, base_censored=True) == sr.INCONCLUSIVE
+    assert sr.speed_verdict(got, 0.5, 1.0) == sr.INCONCLUSIVE  # Holm p 0.5, interval across 1
