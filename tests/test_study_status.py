@@ -156,13 +156,18 @@ def test_compute_left_by_hand():
     def row(name, label, state, clock=None, spent=None):
         return RunState(name, 1.0, state, None, clock, (), None, spent, label=label)
 
+    # a run just started (0.3 s, under a tenth of B) is taken at its arm's rate: its first
+    # rounds carry round 0's evaluation; with no arm's rate, at its own
+    early = row("pilot/fixed-full-x3-seed5", "fixed-full", PARTIAL, 0.3, 3000.0)
+    assert seconds_left(early, 6.0, {"fixed-full": 3600.0}) == pytest.approx(3600.0 * 5.7)
+    assert seconds_left(early, 6.0, {}) == pytest.approx(10000.0 * 5.7)
     rows = [
         row("pilot/fixed-full-seed5", "fixed-full", FINISHED, 6.0, 21600.0),
         row("pilot/fslora-seed5", "fslora", PARTIAL, 2.5, 7200.0),
         row("pilot/fslora-x3-seed5", "fslora", NOT_STARTED),
         row("pilot/proposed-separate-seed5", "proposed-separate", NOT_STARTED),
     ]
-    rates = compute_rates(rows)
+    rates = compute_rates([*rows, early], 6.0)  # the early run's rate is left out
     assert rates == {"fixed-full": 3600.0, "fslora": 2880.0}
     assert [seconds_left(r, 6.0, rates) for r in rows] == [0.0, 10080.0, 17280.0, None]
     line = work_left_line(spec, rows, ["proposed-separate"], None)

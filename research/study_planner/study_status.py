@@ -125,26 +125,27 @@ def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
     ]
 
 
-def compute_rates(rows: list[RunState]) -> dict[str, float]:
-    """{arm: compute seconds per simulated second}, the mean over its runs that have both."""
+def compute_rates(rows: list[RunState], budget_s: float) -> dict[str, float]:
+    """{arm: compute seconds per simulated second}, the mean over its runs past a tenth of B
+    (`seconds_left`: earlier, round 0's evaluation weighs too much)."""
     by: dict[str, list[float]] = {}
     for r in rows:
-        if r.compute_s and r.sim_time_s:
+        if r.compute_s and r.sim_time_s and r.sim_time_s >= budget_s / 10:
             by.setdefault(r.label, []).append(r.compute_s / r.sim_time_s)
     return {label: sum(v) / len(v) for label, v in by.items()}
 
 
 def seconds_left(r: RunState, budget_s: float, rates: dict[str, float]) -> float | None:
-    """The compute seconds `r` still needs to reach B: 0 when finished; a started run's own
-    rate times what is left of B, else its arm's rate (`rates`) times B; None: no rate yet.
-    An estimate for planning sessions: compute_s is wall time and moves with the load."""
+    """The compute seconds `r` still needs to reach B: 0 when finished; a run past a tenth of
+    B at its own rate times what is left of B, else at its arm's rate (`rates`, else its own);
+    None: no rate yet. A run's first rounds carry round 0's evaluation, so a run just started
+    would overstate its own rate. An estimate for planning sessions: compute_s is wall time
+    and moves with the load."""
     if r.state == FINISHED:
         return 0.0
     clock = r.sim_time_s or 0.0
-    if r.compute_s and clock > 0:
-        rate: float | None = r.compute_s / clock
-    else:
-        rate = rates.get(r.label)
+    own = r.compute_s / clock if r.compute_s and clock > 0 else None
+    rate = own if own is not None and clock >= budget_s / 10 else rates.get(r.label, own)
     return None if rate is None else rate * max(0.0, budget_s - clock)
 
 
@@ -152,7 +153,7 @@ def work_left_line(
     spec: StudySpec, rows: list[RunState], pending: list[str], analysed: list[RunState] | None
 ) -> str:
     """One line: the compute hours the pilot and the analysed runs still need (estimated)."""
-    rates = compute_rates([*rows, *(analysed or [])])
+    rates = compute_rates([*rows, *(analysed or [])], spec.budget_s)
     fixed = [rates[lab] for lab in spec.fixed_rules if lab in rates]
     if fixed:  # fixed-best is one of the fixed rules: the dearest of them, until the rule
         rates.setdefault("fixed-best", max(fixed))
@@ -170,9 +171,9 @@ def work_left_line(
         parts.append(f"{what} {sum(todo) / 3600:.1f} h ({len(todo)} runs)")
     grid = len(spec.step_grid) * sum(rates.get(lab, 0.0) for lab in pending) * spec.budget_s
     line = (
-        "Compute left, estimated (each started run's compute_s per simulated second, else its "
-        "arm's, times what is left of B; compute_s is wall time and moves with the load): "
-        + "; ".join(parts)
+        "Compute left, estimated (a run past a tenth of B at its own compute_s per simulated "
+        "second, else at its arm's, times what is left of B; compute_s is wall time and moves "
+        "with the load): " + "; ".join(parts)
     )
     if grid:
         line += f"; the step grids of arms not yet judged, if they fail: up to {grid / 3600:.1f} h"
