@@ -84,7 +84,7 @@ def check_same_protocol(cells: dict[str, list[Cell]], rule: dict[str, Any]) -> N
                     f"({flat.get(diff[0])!r} vs {first[1].get(diff[0])!r}), which no arm "
                     "overrides: not a run of this study"
                 )
-            if steps and conf and label in steps:
+            if steps and label in steps:
                 key = rule["step_keys"][label]
                 sec, name = key.split(".")
                 value = (conf.get(sec) or {}).get(name)
