@@ -302,7 +302,15 @@ def test_existing_output_dir_and_resume_config_checks(tmp_path, capsys):
     assert "training.lr" in err and "training.rounds" in err and "--force" in err
     assert main(["run", "--resume", str(out), *TINY, "training.rounds=2", "--force", "-q"]) == 0
     assert [m["round"] for m in _metrics(out)] == [0, 1, 2]
+    # machine.jsonl: the first stretch from round 0, the resumed one from its checkpoint (1)
+    machines = [json.loads(x) for x in (out / "machine.jsonl").read_text().splitlines()]
+    assert [m["from_round"] for m in machines] == [0, 1]
+    assert all(m["device"] == "cpu" and m["torch_threads"] == 1 for m in machines)
+    assert all(m["torch"] == torch.__version__ and m["trains"] == "here" for m in machines)
     assert main([*args, "--overwrite"]) == 0
+    assert [
+        json.loads(x)["from_round"] for x in (out / "machine.jsonl").read_text().splitlines()
+    ] == [0]
 
 
 def test_damaged_checkpoint_falls_back_to_previous(tmp_path):

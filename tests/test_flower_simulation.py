@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -183,6 +184,9 @@ def test_ray_simulation_matches_the_engine_on_loopback_and_resumes(tmp_path: Pat
     assert after[2]["train_loss"] == pytest.approx(before[2]["train_loss"], rel=1e-6)
     assert all(_is_loopback(ip) for ip in seen), seen
     assert_matches_engine(out, path, tmp_path)
+    # machine.jsonl: the server's machine, the SuperNodes train; the resume from round 1
+    machines = [json.loads(x) for x in (out / "machine.jsonl").read_text().splitlines()]
+    assert [(m["from_round"], m["trains"]) for m in machines] == [(0, "remote"), (1, "remote")]
 
 
 def _simulate(cli_args: list[str], log_path: Path) -> tuple[set[str], set[int]]:

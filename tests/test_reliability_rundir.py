@@ -144,6 +144,23 @@ def test_run_written_before_the_marker_resumes_and_overwrites(finished, tmp_path
     assert json.loads((run / MARKER_NAME).read_text())["format"] == 1
 
 
+@needs_data
+def test_run_whose_marker_predates_machine_jsonl_resumes_and_still_overwrites(finished, tmp_path):
+    run = _copy(finished, tmp_path)
+    marker = json.loads((run / MARKER_NAME).read_text())
+    marker["manifest"]["files"].remove("machine.jsonl")  # as a fedlora before the file wrote it
+    (run / MARKER_NAME).write_text(json.dumps(marker))
+    (run / "machine.jsonl").unlink()
+    rc, err = _main("run", "--resume", str(run), "-q")
+    assert rc == 0, err
+    resumed = json.loads((run / MARKER_NAME).read_text())
+    assert resumed["run_id"] == marker["run_id"]  # the same run, its manifest admits the file
+    assert resumed["manifest"]["files"] == [*marker["manifest"]["files"], "machine.jsonl"]
+    assert (run / "machine.jsonl").is_file()
+    rc, err = _main(*RUN, "training.rounds=1", "--out", str(run), "--overwrite")
+    assert rc == 0, err
+
+
 def test_manifest_lists_every_plot_and_report_fedlora_writes():
     # `fedlora report` writes into the first run directory by default: each of its outputs
     # must be in the manifest, or a later --overwrite of that run would refuse

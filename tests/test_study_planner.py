@@ -207,6 +207,9 @@ def test_report_hand_checked_ratio_mcnemar_and_holm(tmp_path):
     assert "| fslora | 3.35 | 3.20 | 4.23 | 3.83 | fslora: 0.67 |" in text
     assert "## arc-c/acc at the budget, per seed (secondary" in text
     assert "| proposed-inrun | 20.00 | 50.00 | 50.00 | 50.00 |" in text
+    # the runs table names each run's machines (these fake runs wrote no machine.jsonl)
+    assert "| run | rounds | simulated s | calibration s | stop | machines |" in text
+    assert "| fslora-seed0 |" in text and text.count("| unrecorded |") == 9
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64") == 2
     # a rule.json that does not follow from the pilot's runs is refused

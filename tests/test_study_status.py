@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from fedlora.federation.machine_log import record_stretch
 from research.study_planner.study_runner import pilot_stage
 from research.study_planner.study_status import (
     FINISHED,
@@ -115,6 +116,15 @@ def test_status_reads_states_curves_criterion_and_leftovers_by_hand(tmp_path):
     assert "5 of 6 known pilot jobs finished." in text
     assert "no job of this config: pilot/gone-arm-seed5." in text
     assert "0 of 6 analysed runs finished." in text  # the pilot wrote rule.json
+    # Machines: the fake runs wrote no machine.jsonl; a run resumed at round 10 on another CPU
+    assert "## Machines\n\n6 started run(s) have no machine.jsonl" in text
+    record_stretch(cut, 0, {"cpu_model": "AMD EPYC", "simd": "avx2"}, fresh=True)
+    record_stretch(cut, 10, {"cpu_model": "AMD EPYC", "simd": "avx512"}, fresh=False)
+    text = render_status(spec, tmp_path)
+    assert (
+        "- pilot/fixed-0.5-x3-seed5: rounds 1-10 AMD EPYC (avx2); rounds 11- AMD EPYC (avx512)\n"
+        "- 5 started run(s) have no machine.jsonl"
+    ) in text
 
 
 def test_status_lists_every_analysed_run_once_the_rule_exists(tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlora.errors import ConfigError, DataError
+from fedlora.federation.machine_log import describe_machines
 from fedlora.studies.html import write_html
 from research.study_planner.study_checks import check_pilot, check_rule_fields
 from research.study_planner.study_figures import (
@@ -301,13 +302,14 @@ def _table1_lines(rule: dict[str, Any], metric: Metric, cells: dict[str, list[Ce
 
 
 def _runs_lines(cells: dict[str, list[Cell]]) -> list[str]:
-    """Every analysed run directory: its rounds, clocks and why it stopped."""
+    """Every analysed run directory: its rounds, clocks, why it stopped and which machines
+    computed its rounds (machine.jsonl: fp32 agrees across CPU kinds in accuracy, not bits)."""
     lines = [
         "",
         "## Runs",
         "",
-        "| run | rounds | simulated s | calibration s | stop |",
-        "|---|---|---|---|---|",
+        "| run | rounds | simulated s | calibration s | stop | machines |",
+        "|---|---|---|---|---|---|",
     ]
     for row in cells.values():
         for c in row:
@@ -315,7 +317,8 @@ def _runs_lines(cells: dict[str, list[Cell]]) -> list[str]:
             lines.append(
                 f"| {r.path.name} | {r.lines[-1].get('round', '-') if r.lines else '-'} "
                 f"| {r.total_time_s:.1f} | {r.calibration_time_s:.1f} | "
-                f"{r.summary.stop_reason or r.summary.error or 'unfinished'} |"
+                f"{r.summary.stop_reason or r.summary.error or 'unfinished'} | "
+                f"{describe_machines(r.path) or 'unrecorded'} |"
             )
     return lines
 

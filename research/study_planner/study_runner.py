@@ -44,6 +44,7 @@ RESULT_FILES = (
     "summary.json",
     "clients.csv",
     "plan.json",
+    "machine.jsonl",  # which machine computed which rounds (fedlora.federation.machine_log)
 )
 LEDGER_FILE = "ledger.jsonl"
 PILOT_DIR = "pilot"

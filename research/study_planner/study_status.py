@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedlora.federation.machine_log import MACHINE_FILE, describe_machines
 from fedlora.studies.runs import load_run
 from research.study_planner import study_pilot
 from research.study_planner.study_rule import Learning, Metric, learning, metric_points
@@ -263,4 +264,23 @@ def render_status(spec: StudySpec, out: Path) -> str:
             f"{sum(r.state == FINISHED for r in analysed)} of {len(analysed)} analysed runs "
             "finished.",
         ]
+    lines += ["", *machines_lines(out, [*rows, *(analysed or [])])]
     return "\n".join(lines) + "\n"
+
+
+def machines_lines(out: Path, rows: list[RunState]) -> list[str]:
+    """The "Machines" section: which machine computed which rounds of each started run
+    (machine.jsonl), and how many runs have no record (their stretches ran before fedlora
+    wrote one); fp32 results agree across CPU kinds in their printed accuracies, not bits."""
+    started = [r for r in rows if r.state != NOT_STARTED]
+    described = [(r.name, describe_machines(out / r.name)) for r in started]
+    recorded = [(name, text) for name, text in described if text]
+    lines = ["## Machines", ""]
+    lines += [f"- {name}: {text}" for name, text in recorded]
+    unrecorded = len(started) - len(recorded)
+    if unrecorded:
+        lines.append(
+            f"{'- ' if recorded else ''}{unrecorded} started run(s) have no {MACHINE_FILE}: "
+            "every stretch of theirs ran before fedlora recorded machines."
+        )
+    return lines

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fedlora.federation.checkpoints import load_checkpoint, save_checkpoint
+from fedlora.federation.machine_log import MACHINE_FILE, machine_facts, record_stretch
 from fedlora.federation.methods.base import RoundContext, RoundPlan
 from fedlora.federation.methods.proposed import Plan
 from fedlora.federation.metrics_file import append_metrics, restore_metrics
@@ -49,6 +50,7 @@ from fedlora.federation.round_steps import (
     round_header,
 )
 from fedlora.federation.runfiles import write_summary
+from fedlora.federation.runmarker import admit_to_manifest
 from fedlora.federation.runstate import (
     Run,
     build_run,
@@ -132,6 +134,10 @@ def run_rounds(
     write_clients_csv(run_dir, run.fed, run.profiles)
     next_step = 0 if progress.metrics_lines == 0 else progress.round + 1
     trackers = open_trackers(cfg, run_dir, resume=resume, next_step=next_step)
+    # which machine computes from here (after the last check that can refuse the resume)
+    admit_to_manifest(run_dir, MACHINE_FILE)  # a run begun by an older fedlora
+    facts = machine_facts(run.device, trains_here=trainer.trains_here)
+    record_stretch(run_dir, progress.round, facts, fresh=not resume)
     if progress.metrics_lines == 0:  # round 0: the untrained adapter, before any time passes
         append_metrics(metrics_path, line0 := _round_zero(run, trainer, progress, calibration_s))
         trackers.log(line0)

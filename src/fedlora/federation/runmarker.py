@@ -42,6 +42,7 @@ MANIFEST: dict[str, Any] = {
         "metrics.jsonl",
         "summary.json",
         "clients.csv",
+        "machine.jsonl",
         "error.txt",
         "plan.json",
         "node_times.csv",
@@ -92,6 +93,21 @@ def write_marker(run_dir: Path) -> dict[str, Any]:
     marker = new_marker()
     atomic_write(run_dir / MARKER_NAME, (json.dumps(marker, indent=2) + "\n").encode())
     return marker
+
+
+def admit_to_manifest(run_dir: Path, name: str) -> bool:
+    """Add `name` (one of `MANIFEST`'s files) to the manifest of `run_dir`'s marker when a
+    fedlora older than that file wrote the marker, so that a run resumed by this fedlora
+    can still be replaced with ``--overwrite``. No marker (a legacy run: today's manifest
+    applies), or a manifest that already lists it: nothing is written. Whether it wrote."""
+    if not _matches(name, MANIFEST["files"]):
+        raise ValueError(f"{name!r} is not a file fedlora writes in a run directory")
+    marker = read_marker(run_dir)
+    if marker is None or _matches(name, marker["manifest"]["files"]):
+        return False
+    marker["manifest"]["files"].append(name)
+    atomic_write(run_dir / MARKER_NAME, (json.dumps(marker, indent=2) + "\n").encode())
+    return True
 
 
 def read_marker(run_dir: Path) -> dict[str, Any] | None:

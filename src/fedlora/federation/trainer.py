@@ -38,7 +38,10 @@ class Trainer:
 
     `train` is the one verb; the others let a runtime add to what the loop records (Flower:
     the dropouts on every metrics line, its answer counts in checkpoints, its summary keys).
+    `trains_here`: whether `train` computes on this machine (machine.jsonl's ``trains``).
     """
+
+    trains_here: bool = True
 
     def train(self, plan: RoundPlan, global_state: dict[str, np.ndarray]) -> Trained:
         raise NotImplementedError

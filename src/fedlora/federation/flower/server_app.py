@@ -216,6 +216,8 @@ class FlowerTrainer(Trainer):
     ``availability = "observed"`` each received weight is divided by the node's observed
     answer rate. The answer counts and the dropouts travel in checkpoints ("flower")."""
 
+    trains_here = False  # the SuperNodes train; machine.jsonl records the server's machine
+
     def __init__(
         self,
         grid: Grid,
