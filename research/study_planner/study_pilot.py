@@ -44,6 +44,23 @@ def step_override(spec: StudySpec, overrides: Sequence[str], factor: float) -> l
     return [f"{spec.step_key(overrides)}={value!r}"]
 
 
+def drop_stop_override(spec: StudySpec, run_dir: Path, factor: float) -> list[str]:
+    """Amendment 5: a grid run (factor != 1) stops at its first evaluation more than
+    learn_max_drop below round 0 (`training.stop_accuracy_drop`): from there it cannot meet
+    the learning criterion, and rule 7 takes only a factor that does, so its later rounds
+    decide nothing. Runs at the protocol's step always run to B (rules 7 and 8 read their
+    value at B). A grid run started before the amendment resumes as it was written."""
+    if factor == 1.0 or not spec.grid_stops_at_drop:
+        return []
+    saved = run_dir / "config.toml"
+    if saved.is_file():
+        with saved.open("rb") as f:
+            training = tomllib.load(f).get("training") or {}
+        if not training.get("stop_accuracy_drop"):
+            return []
+    return [f"training.stop_accuracy_drop={spec.learn_max_drop!r}"]
+
+
 def pilot_dir(out: Path, label: str, factor: float, seed: int) -> Path:
     tag = "" if factor == 1.0 else f"-x{factor:g}"
     return out / "pilot" / f"{label}{tag}-seed{seed}"

@@ -35,7 +35,8 @@ def learning_lines(rule: dict[str, Any], scale: float) -> list[str]:
         f"Learning criterion: gain at B >= {scale * rule['learn_min_gain']:g}{pts} and no "
         f"evaluation more than {scale * rule['learn_max_drop']:g}{pts} below round 0.",
         "",
-        "| arm | step factor | gain at B | worst drop | learned |",
+        "| arm | step factor | gain at B (a run stopped at the drop: at its stop) | worst drop "
+        "| learned |",
         "|---|---|---|---|---|",
     ]
     for lab, trials in rule["learning"].items():
@@ -53,8 +54,8 @@ def pilot_lines(rule: dict[str, Any], metric: Metric, pilot: dict[str, Any]) -> 
         "",
         f"## Pilot (seed {rule['pilot_seed']}, never analysed)",
         "",
-        "| run | time to target (min) | reached | evaluations |",
-        "|---|---|---|---|",
+        "| run | time to target (min) | reached | evaluations | stopped |",
+        "|---|---|---|---|---|",
     ]
     others = []
     for lab, run in pilot.items():
@@ -68,7 +69,10 @@ def pilot_lines(rule: dict[str, Any], metric: Metric, pilot: dict[str, Any]) -> 
             )
         else:
             t, reached = rule["pilot_times_s"].get(lab, [math.nan, False])[:2]
-        lines.append(f"| {lab} | {t / 60:.2f} | {reached} | {len(pts)} |")
+        stop = run.summary.stop_reason or "-"
+        if stop == "accuracy_drop" and pts:  # a grid run stopped where it fell (amendment 5)
+            stop = f"at the drop, {pts[-1][0]:.0f} s"
+        lines.append(f"| {lab} | {t / 60:.2f} | {reached} | {len(pts)} | {stop} |")
     if others:
         lines += [
             "",

@@ -256,14 +256,16 @@ def _pilot_v2(
             break
         for label, factor in todo:
             overrides = spec.pilot_labels[label]
+            run_dir = study_pilot.pilot_dir(out, label, factor, spec.pilot_seed)
             run_job(
                 spec,
                 out,
-                study_pilot.pilot_dir(out, label, factor, spec.pilot_seed),
+                run_dir,
                 [
                     *overrides,
                     *study_pilot.step_override(spec, overrides, factor),
                     *common,
+                    *study_pilot.drop_stop_override(spec, run_dir, factor),
                     f"training.seed={spec.pilot_seed}",
                 ],
                 ledger=ledger,

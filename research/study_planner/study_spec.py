@@ -42,6 +42,7 @@ STUDY_KEYS = (
     "learn_max_drop",
     "step_grid",
     "noninferiority_margin",
+    "grid_stops_at_drop",
 )
 FIXED_BEST = "fixed-best"
 REFERENCE = "fslora"  # the pilot's budget comes from its clock; the paired figure subtracts it
@@ -73,6 +74,9 @@ class StudySpec:
     learn_max_drop: float = math.inf  # ... and no evaluation falls more than this below round 0
     step_grid: tuple[float, ...] = ()  # step-size factors tried by an arm that does not learn
     noninferiority_margin: float = 0.0  # > 0: "not worse at B" by seed-level t interval
+    # a grid run (step factor != 1) stops at its first evaluation more than learn_max_drop
+    # below round 0 (training.stop_accuracy_drop): it can no longer learn (amendment 5)
+    grid_stops_at_drop: bool = False
     source: str = "research/study_planner/study_planner.toml"
 
     @property
@@ -205,9 +209,24 @@ def spec_from_dict(raw: dict[str, Any], source: str) -> StudySpec:
     )
     from fedlora.federation.methods.registry import check_method_config
 
+    _check_grid_stop(spec)
     for overrides in [*arms.values(), *fixed.values()]:  # every run's config checks
         check_method_config(spec.config([*overrides, "training.time_budget_s=100"]))
     return spec
+
+
+def _check_grid_stop(spec: StudySpec) -> None:
+    """grid_stops_at_drop needs the metric to be what training.stop_accuracy_drop judges:
+    the mean accuracy over data.eval_tasks, so the accuracy of the one evaluation task."""
+    eval_tasks = list(spec.config(["training.time_budget_s=100"]).data.eval_tasks)
+    if spec.grid_stops_at_drop and (spec.metric.field != "acc" or eval_tasks != [spec.metric.task]):
+        raise bad_value(
+            "study.grid_stops_at_drop",
+            True,
+            f"false unless study.metric is the accuracy of the one evaluation task (metric "
+            f"{spec.metric.text}, data.eval_tasks {eval_tasks}): training.stop_accuracy_drop "
+            "judges the mean accuracy over data.eval_tasks",
+        )
 
 
 def _v2_fields(study: dict, budget_s: float) -> dict[str, Any]:
@@ -239,6 +258,16 @@ def _v2_fields(study: dict, budget_s: float) -> dict[str, Any]:
     if grid and not pilot_all:
         raise bad_value("study.step_grid", grid, "[] unless study.pilot_all_arms = true")
     out["step_grid"] = tuple(float(g) for g in grid)
+    stops = study.get("grid_stops_at_drop", False)
+    if not isinstance(stops, bool):
+        raise bad_value("study.grid_stops_at_drop", stops, "true or false")
+    if stops and not (grid and out["learn_max_drop"] < math.inf):
+        raise bad_value(
+            "study.grid_stops_at_drop",
+            stops,
+            "false unless study.step_grid and study.learn_max_drop are set (the drop it stops at)",
+        )
+    out["grid_stops_at_drop"] = stops
     return out
 
 

@@ -20,6 +20,9 @@ from research.study_planner.study_spec import StudySpec
 FINISHED, PARTIAL, NOT_STARTED = "finished", "partial", "not started"
 
 
+DROP_STOP = "accuracy_drop"  # summary.json's stop_reason of training.stop_accuracy_drop
+
+
 @dataclass(frozen=True)
 class RunState:
     """One job of the study as its directory shows it now."""
@@ -35,6 +38,7 @@ class RunState:
     client_steps: int | None = None  # Σ participants × training.local_steps so far
     train_loss: tuple[float, float] | None = None  # mean train loss, first and last tenth
     label: str = ""  # the arm (the pilot's label, or the analysed arm)
+    stop_reason: str | None = None  # a finished run's summary.json stop_reason
 
 
 def _tenths(losses: list[float]) -> tuple[float, float] | None:
@@ -74,6 +78,7 @@ def _read(out: Path, run_dir: Path, spec: StudySpec, step: float | None, label: 
     losses = [float(x["train_loss"]) for x in run.lines if x.get("train_loss") is not None]
     clock = last.get("sim_time_s")
     spent = sum(float(x.get("compute_s") or 0.0) for x in run.lines)
+    stop = run.summary.stop_reason if state == FINISHED else None
     return RunState(
         name=name,
         step=step,
@@ -86,6 +91,7 @@ def _read(out: Path, run_dir: Path, spec: StudySpec, step: float | None, label: 
         client_steps=steps,
         train_loss=_tenths(losses),
         label=label,
+        stop_reason=stop,
     )
 
 
@@ -199,6 +205,8 @@ def _row(r: RunState, metric: Metric, with_step: bool) -> str:
     else:
         gain = fmt.format(r.criterion.gain_at_budget * scale)
         verdict = f"{'yes' if r.criterion.learned else 'no'} ({gain} at B)"
+        if r.stop_reason == DROP_STOP:  # a grid run stopped where it fell (amendment 5)
+            verdict = f"no ({gain} at {r.sim_time_s:.0f} s: stopped at the drop)"
     cpu = "-" if r.compute_s is None else f"{r.compute_s:.0f}"
     work = "-" if r.client_steps is None else f"{r.client_steps:,}"
     loss = "-" if r.train_loss is None else f"{r.train_loss[0]:.2f} -> {r.train_loss[1]:.2f}"

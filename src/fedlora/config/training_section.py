@@ -31,6 +31,9 @@ class TrainingConfig:
     target_loss: float = 0.0  # stop when the mean eval_loss is <= this; 0 = off
     target_mc_loss: float = 0.0  # stop when the mean mc_loss is <= this; 0 = off
     time_budget_s: float = 0.0  # stop when the simulated clock passes it; 0 = off
+    # stop at the first evaluation whose mean accuracy is more than this below round 0's (a
+    # run that has fallen that far, e.g. a step-size grid's diverged run); 0 = off
+    stop_accuracy_drop: float = 0.0
     # also evaluate at the first round whose clock passes each multiple of this; 0 = off
     eval_every_s: float = 0.0
     checkpoint_every: int = 5
@@ -71,6 +74,7 @@ class TrainingConfig:
         check_number("training.target_loss", self.target_loss, lo=0)
         check_number("training.target_mc_loss", self.target_mc_loss, lo=0)
         check_number("training.time_budget_s", self.time_budget_s, lo=0)
+        check_number("training.stop_accuracy_drop", self.stop_accuracy_drop, lo=0, hi=1)
         check_number("training.eval_every_s", self.eval_every_s, lo=0)
         check_int("training.checkpoint_every", self.checkpoint_every, lo=1)
         check_number("training.layer_cache_mb", self.layer_cache_mb, lo=0)

@@ -113,7 +113,24 @@ def stop_before_round(cfg: ExperimentConfig, progress: Progress) -> str | None:
     budget = cfg.training.time_budget_s
     if budget and progress.sim_time_s >= budget:
         return "time_budget"
+    if accuracy_fell(cfg, progress):
+        return "accuracy_drop"
     return None
+
+
+# accuracies are counts over questions: a drop of exactly training.stop_accuracy_drop (its
+# float round-off included) does not stop the run; only one of more than it
+DROP_TOLERANCE = 1e-9
+
+
+def accuracy_fell(cfg: ExperimentConfig, progress: Progress) -> bool:
+    """The last evaluation's mean accuracy is more than training.stop_accuracy_drop below
+    round 0's (never when the setting is 0 or either evaluation is missing)."""
+    drop = cfg.training.stop_accuracy_drop
+    first, last = progress.initial_accuracy, progress.last_accuracy
+    if not drop or first is None or last is None:
+        return False
+    return first - last > drop + DROP_TOLERANCE
 
 
 def target_reached(cfg: ExperimentConfig, progress: Progress) -> bool:
