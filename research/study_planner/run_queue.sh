@@ -8,6 +8,7 @@
 # (`--commit`). Between jobs the queue stops when the file $STUDY_STOP exists (default
 # /tmp/study_stop); stop a running job by its PID after stopping the queue (it resumes from
 # its checkpoint), then `study_planner.py park`. Log: $STUDY_LOG_DIR/queue_coreCORE.log.
+# The data: $FEDLORA_DATA (default ../shared/data/commonsense, as the Makefile's).
 set -u
 core=$1
 shift
@@ -16,6 +17,7 @@ stop=${STUDY_STOP:-/tmp/study_stop}
 log=${STUDY_LOG_DIR:-/tmp}/queue_core$core.log
 config=${STUDY_CONFIG:-research/study_planner/study_planner_v2.toml}
 out=${STUDY_OUT:-results/study_planner_v2}
+export FEDLORA_DATA=${FEDLORA_DATA:-../shared/data/commonsense}  # as `make test`'s DATA
 for item in "$@"; do
   if [ -e "$stop" ]; then
     echo "$(date -u '+%F %T') stop file $stop: leaving before $item" >>"$log"
