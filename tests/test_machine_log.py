@@ -93,6 +93,17 @@ def test_describe_a_run_whose_first_stretches_were_not_recorded(tmp_path):
     assert describe_machines(tmp_path) == (
         "rounds 1-1300 unrecorded; rounds 1301- AMD EPYC (avx512)"
     )
+    # a resume on the same kind of machine joins the stretch before it
+    record_stretch(tmp_path, 1375, {"cpu_model": "AMD EPYC", "simd": "avx512"}, fresh=False)
+    assert describe_machines(tmp_path) == (
+        "rounds 1-1300 unrecorded; rounds 1301- AMD EPYC (avx512)"
+    )
+    record_stretch(tmp_path, 1400, {"cpu_model": "AMD EPYC", "simd": "avx2"}, fresh=False)
+    record_stretch(tmp_path, 1450, {"cpu_model": "AMD EPYC", "simd": "avx512"}, fresh=False)
+    assert describe_machines(tmp_path) == (
+        "rounds 1-1300 unrecorded; rounds 1301-1400 AMD EPYC (avx512); "
+        "rounds 1401-1450 AMD EPYC (avx2); rounds 1451- AMD EPYC (avx512)"
+    )
     assert machine_kind({"device": "mps", "cpu_model": ""}) == "Apple (mps)"
     assert machine_kind({}) == "unknown CPU (unknown)"
 

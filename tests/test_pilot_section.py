@@ -64,6 +64,10 @@ def test_main_rewrites_the_doc_and_refuses_bad_arguments(tmp_path, capsys):
     common += ["--config", str(config), "--out", str(spec_dir)]
     assert main([*common, "--when", "yesterday"]) == 2
     assert "--when 'yesterday'" in capsys.readouterr().err and doc.read_text() == DOC
+    assert main([*common, "--out", str(tmp_path / "typo"), "--when", "2026-11-28 20:40"]) == 2
+    assert "not a study directory" in capsys.readouterr().err and not (tmp_path / "typo").exists()
+    assert main([*common, "--when", "yesterday"]) == 2
+    assert "--when 'yesterday'" in capsys.readouterr().err and doc.read_text() == DOC
     assert main([*common, "--when", "2026-11-28 20:40"]) == 0
     text = doc.read_text()
     assert text.startswith("# Rule\n\n## Results\n\n### The pilot so far (seed 5; updated 2026")

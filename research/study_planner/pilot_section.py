@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if not re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", args.when):
         print(f'error: --when {args.when!r}: give "YYYY-MM-DD HH:MM"', file=sys.stderr)
         return 2
+    if not args.out.is_dir():
+        print(f"error: --out {str(args.out)!r}: not a study directory", file=sys.stderr)
+        return 2
     for name in ("extra", "doc"):
         if not getattr(args, name).is_file():
             print(f"error: --{name} {str(getattr(args, name))!r}: no such file", file=sys.stderr)

@@ -170,13 +170,21 @@ def machine_kind(line: dict[str, Any]) -> str:
 
 
 def describe_machines(run_dir: Path) -> str:
-    """One line: the machine kind of each stretch of `run_dir` with its rounds ("rounds 1-400
-    unrecorded" for the rounds before the first line); "" without a machine.jsonl."""
+    """One line: the machine kind of each stretch of `run_dir` with its rounds, back-to-back
+    stretches of one kind joined ("rounds 1-400 unrecorded" for the rounds before the first
+    line); "" without a machine.jsonl."""
     kept = stretches(read_machine_lines(run_dir))
     if not kept:
         return ""
     parts = [f"rounds 1-{kept[0][0] - 1} unrecorded"] if kept[0][0] > 1 else []
+    merged: list[list] = []  # [first, last, kind]: back-to-back stretches of one kind joined
     for first, last, line in kept:
+        kind = machine_kind(line)
+        if merged and merged[-1][2] == kind:
+            merged[-1][1] = last
+        else:
+            merged.append([first, last, kind])
+    for first, last, kind in merged:
         span = f"rounds {first}-{last}" if last is not None else f"rounds {first}-"
-        parts.append(f"{span} {machine_kind(line)}")
+        parts.append(f"{span} {kind}")
     return "; ".join(parts)
