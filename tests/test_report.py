@@ -157,9 +157,16 @@ def test_write_report_files_and_failed_runs(tmp_path):
             }
         )  # fmt: skip
     )
+    from fedlora.federation.machine_log import record_stretch
+
+    record_stretch(suite / "fslora-seed0", 0, {"cpu_model": "AMD EPYC", "simd": "avx2"}, fresh=True)
     runs, _ = collect_runs([suite])
     report = write_report(runs, {"arc-e": 0.5, "arc-c": 0.4}, tmp_path / "out", title="T")
     text = report.read_text()
+    # the runs table names the machine that computed the run (its compute s depend on it)
+    assert "| stop | compute (s) | machine |" in text
+    row = next(x for x in text.splitlines() if x.startswith("| fslora | 0 |"))
+    assert row.endswith("| AMD EPYC (avx2) |")
     assert text.startswith("# T\n")
     for heading in ("## Time to target accuracy (s)", "## Speed-up over fslora",
                     "## Final accuracy", "## Runs", "## Failed runs"):  # fmt: skip
@@ -167,6 +174,14 @@ def test_write_report_files_and_failed_runs(tmp_path):
     assert "| fslora | 20.0 | >= 35.0 (1/1 not reached) |" in text
     assert "- proposed seed 0: calibration: estimate contradicts the model" in text
     assert (tmp_path / "out" / "accuracy_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a run resumed on another kind of machine says which rounds ran where
+    record_stretch(
+        suite / "fslora-seed0", 7, {"cpu_model": "AMD EPYC", "simd": "avx512"}, fresh=False
+    )
+    runs, _ = collect_runs([suite])
+    text = write_report(runs, {"arc-e": 0.5}, tmp_path / "out2", title="T").read_text()
+    row = next(x for x in text.splitlines() if x.startswith("| fslora | 0 |"))
+    assert row.endswith("| rounds 1-7 AMD EPYC (avx2); rounds 8- AMD EPYC (avx512) |")
 
 
 def test_write_report_bad_input(tmp_path):

@@ -188,3 +188,14 @@ def describe_machines(run_dir: Path) -> str:
         span = f"rounds {first}-{last}" if last is not None else f"rounds {first}-"
         parts.append(f"{span} {kind}")
     return "; ".join(parts)
+
+
+def machine_summary(run_dir: Path) -> str:
+    """A report cell: the one machine kind of a run computed on one kind from round 1,
+    `describe_machines` otherwise, "unrecorded" without a machine.jsonl."""
+    text = describe_machines(run_dir)
+    if not text:
+        return "unrecorded"
+    if text.startswith("rounds 1- ") and ";" not in text:
+        return text[len("rounds 1- ") :]
+    return text

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fedlora.errors import ConfigError, DataError, bad_value
+from fedlora.federation.machine_log import machine_summary
 from fedlora.files import atomic_write, refuse_link
 from fedlora.studies.plots import plot_losses, plot_runs
 from fedlora.studies.privacy_trace import TRACE_FILE, plot_privacy, privacy_trace
@@ -83,8 +84,8 @@ def render_markdown(
     out += ["", "## Runs", ""]
     out += [
         "| method | seed | rounds | simulated time (s) | of which calibration (s) | "
-        "uplink (MB) | empty rounds | stop | compute (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "uplink (MB) | empty rounds | stop | compute (s) | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label in labels:
         for r in sorted((r for r in runs if r.label == label), key=lambda r: r.seed):
@@ -94,7 +95,8 @@ def render_markdown(
                 f"| {label} | {r.seed} | {r.lines[-1].get('round', '-') if r.lines else '-'} | "
                 f"{r.total_time_s:.1f} | {r.calibration_time_s:.1f} | "
                 f"{'-' if mb is None else f'{mb / 8e6:.1f}'} | {'-' if empty is None else empty} | "
-                f"{s.stop_reason or s.error or 'unfinished'} | {s.compute_s or 0.0:.0f} |"
+                f"{s.stop_reason or s.error or 'unfinished'} | {s.compute_s or 0.0:.0f} | "
+                f"{machine_summary(r.path)} |"
             )
     out += baseline_section(runs, labels)
     out += privacy_section(runs, labels)
