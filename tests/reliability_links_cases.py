@@ -199,6 +199,13 @@ LINK_CASES: list[Case] = [
         needs_run=True,
     ),
     Case(
+        "--resume a run whose machine.jsonl is a link",
+        ["run", "--resume", "{run}", "--force", "training.rounds=3", "-q"],
+        "machine.jsonl is a symbolic link",
+        _link_in_run("machine.jsonl"),
+        needs_run=True,
+    ),
+    Case(
         "report into a run whose report.md is a link",
         ["report", "{run}", "--target", "arc-e=0.5"],
         "report.md' is a symbolic link",
