@@ -86,6 +86,26 @@ def test_replay_sees_a_changed_log(tmp_path):
     assert replay_inrun.main([str(tmp_path), "--check"]) == 1
 
 
+def test_a_log_written_on_another_cpu_matches_up_to_round_off(tmp_path, capsys):
+    lines = _model_run(tmp_path)
+    fit = lines[8]["planner"]["fit"]
+    fit["constants"]["A"] *= 1 + 3e-14  # another BLAS path: the last digits of the fit
+    fit["residual"] = 2.7e-16  # a round-off-sized number, 100% apart in relative terms
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    records = replay_inrun.replay(replay_inrun.load_run(tmp_path))
+    assert replay_inrun.matches(records[0]) is True and not replay_inrun.exactly(records[0])
+    assert replay_inrun.main([str(tmp_path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "[= logged up to round-off]" in out
+    assert "3 equal to the log (2 bit for bit, 1 up to round-off), 0 differ" in out
+    # a difference beyond round-off, and any decision, still differ
+    fit["constants"]["A"] *= 1 + 1e-6
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert replay_inrun.matches(replay_inrun.replay(replay_inrun.load_run(tmp_path))[0]) is False
+    assert replay_inrun._close({"adopted": True}, {"adopted": 1}) is False
+    assert replay_inrun._close({"k": [3, 4]}, {"k": [3, 5]}) is False
+
+
 def test_overrides_and_window_change_the_replayed_planner_not_the_rounds(tmp_path):
     _model_run(tmp_path)
     run = replay_inrun.load_run(tmp_path, ["planner.replan_every=2"])
