@@ -86,6 +86,8 @@ def test_grid_runs_stop_at_the_drop_and_protocol_step_runs_do_not(tmp_path):
     text = render_status(spec, tmp_path)
     assert "| no (-6.0 at 2 s: stopped at the drop) |" in text
     assert "| 50.0, 44.0, 50.0, 52.0 | no (2.0 at B) |" in text  # x1 fell too, and ran to B
+    assert "grid runs stop early where they fall (grid_stops_at_drop): at most this." in text
+    assert "at most this" not in render_status(_spec(), tmp_path)
     # the report's pilot table says where it stopped
     from fedlora.studies.runs import load_run
     from research.study_planner.study_report_pilot import pilot_lines

@@ -187,6 +187,8 @@ def work_left_line(
     if unknown:
         line += f"; no rate yet for {len(unknown)} runs ({', '.join(unknown[:4])}"
         line += ", ...)" if len(unknown) > 4 else ")"
+    if spec.grid_stops_at_drop:
+        line += "; grid runs stop early where they fall (grid_stops_at_drop): at most this"
     return line + "."
 
 
