@@ -18,6 +18,7 @@ from typing import Any
 import tomllib
 
 from fedlora.errors import ConfigError
+from fedlora.federation.rundir import load_saved_config
 from fedlora.studies.runs import load_run
 from research.study_planner.study_rule import choose_step, derive_rule_v2, learning, metric_points
 from research.study_planner.study_spec import FIXED_BEST, StudySpec, chosen_names
@@ -53,11 +54,8 @@ def drop_stop_override(spec: StudySpec, run_dir: Path, factor: float) -> list[st
     if factor == 1.0 or not spec.grid_stops_at_drop:
         return []
     saved = run_dir / "config.toml"
-    if saved.is_file():
-        with saved.open("rb") as f:
-            training = tomllib.load(f).get("training") or {}
-        if not training.get("stop_accuracy_drop"):
-            return []
+    if saved.is_file() and not load_saved_config(saved).training.stop_accuracy_drop:
+        return []
     return [f"training.stop_accuracy_drop={spec.learn_max_drop!r}"]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fedlora.federation.progress import ACCURACY_DROP
 from research.study_planner.study_checks import pilot_label
 from research.study_planner.study_rule import Metric, metric_points, time_to_target_held
 
@@ -70,7 +71,7 @@ def pilot_lines(rule: dict[str, Any], metric: Metric, pilot: dict[str, Any]) -> 
         else:
             t, reached = rule["pilot_times_s"].get(lab, [math.nan, False])[:2]
         stop = run.summary.stop_reason or "-"
-        if stop == "accuracy_drop" and pts:  # a grid run stopped where it fell (amendment 5)
+        if stop == ACCURACY_DROP and pts:  # a grid run stopped where it fell (amendment 5)
             stop = f"at the drop, {pts[-1][0]:.0f} s"
         lines.append(f"| {lab} | {t / 60:.2f} | {reached} | {len(pts)} | {stop} |")
     if others:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedlora.federation.machine_log import MACHINE_FILE, describe_machines
+from fedlora.federation.progress import ACCURACY_DROP
 from fedlora.studies.runs import load_run
 from research.study_planner import study_pilot
 from research.study_planner.study_rule import Learning, Metric, learning, metric_points
@@ -18,9 +19,6 @@ from research.study_planner.study_runner import PILOT_DIR, RULE_FILE, finished
 from research.study_planner.study_spec import StudySpec
 
 FINISHED, PARTIAL, NOT_STARTED = "finished", "partial", "not started"
-
-
-DROP_STOP = "accuracy_drop"  # summary.json's stop_reason of training.stop_accuracy_drop
 
 
 @dataclass(frozen=True)
@@ -207,7 +205,7 @@ def _row(r: RunState, metric: Metric, with_step: bool) -> str:
     else:
         gain = fmt.format(r.criterion.gain_at_budget * scale)
         verdict = f"{'yes' if r.criterion.learned else 'no'} ({gain} at B)"
-        if r.stop_reason == DROP_STOP:  # a grid run stopped where it fell (amendment 5)
+        if r.stop_reason == ACCURACY_DROP:  # a grid run stopped where it fell (amendment 5)
             verdict = f"no ({gain} at {r.sim_time_s:.0f} s: stopped at the drop)"
     cpu = "-" if r.compute_s is None else f"{r.compute_s:.0f}"
     work = "-" if r.client_steps is None else f"{r.client_steps:,}"

@@ -81,13 +81,6 @@ def simd_level(flags: Iterable[str]) -> str:
     return next((level for flag, level in SIMD_LEVELS if flag in have), "unknown")
 
 
-def _read_cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
 def machine_facts(device: str, *, trains_here: bool = True, cpuinfo: str | None = None) -> dict:
     """What decides a stretch's numerics and speed on this machine, for `device` ("cpu",
     "cuda:0", "mps"); `cpuinfo`: /proc/cpuinfo's text (read when None)."""
@@ -95,9 +88,9 @@ def machine_facts(device: str, *, trains_here: bool = True, cpuinfo: str | None 
     import transformers
 
     from fedlora import __version__
-    from fedlora.llm.device import cpu_flags
+    from fedlora.llm.device import cpu_flags, read_cpuinfo
 
-    text = _read_cpuinfo() if cpuinfo is None else cpuinfo
+    text = read_cpuinfo() if cpuinfo is None else cpuinfo
     flags = cpu_flags(text)
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
     return {
@@ -169,33 +162,36 @@ def machine_kind(line: dict[str, Any]) -> str:
     return f"{line.get('cpu_model') or 'unknown CPU'} ({line.get('simd', 'unknown')})"
 
 
+def _merged(run_dir: Path) -> list[tuple[int, int | None, str]]:
+    """(first round, last round or None, machine kind) of `run_dir`'s stretches, back-to-back
+    stretches of one kind joined."""
+    merged: list[tuple[int, int | None, str]] = []
+    for first, last, line in stretches(read_machine_lines(run_dir)):
+        kind = machine_kind(line)
+        if merged and merged[-1][2] == kind:
+            merged[-1] = (merged[-1][0], last, kind)
+        else:
+            merged.append((first, last, kind))
+    return merged
+
+
 def describe_machines(run_dir: Path) -> str:
     """One line: the machine kind of each stretch of `run_dir` with its rounds, back-to-back
     stretches of one kind joined ("rounds 1-400 unrecorded" for the rounds before the first
     line); "" without a machine.jsonl."""
-    kept = stretches(read_machine_lines(run_dir))
-    if not kept:
+    merged = _merged(run_dir)
+    if not merged:
         return ""
-    parts = [f"rounds 1-{kept[0][0] - 1} unrecorded"] if kept[0][0] > 1 else []
-    merged: list[list] = []  # [first, last, kind]: back-to-back stretches of one kind joined
-    for first, last, line in kept:
-        kind = machine_kind(line)
-        if merged and merged[-1][2] == kind:
-            merged[-1][1] = last
-        else:
-            merged.append([first, last, kind])
+    parts = [f"rounds 1-{merged[0][0] - 1} unrecorded"] if merged[0][0] > 1 else []
     for first, last, kind in merged:
-        span = f"rounds {first}-{last}" if last is not None else f"rounds {first}-"
-        parts.append(f"{span} {kind}")
+        parts.append(f"rounds {first}-{'' if last is None else last} {kind}")
     return "; ".join(parts)
 
 
 def machine_summary(run_dir: Path) -> str:
     """A report cell: the one machine kind of a run computed on one kind from round 1,
     `describe_machines` otherwise, "unrecorded" without a machine.jsonl."""
-    text = describe_machines(run_dir)
-    if not text:
-        return "unrecorded"
-    if text.startswith("rounds 1- ") and ";" not in text:
-        return text[len("rounds 1- ") :]
-    return text
+    merged = _merged(run_dir)
+    if len(merged) == 1 and merged[0][0] == 1:
+        return merged[0][2]
+    return describe_machines(run_dir) or "unrecorded"

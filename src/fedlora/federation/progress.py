@@ -114,10 +114,11 @@ def stop_before_round(cfg: ExperimentConfig, progress: Progress) -> str | None:
     if budget and progress.sim_time_s >= budget:
         return "time_budget"
     if accuracy_fell(cfg, progress):
-        return "accuracy_drop"
+        return ACCURACY_DROP
     return None
 
 
+ACCURACY_DROP = "accuracy_drop"  # the stop reason of training.stop_accuracy_drop
 # accuracies are counts over questions: a drop of exactly training.stop_accuracy_drop (its
 # float round-off included) does not stop the run; only one of more than it
 DROP_TOLERANCE = 1e-9

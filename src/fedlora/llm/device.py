@@ -35,6 +35,7 @@ __all__ = [
     "available_devices",
     "resolve_device",
     "cpu_flags",
+    "read_cpuinfo",
     "native_bf16_flags",
     "choose_dtype",
     "resolve_dtype",
@@ -130,13 +131,18 @@ def autocast_context(device_type: str, bf16: bool) -> Any:
 # ----------------------------------------------------------------------------- dtype
 
 
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text; "" where unreadable (not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The CPU feature flags (``flags`` lines of /proc/cpuinfo; empty where unreadable)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return set()
+        cpuinfo = read_cpuinfo()
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
