@@ -30,8 +30,9 @@ RULES = """\
   link (a `cp -al` backup) is never changed in place: an append rewrites it under its name,
   the other name keeps the old content. A run directory whose fedlora-owned names (the lock,
   the marker, the manifest's files and folders, anything inside `checkpoints/` or
-  `adapter/`) are links is refused by `fedlora run`, `--resume` and `--overwrite` before
-  anything is written. fedlora deletes a file only when it is a regular file itself
+  `adapter/`) are links, or whose names fedlora writes as files are folders, is refused by
+  `fedlora run`, `--resume` and `--overwrite` before anything is written (a resume no longer
+  trains its rounds and then fails at the first write into the folder). fedlora deletes a file only when it is a regular file itself
   (`fedlora.files.remove_own_file`: checkpoint rotation, metrics.jsonl on a new run), never a
   link nor anything through one; the frozen-layer cache counts, reads and evicts only its own
   entries (`<2 hex>/<40 hex>.bin`, regular files in real folders), so a user's `*.bin` under
@@ -87,6 +88,18 @@ def _link_in_run(rel: str) -> Setup:
         else:
             path.unlink(missing_ok=True)
         path.symlink_to(_victim(tmp))
+
+    return setup
+
+
+def _folder_in_run(name: str) -> Setup:
+    """{run}/`name` (a file fedlora writes) replaced by a folder holding a user's file."""
+
+    def setup(tmp: Path) -> None:
+        path = tmp / "run" / name
+        path.unlink(missing_ok=True)
+        path.mkdir()
+        (path / "mine.txt").write_text("the user's own file\n")
 
     return setup
 
@@ -203,6 +216,20 @@ LINK_CASES: list[Case] = [
         ["run", "--resume", "{run}", "--force", "training.rounds=3", "-q"],
         "machine.jsonl is a symbolic link",
         _link_in_run("machine.jsonl"),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose machine.jsonl is a folder",
+        ["run", "--resume", "{run}", "--force", "training.rounds=3", "-q"],
+        "machine.jsonl/ is a folder where fedlora writes a file",
+        _folder_in_run("machine.jsonl"),
+        needs_run=True,
+    ),
+    Case(
+        "--resume a run whose summary.json is a folder",
+        ["run", "--resume", "{run}", "--force", "training.rounds=3", "-q"],
+        "summary.json/ is a folder where fedlora writes a file",
+        _folder_in_run("summary.json"),
         needs_run=True,
     ),
     Case(

@@ -37,6 +37,7 @@ from fedlora.federation.methods.registry import resolve_method_options
 from fedlora.federation.runmarker import (
     MANIFEST,
     MARKER_NAME,
+    folder_names,
     has_legacy_evidence,
     is_never_started,
     linked_names,
@@ -171,10 +172,12 @@ def _manifest(run_dir: Path, names: Sequence[str]) -> dict[str, Any]:
 
 def refuse_linked_names(run_dir: Path) -> None:
     """Refuse (ConfigError naming them) a run directory whose names fedlora writes or deletes
-    are symbolic links (`linked_names`): a run, a resume, or --overwrite there would write or
-    delete through them."""
+    are symbolic links (`linked_names`) or, where fedlora writes a file, folders
+    (`folder_names`): a run, a resume, or --overwrite there would write or delete through a
+    link, or fail at its first write into the folder after the rounds it trained."""
     try:
         links = linked_names(run_dir) if run_dir.is_dir() else []
+        folders = folder_names(run_dir) if run_dir.is_dir() else []
     except OSError as e:
         raise ConfigError(f"run directory {str(run_dir)!r}: {e.strerror or e}") from None
     if links:
@@ -184,6 +187,14 @@ def refuse_linked_names(run_dir: Path) -> None:
             "writes its own files; fedlora never writes or deletes through a link: replace "
             f"{'it' if len(links) == 1 else 'them'} with the real files or folders, or choose "
             "another directory"
+        )
+    if folders:
+        one = len(folders) == 1
+        raise ConfigError(
+            f"run directory {str(run_dir)!r}: {', '.join(folders)} "
+            f"{'is a folder' if one else 'are folders'} where fedlora writes "
+            f"{'a file' if one else 'files'}; fedlora never deletes a folder it did not write: "
+            f"move {'it' if one else 'them'} away, or choose another directory"
         )
 
 

@@ -192,6 +192,21 @@ def linked_names(run_dir: Path) -> list[str]:
     return out
 
 
+def folder_names(run_dir: Path) -> list[str]:
+    """The names fedlora writes as files in `run_dir` (the lock, the marker, `MANIFEST`'s files
+    and their ``.tmp``) that are folders: a run refuses them rather than fail on its first write
+    there, after rounds it trained (fedlora never deletes a folder it did not write)."""
+    ours = [".lock", MARKER_NAME, *MANIFEST["files"]]
+    return [
+        p.name + "/"
+        for p in sorted(run_dir.iterdir())
+        if p.name not in MANIFEST["dirs"]
+        and not p.is_symlink()
+        and p.is_dir()
+        and _matches(p.name, ours)
+    ]
+
+
 def is_never_started(run_dir: Path, names: list[str]) -> bool:
     """Only what a run that failed before its first round leaves, and fedlora's marker."""
     return (run_dir / MARKER_NAME).is_file() and all(
