@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from reliability_cases import DATA, MARKER, RUN, Case, Setup, _Evil
+from reliability_cases import DATA, MARKER, RUN, Case, Setup, _Evil, _write
 
 VICTIM = "victim.txt"  # a user's file outside the run directory, that a link points to
 EXPORT = ["export", "{run}", "--merged", "{tmp}/OUT"]
@@ -25,8 +25,9 @@ RULES = """\
   the export, the frozen-layer cache) is opened without following a symbolic link at its
   name (`O_NOFOLLOW`; `fedlora.files.open_for_write`, `atomic_write`, `append_file`) and
   must be a regular file; a whole file is written to `<name>.tmp` and renamed, which replaces
-  a link at the name itself, never its target. A link where fedlora writes is refused with
-  one line naming it, the link and what it points to untouched. A file with a second hard
+  a link at the name itself, never its target (a folder at the name is refused before the
+  write, and a failed rename removes the temporary file). A link where fedlora writes is
+  refused with one line naming it, the link and what it points to untouched. A file with a second hard
   link (a `cp -al` backup) is never changed in place: an append rewrites it under its name,
   the other name keeps the old content. A run directory whose fedlora-owned names (the lock,
   the marker, the manifest's files and folders, anything inside `checkpoints/` or
@@ -230,6 +231,21 @@ LINK_CASES: list[Case] = [
         ["run", "--resume", "{run}", "--force", "training.rounds=3", "-q"],
         "summary.json/ is a folder where fedlora writes a file",
         _folder_in_run("summary.json"),
+        needs_run=True,
+    ),
+    Case(
+        "report into a run whose report.md is a folder",
+        ["report", "{run}", "--target", "arc-e=0.5"],
+        "report.md is a folder where the report writes a file",
+        _folder_in_run("report.md"),
+        needs_run=True,
+        absent=["run/accuracy_vs_time.png", "run/report.md.tmp"],
+    ),
+    Case(
+        "report --out that is a file",
+        ["report", "{run}", "--target", "arc-e=0.5", "--out", "{tmp}/notes.txt"],
+        "exists and is not a folder",
+        _write("notes.txt", "the user's notes\n"),
         needs_run=True,
     ),
     Case(

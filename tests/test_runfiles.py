@@ -24,6 +24,34 @@ def test_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 
 
+def test_atomic_write_to_a_folder_is_refused_before_writing_and_names_it(tmp_path: Path) -> None:
+    folder = tmp_path / "report.md"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("the user's")
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_write(folder, b"new")
+    assert e.value.filename == str(folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md"]  # no report.md.tmp
+    assert (folder / "mine.txt").read_text() == "the user's"
+
+
+def test_atomic_write_whose_rename_fails_removes_its_temporary(tmp_path, monkeypatch) -> None:
+    import errno
+    import os
+
+    def fail(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", src, None, dst)
+
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError) as e:
+        atomic_write(path, b"new")
+    assert e.value.errno == errno.EXDEV and e.value.filename == str(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    assert path.read_text() == "old"
+
+
 def test_metrics_lines_drop_a_torn_last_line_and_refuse_a_foreign_middle_one(
     tmp_path: Path,
 ) -> None:

@@ -148,6 +148,8 @@ def atomic_write(path: Path, data: bytes) -> None:
     through a link: a link at the temporary name is refused, and the rename replaces a link
     at `path` itself, never its target."""
     tmp = path.with_name(path.name + ".tmp")
+    if path.is_dir() and not path.is_symlink():  # the rename would fail after the write
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(path))
     try:  # a link at `tmp` is refused (ConfigError) before anything is written or removed
         f = open_for_write(tmp)
     except OSError as e:
@@ -157,10 +159,10 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:
+        os.replace(tmp, path)
+    except OSError as e:  # the temporary file never stays behind
         remove_own_file(tmp)
-        raise with_filename(e, path) from None
-    os.replace(tmp, path)
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 STAGING = ".fedlora-staging-"  # `.<name>.fedlora-staging-<pid>-<hex>`: a directory being written

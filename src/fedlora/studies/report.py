@@ -175,11 +175,19 @@ REPORT_FILES = (
 
 
 def refuse_linked_outputs(out: Path) -> None:
-    """Refuse, before anything is written, an --out where a report file is a symbolic link
-    (each file is also opened without following one: `fedlora.files.atomic_write`)."""
+    """Refuse, before anything is written, an --out that is not a folder, or where a report
+    file is a symbolic link (each file is also opened without following one:
+    `fedlora.files.atomic_write`) or a folder."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} exists and is not a folder: choose another --out")
     for name in REPORT_FILES:
         if (out / name).is_symlink():
             raise refuse_link(out / name)
+        if (out / name).is_dir():
+            raise ConfigError(
+                f"--out {str(out)!r}: {name} is a folder where the report writes a file: "
+                "move it away or choose another --out"
+            )
 
 
 def write_report(
