@@ -84,7 +84,10 @@ def check_model(cfg: ExperimentConfig) -> None:
     layers = cfg.lora.layers
     if isinstance(n_layers, int) and layers != "all" and int(layers) > n_layers:
         raise bad_value(
-            "lora.layers", layers, f"at most the {n_layers} layers of model {cfg.model.name!r}"
+            "lora.layers",
+            layers,
+            f"at most the {n_layers} layers of model {cfg.model.name!r} (lora.layers = "
+            f'"all", or a number of top layers from 1 to {n_layers})',
         )
     if config.get("model_type") in _LLAMA_TYPES:
         unknown = [m for m in cfg.lora.target_modules if m not in _LLAMA_LINEAR]

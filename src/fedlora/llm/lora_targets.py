@@ -35,7 +35,11 @@ def find_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
         n_layers = num_layers(model, names)
         lowest = n_layers - int(cfg.layers)
         if lowest < 0:
-            raise bad_value("lora.layers", cfg.layers, f"at most the {n_layers} model layers")
+            raise bad_value(
+                "lora.layers",
+                cfg.layers,
+                f'at most the {n_layers} model layers (lora.layers = "all", or 1 to {n_layers})',
+            )
         names = [n for n in names if (i := layer_index(n)) is not None and i >= lowest]
     return names
 
