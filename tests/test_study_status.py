@@ -55,7 +55,10 @@ def test_status_before_any_run_lists_every_job_as_not_started(tmp_path):
     ]
     assert all(r.state == NOT_STARTED and r.values == () for r in rows)
     assert pending == ["fixed-full", "fixed-0.5", "fslora", "proposed-separate"]
-    assert others == [] and analysed_states(spec, tmp_path) is None
+    assert others == [] and all(r.state == NOT_STARTED for r in analysed_states(spec, tmp_path))
+    assert "may start their runs now (`run --arms LABEL`): none yet." in render_status(
+        spec, tmp_path
+    )
     assert "does not exist" not in render_status(spec, tmp_path)
     text = render_status(spec, tmp_path / "typo")  # a wrong --out says so
     assert f"{tmp_path / 'typo'} does not exist: nothing of this study has run there." in text
@@ -138,6 +141,21 @@ def test_status_lists_every_analysed_run_once_the_rule_exists(tmp_path):
     done = [r.name for r in rows if r.state == FINISHED]
     assert done == ["fslora-seed1"]
     assert "1 of 6 analysed runs finished." in render_status(spec, tmp_path)
+
+
+def test_status_before_the_rule_names_the_arms_that_may_start_and_shows_their_runs(tmp_path):
+    spec = v2_spec()
+    fake(None, tmp_path / "pilot" / "fslora-seed5", resume=False)  # learns at its step
+    fake(None, tmp_path / "pilot" / "fixed-0.5-seed5", resume=False)  # flat: its grid waits
+    early = tmp_path / "fslora-seed0"  # started before rule.json, parked after round 10
+    fake(None, early, resume=False)
+    (early / "summary.json").unlink()
+    text = render_status(spec, tmp_path)
+    assert not (tmp_path / "rule.json").exists()
+    assert "may start their runs now (`run --arms LABEL`): fslora (step x1)." in text
+    assert "| fslora-seed0 | partial | 30 | 30 |" in text
+    assert "| fslora-seed1 |" not in text and "| fixed-best-seed0 |" not in text
+    assert "0 of 6 analysed runs finished." in text
 
 
 def test_train_loss_tenths_by_hand():

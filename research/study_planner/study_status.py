@@ -118,16 +118,29 @@ def pilot_states(spec: StudySpec, out: Path) -> tuple[list[RunState], list[str],
     return rows, pending, others
 
 
-def analysed_states(spec: StudySpec, out: Path) -> list[RunState] | None:
-    """Every analysed run (each seed, each arm and fixed-best) once rule.json exists; None
-    before the pilot has written it."""
-    if not (out / RULE_FILE).is_file():
-        return None
+def analysed_states(spec: StudySpec, out: Path) -> list[RunState]:
+    """Every analysed run (each seed, each arm and fixed-best) as its directory stands: before
+    rule.json too, where an arm whose own pilot has finished may have started its runs."""
     return [
         _read(out, out / f"{label}-seed{seed}", spec, None, label)
         for seed in spec.seeds
         for label in spec.labels
     ]
+
+
+def early_arms_line(spec: StudySpec, out: Path) -> str:
+    """Before rule.json: which arms may start their analysed runs now (`run --arms LABEL`:
+    their own pilot has finished, so their step is known) and at which step factor."""
+    ready = []
+    for label in spec.arms:
+        factor, _ = study_pilot.arm_factor(spec, out, label, finished)
+        if factor is not None:
+            ready.append(f"{label} (step x{factor:g})")
+    return (
+        f"{RULE_FILE} is not written yet: fixed-best's runs wait for it (every fixed rule's "
+        "pilot). Arms whose own pilot has finished may start their runs now (`run --arms "
+        f"LABEL`): {', '.join(ready) if ready else 'none yet'}."
+    )
 
 
 def compute_rates(rows: list[RunState], budget_s: float) -> dict[str, float]:
@@ -260,19 +273,22 @@ def render_status(spec: StudySpec, out: Path) -> str:
     analysed = analysed_states(spec, out)
     lines.append(work_left_line(spec, rows, pending, analysed))
     lines += ["", "## Analysed runs", ""]
-    if analysed is None:
-        lines.append(f"{RULE_FILE} is not written yet: the analysed runs start after the pilot.")
-    else:
+    shown = analysed
+    if not (out / RULE_FILE).is_file():
+        lines.append(early_arms_line(spec, out))
+        shown = [r for r in analysed if r.state != NOT_STARTED]
+    if shown:
         lines += [
+            "",
             "| run | state | rounds | client-steps | train loss | clock (s) | curve | learns "
             "| compute s |",
             "|---|---|---|---|---|---|---|---|---|",
-            *(_row(r, metric, with_step=False) for r in analysed),
+            *(_row(r, metric, with_step=False) for r in shown),
             "",
             f"{sum(r.state == FINISHED for r in analysed)} of {len(analysed)} analysed runs "
             "finished.",
         ]
-    lines += ["", *machines_lines(out, [*rows, *(analysed or [])])]
+    lines += ["", *machines_lines(out, [*rows, *analysed])]
     return "\n".join(lines) + "\n"
 
 
