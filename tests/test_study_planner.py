@@ -404,6 +404,17 @@ def test_commit_takes_the_results_not_the_checkpoints(tmp_path):
     (run / "adapter").mkdir()
     names = [p.name for p in result_files(run)]
     assert names == ["config.toml", "metrics.jsonl", "predictions.jsonl", "summary.json"]
+    # a separate calibration's runs: their records too, never their checkpoints
+    sub = run / "calibration" / "run-0-q0.3-k16"
+    (sub / "checkpoints").mkdir(parents=True)
+    (sub / "checkpoints" / "round-000005.safetensors").write_text("x")
+    for name in ("metrics.jsonl", "config.toml", ".fedlora-run.json"):
+        (sub / name).write_text("x")
+    rel = [p.relative_to(run).as_posix() for p in result_files(run)]
+    assert rel[4:] == [
+        "calibration/run-0-q0.3-k16/config.toml",
+        "calibration/run-0-q0.3-k16/metrics.jsonl",
+    ]
 
 
 def test_analysed_runs_are_not_stopped_by_the_pilots_round_cap(tmp_path):

@@ -120,7 +120,7 @@ def park(out: Path) -> list[Path]:
     docstring) and untrack the parked state of finished runs; the unfinished runs' dirs."""
     from fedlora.errors import ConfigError
     from fedlora.federation.runmarker import MARKER_NAME
-    from research.study_planner.study_runner import RESULT_FILES, finished
+    from research.study_planner.study_runner import finished, result_files
 
     out = out.resolve()
     if subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=out).returncode:
@@ -138,8 +138,8 @@ def park(out: Path) -> list[Path]:
         else:
             newest = state[-1].name.split(".")[0] if state else None
             keep = [p for p in state if p.name.split(".")[0] == newest]
-            files = [run_dir / name for name in (*RESULT_FILES, MARKER_NAME)]
-            add += [p for p in files if p.is_file()] + keep
+            marker = [run_dir / MARKER_NAME] if (run_dir / MARKER_NAME).is_file() else []
+            add += result_files(run_dir) + marker + keep
             parked.append(run_dir)
         for name in tracked:
             path = top / name

@@ -164,8 +164,11 @@ def run_job(
 
 
 def result_files(run_dir: Path) -> list[Path]:
-    """The files of a finished run that the study commits (those of RESULT_FILES it has)."""
-    return [run_dir / name for name in RESULT_FILES if (run_dir / name).is_file()]
+    """The files of a run that the study commits: those of RESULT_FILES it has, and the same
+    of each of its separate calibration runs (calibration/run-*: their rounds are on the
+    run's clock, and plan.json is fitted from them)."""
+    dirs = [run_dir, *sorted(p for p in (run_dir / "calibration").glob("run-*") if p.is_dir())]
+    return [d / name for d in dirs for name in RESULT_FILES if (d / name).is_file()]
 
 
 def pilot_overrides(spec: StudySpec, overrides: Sequence[str]) -> list[str]:
