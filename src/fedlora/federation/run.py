@@ -50,7 +50,7 @@ from fedlora.federation.preflight import check_inputs
 from fedlora.federation.rundir import (
     check_run_dir,
     load_run_config,
-    refuse_linked_names,
+    refuse_unsafe_names,
     run_dir_lock,
     write_run_dir,
 )
@@ -97,7 +97,7 @@ def entered(
         if not resume:
             check_run_dir(run_dir, overwrite=overwrite)
         else:
-            refuse_linked_names(run_dir)  # a resume writes adapter/, checkpoints/, ... there
+            refuse_unsafe_names(run_dir)  # a resume writes adapter/, checkpoints/, ... there
         runtime = resolve_runtime(cfg)  # a device this machine lacks fails here too
         with run_dir_lock(run_dir):  # a live run (a Flower ServerApp too) is never replaced
             if resume:

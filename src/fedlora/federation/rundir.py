@@ -53,7 +53,7 @@ __all__ = [
     "LEGACY_DEFAULTS",
     "LOCK_NAME",
     "check_run_dir",
-    "refuse_linked_names",
+    "refuse_unsafe_names",
     "config_changes",
     "load_run_config",
     "load_saved_config",
@@ -170,7 +170,7 @@ def _manifest(run_dir: Path, names: Sequence[str]) -> dict[str, Any]:
     )
 
 
-def refuse_linked_names(run_dir: Path) -> None:
+def refuse_unsafe_names(run_dir: Path) -> None:
     """Refuse (ConfigError naming them) a run directory whose names fedlora writes or deletes
     are symbolic links (`linked_names`) or, where fedlora writes a file, folders
     (`folder_names`): a run, a resume, or --overwrite there would write or delete through a
@@ -210,7 +210,7 @@ def check_run_dir(run_dir: Path, *, overwrite: bool = False) -> None:
         entries = _entries(run_dir)
     except OSError as e:
         raise ConfigError(f"output directory {str(run_dir)!r}: {e.strerror or e}") from None
-    refuse_linked_names(run_dir)
+    refuse_unsafe_names(run_dir)
     if not entries or never_started(run_dir):
         return
     manifest = _manifest(run_dir, [p.name + ("/" if p.is_dir() else "") for p in entries])

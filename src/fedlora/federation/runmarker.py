@@ -73,6 +73,8 @@ MANIFEST: dict[str, Any] = {
         "mlflow-artifacts": ["*"],  # MLflow's own store
     },
 }
+# the names fedlora writes as files in a run directory (each also as `<name>.tmp`)
+OWN_FILES = [".lock", MARKER_NAME, *MANIFEST["files"]]
 # A run that failed before its first round leaves only these (and the marker): reused silently.
 NEVER_STARTED = ("config.toml", "clients.csv", "error.txt")
 
@@ -180,14 +182,13 @@ def linked_names(run_dir: Path) -> list[str]:
     files and folders, their ``.tmp``, and everything inside those folders) that are symbolic
     links: a run refuses them rather than write or delete through a link."""
     out: list[str] = []
-    ours = [".lock", MARKER_NAME, *MANIFEST["files"]]
     for p in sorted(run_dir.iterdir()):
         if p.name in MANIFEST["dirs"]:
             if p.is_symlink():
                 out.append(p.name + "/")
             elif p.is_dir():
                 out += [f"{p.name}/{c.name}" for c in sorted(p.iterdir()) if c.is_symlink()]
-        elif p.is_symlink() and _matches(p.name, ours):
+        elif p.is_symlink() and _matches(p.name, OWN_FILES):
             out.append(p.name)
     return out
 
@@ -196,14 +197,10 @@ def folder_names(run_dir: Path) -> list[str]:
     """The names fedlora writes as files in `run_dir` (the lock, the marker, `MANIFEST`'s files
     and their ``.tmp``) that are folders: a run refuses them rather than fail on its first write
     there, after rounds it trained (fedlora never deletes a folder it did not write)."""
-    ours = [".lock", MARKER_NAME, *MANIFEST["files"]]
     return [
         p.name + "/"
         for p in sorted(run_dir.iterdir())
-        if p.name not in MANIFEST["dirs"]
-        and not p.is_symlink()
-        and p.is_dir()
-        and _matches(p.name, ours)
+        if not p.is_symlink() and p.is_dir() and _matches(p.name, OWN_FILES)
     ]
 
 
